@@ -1,0 +1,35 @@
+# The whole set-up is two commands on a fresh machine with Python 3.11: `make demo` and `make test`.
+PY ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PROTO_OUT := kvstore/proto/kvstore_pb2.py
+
+.PHONY: demo test test-all bench proto clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+$(PROTO_OUT): proto/kvstore.proto $(STAMP)
+	$(BIN)/python -m grpc_tools.protoc -Iproto --python_out=kvstore/proto --pyi_out=kvstore/proto proto/kvstore.proto
+
+proto: $(PROTO_OUT)
+
+install: $(STAMP) $(PROTO_OUT)
+
+demo: install
+	$(BIN)/python -m kvstore.demo
+
+# unit + integration + crash tests; benchmarks and slow work are marked `bench` and left out.
+test: install
+	$(BIN)/python -m pytest -q -n 2 tests
+
+bench: install
+	$(BIN)/python bench/dataplane.py
+	$(BIN)/python bench/lookup.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info $(PROTO_OUT) kvstore/proto/kvstore_pb2.pyi

@@ -1,0 +1,148 @@
+"""Block identity: namespace digests and chained block keys (DESIGN.md section 3).
+
+A block key is a pure function of the namespace and the token ids up to and including its block:
+
+    key_0 = H(namespace_digest ‖ tokens_0)      key_i = H(key_{i-1} ‖ tokens_i)
+
+with H = 128-bit xxh3 and token ids encoded as little-endian uint32. Nothing depends on process state
+(PYTHONHASHSEED, dict order), so two engines on two machines compute the same keys; golden vectors in
+the tests pin the encoding.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import xxhash
+
+KEY_BYTES = 16
+MAX_TOKEN_ID = 2**32 - 1
+
+
+class NamespaceMismatch(ValueError):
+    """Blocks of two namespaces were mixed in one operation."""
+
+
+def chain_hash(parent: bytes, tokens: Sequence[int] | np.ndarray) -> bytes:
+    """The key of a block whose predecessor key (or namespace digest) is `parent`."""
+    return xxhash.xxh3_128_digest(parent + encode_tokens(tokens))
+
+
+def encode_tokens(tokens: Sequence[int] | np.ndarray) -> bytes:
+    array = np.asarray(tokens, dtype=np.int64)
+    if array.ndim != 1:
+        raise ValueError(f"token ids must be a flat sequence, got shape {array.shape}")
+    if array.size and (array.min() < 0 or array.max() > MAX_TOKEN_ID):
+        raise ValueError(f"token ids must lie in [0, {MAX_TOKEN_ID}]")
+    return array.astype("<u4").tobytes()
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """What one token's persisted KV looks like; part of the namespace, so layouts never mix."""
+
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: str = "bfloat16"
+    kv_per_layer: int = 2  # K and V; 1 for an MLA-style latent vector
+
+    _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "int8": 1}
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "kv_heads", "head_dim", "kv_per_layer"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"KVLayout.{name} must be >= 1, got {getattr(self, name)}")
+        if self.dtype not in self._DTYPE_BYTES:
+            raise ValueError(f"KVLayout.dtype must be one of {sorted(self._DTYPE_BYTES)}, got {self.dtype!r}")
+
+    def layer_bytes(self, block_tokens: int) -> int:
+        """Bytes of one layer of one block: (kv_per_layer, block_tokens, kv_heads, head_dim)."""
+        return self.kv_per_layer * block_tokens * self.kv_heads * self.head_dim * self._DTYPE_BYTES[self.dtype]
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    """One full block of a prompt: its key, its parent's key and its token ids."""
+
+    namespace: bytes  # (16,) digest of the Namespace it belongs to
+    key: bytes  # (16,)
+    parent: bytes  # (16,) the previous block's key, or the namespace digest for the first block
+    tokens: tuple[int, ...]
+
+
+class Namespace:
+    """Everything that must match for two prefixes to share KV: model, layout, block size, tenant.
+
+    The raw salt is folded into the digest and then dropped; it is never stored, logged or exposed.
+    """
+
+    __slots__ = ("model_id", "layout", "block_tokens", "digest")
+
+    def __init__(self, model_id: str, layout: KVLayout, block_tokens: int, salt: bytes | str = b"") -> None:
+        if not model_id:
+            raise ValueError("Namespace.model_id must be a non-empty model identity, e.g. 'Qwen/Qwen3-8B@rev'")
+        if block_tokens < 1:
+            raise ValueError(f"Namespace.block_tokens must be >= 1, got {block_tokens}")
+        self.model_id = model_id
+        self.layout = layout
+        self.block_tokens = block_tokens
+        salt_bytes = salt.encode() if isinstance(salt, str) else bytes(salt)
+        identity = json.dumps(
+            {
+                "v": 1,
+                "model": model_id,
+                "layers": layout.num_layers,
+                "kv_heads": layout.kv_heads,
+                "head_dim": layout.head_dim,
+                "dtype": layout.dtype,
+                "kv_per_layer": layout.kv_per_layer,
+                "block_tokens": block_tokens,
+            },
+            sort_keys=True,
+            separators=(",", ":"),
+        ).encode()
+        # The salt enters only through its own digest, so the namespace digest reveals nothing of it.
+        self.digest = xxhash.xxh3_128_digest(identity + b"\x00" + xxhash.xxh3_128_digest(b"salt\x00" + salt_bytes))
+
+    @property
+    def layer_bytes(self) -> int:
+        return self.layout.layer_bytes(self.block_tokens)
+
+    @property
+    def num_layers(self) -> int:
+        return self.layout.num_layers
+
+    @property
+    def block_bytes(self) -> int:
+        return self.layer_bytes * self.layout.num_layers
+
+    def blocks(self, tokens: Sequence[int] | np.ndarray) -> list[Block]:
+        """The full blocks of `tokens`, in prefix order; a trailing partial block is not a block."""
+        array = np.asarray(tokens, dtype=np.int64)
+        full = len(array) // self.block_tokens
+        out: list[Block] = []
+        parent = self.digest
+        for i in range(full):
+            chunk = array[i * self.block_tokens : (i + 1) * self.block_tokens]
+            key = chain_hash(parent, chunk)
+            out.append(Block(self.digest, key, parent, tuple(int(t) for t in chunk)))
+            parent = key
+        return out
+
+    def __repr__(self) -> str:
+        return f"Namespace(model_id={self.model_id!r}, block_tokens={self.block_tokens}, digest={self.digest.hex()})"
+
+
+def same_namespace(blocks: Sequence[Block]) -> bytes | None:
+    """The namespace shared by `blocks`; raises NamespaceMismatch if they mix namespaces."""
+    if not blocks:
+        return None
+    namespace = blocks[0].namespace
+    for block in blocks:
+        if block.namespace != namespace:
+            raise NamespaceMismatch("one call mixes blocks of two namespaces; split it per namespace")
+    return namespace

@@ -1,0 +1,33 @@
+"""The client's one config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class ClientConfig:
+    servers: tuple[str, ...]  # "host:port" of every daemon
+    timeout_s: float = 5.0  # deadline of every data call (Get, Put)
+    lookup_timeout_s: float = 1.0  # deadline of control calls (Lookup, Touch, Delete, Stats)
+    put_chunk_bytes: int = 4 * 2**20
+    max_message_bytes: int = 65 * 2**20  # largest Get part accepted (a whole block plus room)
+    down_backoff_s: float = 0.5  # a failed daemon is skipped this long, doubling per failure ...
+    max_down_backoff_s: float = 5.0  # ... up to this
+
+    def __post_init__(self) -> None:
+        if isinstance(self.servers, str):
+            object.__setattr__(self, "servers", tuple(s for s in self.servers.split(",") if s))
+        if not self.servers:
+            raise ValueError("ClientConfig.servers must list at least one daemon as host:port")
+        for server in self.servers:
+            host, _, port = server.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"server {server!r} is not host:port")
+        if len(set(self.servers)) != len(self.servers):
+            raise ValueError(f"servers lists a daemon twice: {self.servers}")
+        for name in ("timeout_s", "lookup_timeout_s", "down_backoff_s", "max_down_backoff_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ClientConfig.{name} must be positive")
+        if self.put_chunk_bytes < 1 or self.max_message_bytes < 1:
+            raise ValueError("ClientConfig.put_chunk_bytes and max_message_bytes must be positive")

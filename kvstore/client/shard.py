@@ -1,0 +1,91 @@
+"""One daemon as the client sees it: a gRPC channel, its calls, and whether it is up.
+
+A daemon that fails a call (unreachable, deadline passed, overloaded) is marked down for a backoff
+period, during which calls to it are skipped without waiting; the first call after the backoff is the
+probe. gRPC reconnects the channel underneath, so a daemon that returns is used again.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import AsyncIterator, Iterable
+
+import grpc
+
+from kvstore.client.config import ClientConfig
+from kvstore.proto import method, pb
+
+# Codes that say "this daemon cannot serve now", as opposed to "this request is wrong".
+_DOWN_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+               grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
+
+
+class Shard:
+    def __init__(self, address: str, config: ClientConfig) -> None:
+        self.address = address
+        self.config = config
+        self.channel = grpc.aio.insecure_channel(address, options=[
+            ("grpc.max_receive_message_length", config.max_message_bytes),
+            ("grpc.max_send_message_length", config.max_message_bytes),
+            ("grpc.initial_reconnect_backoff_ms", 200),
+            ("grpc.max_reconnect_backoff_ms", 2000),
+            ("grpc.min_reconnect_backoff_ms", 200),
+            ("grpc.enable_retries", 0),
+        ])
+        self._lookup = self.channel.unary_unary(method("Lookup"), pb.LookupRequest.SerializeToString,
+                                                pb.LookupResponse.FromString)
+        self._get = self.channel.unary_stream(method("Get"), pb.GetRequest.SerializeToString, None)
+        self._put = self.channel.stream_unary(method("Put"), None, pb.PutResponse.FromString)
+        self._touch = self.channel.unary_unary(method("Touch"), pb.KeysRequest.SerializeToString,
+                                               pb.CountResponse.FromString)
+        self._delete = self.channel.unary_unary(method("Delete"), pb.KeysRequest.SerializeToString,
+                                                pb.CountResponse.FromString)
+        self._stats = self.channel.unary_unary(method("Stats"), pb.StatsRequest.SerializeToString,
+                                               pb.StatsResponse.FromString)
+        self._down_until = 0.0
+        self._backoff = config.down_backoff_s
+        self.failures = 0
+        self.last_error = ""
+
+    @property
+    def up(self) -> bool:
+        return time.monotonic() >= self._down_until
+
+    def succeeded(self) -> None:
+        self._backoff = self.config.down_backoff_s
+        self._down_until = 0.0
+
+    def failed(self, error: grpc.RpcError | Exception) -> None:
+        """Record a failed call; mark the daemon down if the failure was the daemon's, not the request's."""
+        code = error.code() if isinstance(error, grpc.RpcError) else None
+        self.failures += 1
+        self.last_error = f"{code.name if code else type(error).__name__}: " + (
+            error.details() if isinstance(error, grpc.RpcError) else str(error))
+        if code is None or code in _DOWN_CODES:
+            self._down_until = time.monotonic() + self._backoff
+            self._backoff = min(self._backoff * 2, self.config.max_down_backoff_s)
+
+    async def lookup(self, keys: list[bytes]) -> int:
+        response = await self._lookup(pb.LookupRequest(keys=keys), timeout=self.config.lookup_timeout_s)
+        return response.hits
+
+    def get(self, request: pb.GetRequest) -> AsyncIterator[bytes]:
+        return self._get(request, timeout=self.config.timeout_s)
+
+    async def put(self, messages: Iterable[bytes]) -> list[int]:
+        response = await self._put(iter(messages), timeout=self.config.timeout_s)
+        return list(response.results)
+
+    async def touch(self, keys: list[bytes], traffic_class: str) -> int:
+        response = await self._touch(pb.KeysRequest(keys=keys, traffic_class=traffic_class),
+                                     timeout=self.config.lookup_timeout_s)
+        return response.count
+
+    async def delete(self, keys: list[bytes]) -> int:
+        return (await self._delete(pb.KeysRequest(keys=keys), timeout=self.config.lookup_timeout_s)).count
+
+    async def stats(self) -> dict[str, float]:
+        return dict((await self._stats(pb.StatsRequest(), timeout=self.config.lookup_timeout_s)).values)
+
+    async def close(self) -> None:
+        await self.channel.close()

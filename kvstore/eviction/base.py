@@ -1,0 +1,39 @@
+"""The eviction policy interface shared by the daemon's SSD store, its DRAM tier and the client's host tier.
+
+A policy only orders keys; the owner of the bytes removes them. Calls come from one thread.
+Prefix-awareness contract: owners report the blocks of one prefix *leaf first* (`access` in reverse
+prefix order), so a policy that favours recent keys keeps a parent at least as long as its children.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+
+class EvictionPolicy(ABC):
+    @abstractmethod
+    def insert(self, key: bytes, size: int) -> None:
+        """Start tracking `key` of `size` bytes (re-inserting a tracked key counts as an access)."""
+
+    @abstractmethod
+    def access(self, key: bytes) -> None:
+        """`key` was read; a no-op for an untracked key."""
+
+    @abstractmethod
+    def remove(self, key: bytes) -> None:
+        """Stop tracking `key` (deleted or expired); a no-op for an untracked key."""
+
+    @abstractmethod
+    def pop_victim(self) -> bytes | None:
+        """Choose the next key to evict and stop tracking it; None when nothing is tracked."""
+
+    @abstractmethod
+    def __len__(self) -> int: ...
+
+    @abstractmethod
+    def __contains__(self, key: object) -> bool: ...
+
+    @property
+    @abstractmethod
+    def tracked_bytes(self) -> int:
+        """Sum of the sizes of tracked keys."""

@@ -1,0 +1,60 @@
+"""Named fault-injection points, off by default (the 3FS habit).
+
+Production code calls `faults.hit("segment.after_write")` at places where a crash or an error must be
+survivable. A test switches a point on for a daemon through the environment
+(`KVSTORE_FAULTS="segment.after_write=kill@3"`: SIGKILL the process on the third hit) or in-process
+with `faults.enabled(...)`. Actions: `kill` (SIGKILL self), `raise` (OSError), `enospc`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import signal
+from typing import Iterator
+
+_points: dict[str, tuple[str, int]] = {}
+_hits: dict[str, int] = {}
+
+
+def _parse(spec: str) -> dict[str, tuple[str, int]]:
+    points = {}
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        name, _, action = item.partition("=")
+        action, _, nth = action.partition("@")
+        if action not in ("kill", "raise", "enospc"):
+            raise ValueError(f"KVSTORE_FAULTS: unknown action {action!r} in {item!r} (kill, raise, enospc)")
+        points[name] = (action, int(nth or 1))
+    return points
+
+
+_points.update(_parse(os.environ.get("KVSTORE_FAULTS", "")))
+
+
+def hit(point: str) -> None:
+    """Fire the fault configured for `point`, if any; a no-op dictionary miss otherwise."""
+    if not _points or point not in _points:
+        return
+    action, nth = _points[point]
+    _hits[point] = _hits.get(point, 0) + 1
+    if _hits[point] < nth:
+        return
+    if action == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if action == "enospc":
+        raise OSError(errno.ENOSPC, f"injected ENOSPC at {point}")
+    raise OSError(errno.EIO, f"injected I/O error at {point}")
+
+
+@contextlib.contextmanager
+def enabled(spec: str) -> Iterator[None]:
+    saved = dict(_points)
+    _points.update(_parse(spec))
+    _hits.clear()
+    try:
+        yield
+    finally:
+        _points.clear()
+        _points.update(saved)
+        _hits.clear()

@@ -1,0 +1,190 @@
+"""The block record: a verified header followed by a layer-major payload (DESIGN.md sections 3 and 4).
+
+    header  = fixed part | token ids (n_tokens × u32) | layer checksums (n_layers × u64) | header checksum (u64)
+    payload = layer 0 | layer 1 | ... | layer n_layers-1          each exactly `layer_bytes` long
+
+All integers little-endian. Checksums are xxh3-64. A record is self-certifying: its key must equal
+chain_hash(parent, tokens), so a reader that knows only the key can still detect a substituted block.
+Reading layer l is one contiguous range: header_len + l * layer_bytes.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import numpy as np
+import xxhash
+
+from kvstore.block import KEY_BYTES, Block, chain_hash, encode_tokens
+
+MAGIC = b"KVB1"
+FORMAT_VERSION = 1
+CLASS_NAME_BYTES = 16
+# magic, version, flags, header_len, namespace, parent, key, class, n_tokens, n_layers, layer_bytes
+_FIXED = struct.Struct("<4sHHI16s16s16s16sIIQ")
+FIXED_HEADER_BYTES = _FIXED.size
+MAX_TOKENS_PER_BLOCK = 1 << 20
+MAX_LAYERS = 1 << 12
+
+
+class CorruptRecord(ValueError):
+    """A record failed verification; `cause` is the counted miss cause."""
+
+    def __init__(self, cause: str, detail: str) -> None:
+        super().__init__(f"{cause}: {detail}")
+        self.cause = cause
+
+
+@dataclass(frozen=True, slots=True)
+class RecordHeader:
+    namespace: bytes
+    parent: bytes
+    key: bytes
+    traffic_class: str
+    tokens: np.ndarray  # (n_tokens,) uint32
+    n_layers: int
+    layer_bytes: int
+    layer_sums: tuple[int, ...]  # (n_layers,) xxh3-64 of each layer's bytes
+    header_len: int
+
+    @property
+    def payload_len(self) -> int:
+        return self.n_layers * self.layer_bytes
+
+    @property
+    def record_len(self) -> int:
+        return self.header_len + self.payload_len
+
+    def layer_offset(self, layer: int) -> int:
+        """Offset of `layer` from the start of the record."""
+        return self.header_len + layer * self.layer_bytes
+
+    def check_identity(self) -> None:
+        """The key must be the chained hash of parent and tokens (catches a substituted header)."""
+        if chain_hash(self.parent, self.tokens) != self.key:
+            raise CorruptRecord("key_mismatch", "header key is not the chained hash of its parent and tokens")
+
+    def check_expected(self, block: Block, n_layers: int | None = None, layer_bytes: int | None = None) -> None:
+        """The header must describe exactly the block the reader asked for."""
+        if self.key != block.key:
+            raise CorruptRecord("key_mismatch", "record key differs from the requested key")
+        if self.namespace != block.namespace:
+            raise CorruptRecord("namespace_mismatch", "record belongs to another namespace")
+        if self.parent != block.parent:
+            raise CorruptRecord("parent_mismatch", "record has another parent block")
+        if not np.array_equal(self.tokens, np.asarray(block.tokens, dtype=np.uint32)):
+            raise CorruptRecord("tokens_mismatch", "record token ids differ from the request (hash collision)")
+        if n_layers is not None and self.n_layers != n_layers:
+            raise CorruptRecord("layout_mismatch", f"record has {self.n_layers} layers, expected {n_layers}")
+        if layer_bytes is not None and self.layer_bytes != layer_bytes:
+            raise CorruptRecord("layout_mismatch", f"record has {self.layer_bytes} bytes/layer, expected {layer_bytes}")
+
+    def check_layers(self, payload: bytes | memoryview, layer_begin: int) -> None:
+        """Verify the checksums of consecutive layers from `layer_begin` held in `payload`."""
+        view = memoryview(payload)
+        if len(view) % self.layer_bytes or layer_begin + len(view) // self.layer_bytes > self.n_layers:
+            raise CorruptRecord("truncated", f"payload of {len(view)} bytes does not fit the layer range")
+        for i in range(len(view) // self.layer_bytes):
+            layer = layer_begin + i
+            chunk = view[i * self.layer_bytes : (i + 1) * self.layer_bytes]
+            if xxhash.xxh3_64_intdigest(chunk) != self.layer_sums[layer]:
+                raise CorruptRecord("checksum", f"layer {layer} checksum mismatch")
+
+
+def header_len_for(n_tokens: int, n_layers: int) -> int:
+    return FIXED_HEADER_BYTES + 4 * n_tokens + 8 * n_layers + 8
+
+
+def encode_header(
+    block: Block, traffic_class: str, n_layers: int, layer_bytes: int, layer_sums: Sequence[int]
+) -> bytes:
+    class_bytes = traffic_class.encode()
+    if not class_bytes or len(class_bytes) > CLASS_NAME_BYTES:
+        raise ValueError(f"traffic class must be 1..{CLASS_NAME_BYTES} bytes of UTF-8, got {traffic_class!r}")
+    if len(layer_sums) != n_layers:
+        raise ValueError(f"{len(layer_sums)} layer checksums for {n_layers} layers")
+    token_bytes = encode_tokens(block.tokens)
+    header_len = header_len_for(len(block.tokens), n_layers)
+    body = (
+        _FIXED.pack(
+            MAGIC, FORMAT_VERSION, 0, header_len, block.namespace, block.parent, block.key,
+            class_bytes.ljust(CLASS_NAME_BYTES, b"\x00"), len(block.tokens), n_layers, layer_bytes,
+        )
+        + token_bytes
+        + struct.pack(f"<{n_layers}Q", *layer_sums)
+    )
+    return body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
+
+
+def decode_header(buf: bytes | memoryview) -> RecordHeader:
+    """Parse and verify a header (magic, version, lengths, header checksum). Raises CorruptRecord."""
+    view = memoryview(buf)
+    if len(view) < FIXED_HEADER_BYTES:
+        raise CorruptRecord("truncated", f"{len(view)} bytes is shorter than a record header")
+    magic, version, _flags, header_len, namespace, parent, key, cls, n_tokens, n_layers, layer_bytes = _FIXED.unpack_from(view)
+    if magic != MAGIC:
+        raise CorruptRecord("bad_magic", f"magic {bytes(magic)!r}")
+    if version != FORMAT_VERSION:
+        raise CorruptRecord("bad_version", f"format version {version}")
+    if not (0 < n_tokens <= MAX_TOKENS_PER_BLOCK and 0 < n_layers <= MAX_LAYERS and layer_bytes > 0):
+        raise CorruptRecord("bad_header", f"n_tokens={n_tokens} n_layers={n_layers} layer_bytes={layer_bytes}")
+    if header_len != header_len_for(n_tokens, n_layers):
+        raise CorruptRecord("bad_header", f"header_len {header_len} inconsistent with its counts")
+    if len(view) < header_len:
+        raise CorruptRecord("truncated", f"header needs {header_len} bytes, got {len(view)}")
+    (stored_sum,) = struct.unpack_from("<Q", view, header_len - 8)
+    if xxhash.xxh3_64_intdigest(view[: header_len - 8]) != stored_sum:
+        raise CorruptRecord("checksum", "header checksum mismatch")
+    tokens_at = FIXED_HEADER_BYTES
+    sums_at = tokens_at + 4 * n_tokens
+    tokens = np.frombuffer(view[tokens_at:sums_at], dtype="<u4").copy()
+    layer_sums = struct.unpack_from(f"<{n_layers}Q", view, sums_at)
+    try:
+        traffic_class = bytes(cls).rstrip(b"\x00").decode()
+    except UnicodeDecodeError as exc:
+        raise CorruptRecord("bad_header", "traffic class is not UTF-8") from exc
+    return RecordHeader(
+        bytes(namespace), bytes(parent), bytes(key), traffic_class, tokens, n_layers, layer_bytes, layer_sums, header_len
+    )
+
+
+def build_record(block: Block, layers: bytes | memoryview | Iterable[bytes], n_layers: int, traffic_class: str) -> tuple[bytes, bytes]:
+    """Header and payload of a block. `layers` is the layer-major payload or one bytes per layer."""
+    if isinstance(layers, (bytes, bytearray, memoryview)):
+        payload = bytes(layers)
+    else:
+        payload = b"".join(layers)
+    if n_layers < 1 or len(payload) % n_layers or not payload:
+        raise ValueError(f"payload of {len(payload)} bytes does not split into {n_layers} equal layers")
+    layer_bytes = len(payload) // n_layers
+    view = memoryview(payload)
+    sums = [xxhash.xxh3_64_intdigest(view[i * layer_bytes : (i + 1) * layer_bytes]) for i in range(n_layers)]
+    return encode_header(block, traffic_class, n_layers, layer_bytes, sums), payload
+
+
+def assert_key_length(key: bytes) -> None:
+    if len(key) != KEY_BYTES:
+        raise ValueError(f"a block key is {KEY_BYTES} bytes, got {len(key)}")
+
+
+def payload_layer_sums(chunks: Sequence[bytes | memoryview], layer_bytes: int) -> list[int]:
+    """xxh3-64 of each layer of a payload that arrives cut into arbitrary chunks."""
+    sums: list[int] = []
+    hasher = xxhash.xxh3_64()
+    filled = 0
+    for chunk in chunks:
+        view = memoryview(chunk)
+        while len(view):
+            take = min(layer_bytes - filled, len(view))
+            hasher.update(view[:take])
+            view = view[take:]
+            filled += take
+            if filled == layer_bytes:
+                sums.append(hasher.intdigest())
+                hasher.reset()
+                filled = 0
+    if filled:
+        raise CorruptRecord("truncated", "payload does not end on a layer boundary")
+    return sums

@@ -1,0 +1,188 @@
+"""The daemon's one config: defaults < TOML file < KVSTORE_* environment < command-line flags.
+
+Every field is validated in `__post_init__` with a message that says what to change. Sizes accept
+"64MiB"/"1GB"/plain bytes, durations "3d"/"12h"/"90s"/plain seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from kvstore.record import CLASS_NAME_BYTES
+
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_TIME_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_size(value: Any) -> int:
+    if isinstance(value, int):
+        return value
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
+    if not match or match.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"{value!r} is not a size; write bytes or e.g. '512MiB', '2GiB', '1TB'")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+
+
+def parse_duration(value: Any) -> float:
+    if isinstance(value, (int, float)):
+        return float(value)
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
+    if not match or match.group(2).lower() not in _TIME_UNITS:
+        raise ValueError(f"{value!r} is not a duration; write seconds or e.g. '90s', '12h', '3d'")
+    return float(match.group(1)) * _TIME_UNITS[match.group(2).lower()]
+
+
+DEFAULT_CLASSES = {"agent": 3 * 86400.0, "chat": 7 * 86400.0}
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    data_dir: Path = Path("./data")
+    host: str = "127.0.0.1"
+    port: int = 50051  # 0: the OS picks one; see port_file
+    port_file: Path | None = None  # written with the bound port once serving
+    metrics_port: int | None = None  # Prometheus /metrics; None: off, 0: the OS picks one
+
+    capacity_bytes: int = 64 * 2**30
+    high_watermark: float = 0.95
+    low_watermark: float = 0.85
+    segment_bytes: int = 256 * 2**20
+    compaction_min_garbage: float = 0.5  # compact a sealed segment once this share of it is dead
+    hot_tier_bytes: int = 256 * 2**20
+
+    classes: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_CLASSES))  # name -> TTL seconds
+    default_class: str = "chat"
+    expiry_bucket_s: float = 3600.0  # segments are bucketed by expiry time at this granularity
+    sweep_interval_s: float = 10.0
+    access_flush_interval_s: float = 5.0
+
+    durability: str = "os"  # "os": page cache, survives a process crash; "fsync": synced before ack
+    lmdb_map_bytes: int = 1 * 2**30
+    lmdb_max_map_bytes: int = 1 * 2**40
+
+    max_block_bytes: int = 64 * 2**20
+    max_message_bytes: int = 16 * 2**20
+    max_inflight_put_bytes: int = 512 * 2**20
+    max_keys_per_request: int = 65536
+    max_concurrent_rpcs: int = 256
+    io_threads: int = 8
+    grace_s: float = 5.0
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        self.data_dir = Path(self.data_dir)
+        if self.port_file is not None:
+            self.port_file = Path(self.port_file)
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be 0..65535 (0 lets the OS choose), got {self.port}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be 0..65535 or unset, got {self.metrics_port}")
+        if not 0 < self.low_watermark < self.high_watermark <= 1:
+            raise ValueError(
+                f"need 0 < low_watermark < high_watermark <= 1, got {self.low_watermark} and {self.high_watermark}"
+            )
+        if not 0 < self.compaction_min_garbage < 1:
+            raise ValueError(f"compaction_min_garbage must be in (0, 1), got {self.compaction_min_garbage}")
+        if self.durability not in ("os", "fsync"):
+            raise ValueError(f"durability must be 'os' or 'fsync', got {self.durability!r}")
+        if not self.classes:
+            raise ValueError("classes must name at least one traffic class with its TTL, e.g. chat = '7d'")
+        classes = {}
+        for name, ttl in self.classes.items():
+            try:
+                classes[name] = parse_duration(ttl)
+            except ValueError as exc:
+                raise ValueError(f"TTL of class {name!r}: {exc}") from None
+        self.classes = classes
+        for name, ttl in self.classes.items():
+            if not name or len(name.encode()) > CLASS_NAME_BYTES:
+                raise ValueError(f"traffic class names are 1..{CLASS_NAME_BYTES} bytes, got {name!r}")
+            if ttl <= 0:
+                raise ValueError(f"TTL of class {name!r} must be positive, got {ttl}")
+        if self.default_class not in self.classes:
+            raise ValueError(f"default_class {self.default_class!r} is not one of the classes {sorted(self.classes)}")
+        for name in ("capacity_bytes", "segment_bytes", "max_block_bytes", "max_message_bytes",
+                     "max_inflight_put_bytes", "lmdb_map_bytes", "max_keys_per_request",
+                     "max_concurrent_rpcs", "io_threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.hot_tier_bytes < 0:
+            raise ValueError(f"hot_tier_bytes must be >= 0 (0 disables the DRAM tier), got {self.hot_tier_bytes}")
+        if self.lmdb_max_map_bytes < self.lmdb_map_bytes:
+            raise ValueError("lmdb_max_map_bytes must be >= lmdb_map_bytes")
+        if self.max_block_bytes > self.max_inflight_put_bytes:
+            raise ValueError("max_inflight_put_bytes must be >= max_block_bytes, or no block could ever be put")
+        for name in ("expiry_bucket_s", "sweep_interval_s", "access_flush_interval_s", "grace_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+    @property
+    def max_ttl_s(self) -> float:
+        return max(self.classes.values())
+
+
+_SIZE_FIELDS = {"capacity_bytes", "segment_bytes", "hot_tier_bytes", "lmdb_map_bytes", "lmdb_max_map_bytes",
+                "max_block_bytes", "max_message_bytes", "max_inflight_put_bytes"}
+_TIME_FIELDS = {"expiry_bucket_s", "sweep_interval_s", "access_flush_interval_s", "grace_s"}
+_FIELDS = {f.name: f for f in dataclasses.fields(ServerConfig)}
+
+
+def _coerce(name: str, value: Any) -> Any:
+    if name not in _FIELDS:
+        raise ValueError(f"unknown setting {name!r}; known: {', '.join(sorted(_FIELDS))}")
+    if name in ("metrics_port", "port_file") and (value is None or str(value).lower() in ("", "none", "off")):
+        return None
+    try:
+        if name in _SIZE_FIELDS:
+            return parse_size(value)
+        if name in _TIME_FIELDS:
+            return parse_duration(value)
+        if name == "classes":
+            if isinstance(value, str):  # "agent=3d,chat=7d" from the environment or a flag
+                value = dict(item.split("=", 1) for item in value.split(",") if item)
+            return {str(k).strip(): v for k, v in dict(value).items()}
+        kind = _FIELDS[name].type
+        if "int" in kind:
+            return int(value)
+        if "float" in kind:
+            return float(value)
+        return value
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"setting {name}: {exc}") from exc
+
+
+def load_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> ServerConfig:
+    """Build the config from flags (`argv`), the environment and the TOML file named by --config."""
+    environ = os.environ if environ is None else environ
+    parser = argparse.ArgumentParser(prog="kvstore-server", description="The kvstore storage daemon.")
+    parser.add_argument("--config", type=Path, help="TOML file of settings (same names as the flags, with _)")
+    for name in _FIELDS:
+        parser.add_argument("--" + name.replace("_", "-"), dest=name, default=None, metavar="VALUE")
+    args = parser.parse_args(argv)
+
+    values: dict[str, Any] = {}
+    config_path = args.config or environ.get("KVSTORE_CONFIG")
+    if config_path:
+        try:
+            with open(config_path, "rb") as f:
+                values.update(tomllib.load(f))
+        except FileNotFoundError:
+            raise ValueError(f"config file {config_path} does not exist") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ValueError(f"config file {config_path} is not valid TOML: {exc}") from None
+    for name in _FIELDS:
+        env_value = environ.get("KVSTORE_" + name.upper())
+        if env_value is not None:
+            values[name] = env_value
+    for name in _FIELDS:
+        if getattr(args, name) is not None:
+            values[name] = getattr(args, name)
+    return ServerConfig(**{name: _coerce(name, value) for name, value in values.items()})

@@ -1,0 +1,237 @@
+"""The block index in LMDB: key -> where the record lies, its class and its retention. No KV bytes.
+
+All writes go through one writer thread that group-commits: it takes every queued operation, syncs
+the segment files they depend on (durability "fsync"), and commits them in one LMDB transaction, so
+an index entry never becomes visible before its bytes are written (two-phase put).
+
+A full map grows (up to `max_map_bytes`); `IndexFull` is raised to the callers only when it cannot,
+and the store evicts. Reads run on the event loop thread under `_read_lock`, which the writer takes
+only to resize the map (LMDB forbids resizing while a transaction of this process is open).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import queue
+import struct
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+import lmdb
+
+from kvstore import faults
+
+log = logging.getLogger(__name__)
+
+# segment id, offset, header length, payload length, expiry (ms), last access (ms), class id
+_ENTRY = struct.Struct("<IQIIQQH")
+_BATCH_MAX = 1024
+
+
+class IndexFull(Exception):
+    """The LMDB map is at its configured maximum; the caller should evict and retry."""
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    segment: int
+    offset: int
+    header_len: int
+    payload_len: int
+    expires_ms: int
+    access_ms: int
+    class_id: int
+
+    @property
+    def record_len(self) -> int:
+        return self.header_len + self.payload_len
+
+    def pack(self) -> bytes:
+        return _ENTRY.pack(self.segment, self.offset, self.header_len, self.payload_len,
+                           self.expires_ms, self.access_ms, self.class_id)
+
+    @staticmethod
+    def unpack(raw: bytes) -> "Entry":
+        return Entry(*_ENTRY.unpack(raw))
+
+    def with_access(self, access_ms: int, expires_ms: int, class_id: int | None = None) -> "Entry":
+        return Entry(self.segment, self.offset, self.header_len, self.payload_len,
+                     max(self.expires_ms, expires_ms), max(self.access_ms, access_ms),
+                     self.class_id if class_id is None else class_id)
+
+
+Op = Callable[[lmdb.Transaction, Any], Any]
+
+
+class Index:
+    def __init__(self, path: Path, map_bytes: int, max_map_bytes: int, fsync: bool) -> None:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        self._env = lmdb.open(str(path), map_size=map_bytes, max_dbs=4, sync=fsync, metasync=fsync,
+                              readahead=False, max_readers=256, lock=True)
+        self._blocks = self._env.open_db(b"blocks")
+        self._meta = self._env.open_db(b"meta")
+        self._max_map_bytes = max_map_bytes
+        self._read_lock = threading.Lock()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._writer = threading.Thread(target=self._write_loop, name="index-writer", daemon=True)
+        self._writer.start()
+
+    # -- reads (event loop thread) --------------------------------------------------------------
+
+    def get(self, key: bytes) -> Entry | None:
+        with self._read_lock, self._env.begin(db=self._blocks, buffers=False) as txn:
+            raw = txn.get(key)
+        return None if raw is None else Entry.unpack(raw)
+
+    def get_many(self, keys: Sequence[bytes], stop_at_missing: bool = False) -> list[Entry | None]:
+        out: list[Entry | None] = []
+        with self._read_lock, self._env.begin(db=self._blocks, buffers=False) as txn:
+            for key in keys:
+                raw = txn.get(key)
+                out.append(None if raw is None else Entry.unpack(raw))
+                if raw is None and stop_at_missing:
+                    break
+        return out
+
+    def items(self) -> Iterator[tuple[bytes, Entry]]:
+        """Every entry, in key order (start-up and tools; holds a read transaction while iterating)."""
+        with self._read_lock, self._env.begin(db=self._blocks, buffers=False) as txn:
+            for key, raw in txn.cursor():
+                yield key, Entry.unpack(raw)
+
+    def classes(self) -> dict[str, int]:
+        with self._read_lock, self._env.begin(db=self._meta) as txn:
+            return {k[6:].decode(): int(v) for k, v in txn.cursor() if k.startswith(b"class:")}
+
+    def fill_ratio(self) -> float:
+        """Pages in use (all databases) over the largest map allowed; deletes need headroom too."""
+        with self._read_lock, self._env.begin() as txn:
+            pages = sum(stat["branch_pages"] + stat["leaf_pages"] + stat["overflow_pages"]
+                        for stat in (txn.stat(self._blocks), txn.stat(self._meta), self._env.stat()))
+            page_size = self._env.stat()["psize"]
+        return pages * page_size / self._max_map_bytes
+
+    def stat(self) -> dict[str, int]:
+        info, stat = self._env.info(), self._env.stat()
+        with self._env.begin(db=self._blocks) as txn:
+            entries = txn.stat(self._blocks)["entries"]
+        return {"map_bytes": info["map_size"], "used_bytes": (info["last_pgno"] + 1) * stat["psize"],
+                "entries": entries}
+
+    # -- writes (through the writer thread) --------------------------------------------------
+
+    def submit(self, op: Op, sync: Iterable[Any] = ()) -> concurrent.futures.Future:
+        """Run `op(txn, blocks_db)` in the next group commit, after syncing `sync` (segments)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._queue.put((op, tuple(sync), future))
+        return future
+
+    def put_op(self, key: bytes, entry: Entry) -> Op:
+        def op(txn: lmdb.Transaction, db: Any) -> Entry | None:
+            old = txn.get(key, db=db)
+            txn.put(key, entry.pack(), db=db)
+            return None if old is None else Entry.unpack(old)
+        return op
+
+    def remove_op(self, keys: Sequence[bytes], only_at: dict[bytes, tuple[int, int]] | None = None) -> Op:
+        """Delete `keys`; a key in `only_at` only while its entry still points at that (segment, offset)."""
+        def op(txn: lmdb.Transaction, db: Any) -> list[tuple[bytes, Entry]]:
+            removed = []
+            for key in keys:
+                raw = txn.get(key, db=db)
+                if raw is None:
+                    continue
+                entry = Entry.unpack(raw)
+                if only_at and key in only_at and (entry.segment, entry.offset) != only_at[key]:
+                    continue
+                txn.delete(key, db=db)
+                removed.append((key, entry))
+            return removed
+        return op
+
+    def class_id(self, name: str) -> int:
+        """The stable small id of a traffic class name, assigned on first use."""
+        known = self.classes()
+        if name in known:
+            return known[name]
+
+        def op(txn: lmdb.Transaction, db: Any) -> int:
+            existing = txn.get(b"class:" + name.encode(), db=self._meta)
+            if existing is not None:
+                return int(existing)
+            new_id = sum(1 for k, _ in txn.cursor(db=self._meta) if k.startswith(b"class:"))
+            txn.put(b"class:" + name.encode(), str(new_id).encode(), db=self._meta)
+            return new_id
+        return self.submit(op).result()
+
+    def _write_loop(self) -> None:
+        while True:
+            batch = [self._queue.get()]
+            while len(batch) < _BATCH_MAX:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            if any(item is None for item in batch):
+                self._commit([item for item in batch if item is not None])
+                return
+            self._commit(batch)
+
+    def _commit(self, batch: list) -> None:
+        if not batch:
+            return
+        try:
+            synced = {id(s): s for _, sync, _ in batch for s in sync}
+            for segment in synced.values():
+                if not segment.deleted:
+                    os.fdatasync(segment.fd)
+        except OSError as exc:
+            for _, _, future in batch:
+                future.set_exception(exc)
+            return
+        while True:
+            results: list[tuple[concurrent.futures.Future, bool, Any]] = []
+            try:
+                with self._env.begin(write=True) as txn:
+                    for op, _, future in batch:
+                        try:
+                            results.append((future, True, op(txn, self._blocks)))
+                        except lmdb.MapFullError:
+                            raise
+                        except Exception as exc:  # one bad op fails alone
+                            results.append((future, False, exc))
+                    faults.hit("index.before_commit")
+                faults.hit("index.after_commit")
+            except lmdb.MapFullError:
+                if self._grow():
+                    continue
+                for _, _, future in batch:
+                    future.set_exception(IndexFull("LMDB map is full at lmdb_max_map_bytes"))
+                return
+            except Exception as exc:
+                for _, _, future in batch:
+                    future.set_exception(exc)
+                return
+            for future, ok, value in results:
+                future.set_result(value) if ok else future.set_exception(value)
+            return
+
+    def _grow(self) -> bool:
+        current = self._env.info()["map_size"]
+        if current >= self._max_map_bytes:
+            return False
+        new_size = min(current * 2, self._max_map_bytes)
+        with self._read_lock:
+            self._env.set_mapsize(new_size)
+        log.info("LMDB map grown from %d to %d bytes", current, new_size)
+        return True
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._writer.join()
+        self._env.sync(True)
+        self._env.close()

@@ -1,0 +1,112 @@
+"""`kvstore-server`: start the daemon, serve until SIGTERM/SIGINT, shut down gracefully."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+from typing import Sequence
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvstore.proto import SERVICE
+from kvstore.server.config import ServerConfig, load_config
+from kvstore.server.metrics import Metrics
+from kvstore.server.service import KVStoreService
+from kvstore.server.store import BlockStore, DataDirInUse
+
+log = logging.getLogger("kvstore.server")
+
+
+async def serve(config: ServerConfig, stop: asyncio.Event | None = None) -> None:
+    metrics = Metrics()
+    store = BlockStore(config, metrics)
+    await store.open()
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", config.max_message_bytes),
+            ("grpc.max_send_message_length", config.max_block_bytes + 2**20),
+            ("grpc.so_reuseport", 0),
+            ("grpc.keepalive_time_ms", 30_000),
+            ("grpc.http2.max_pings_without_data", 0),
+        ],
+        maximum_concurrent_rpcs=config.max_concurrent_rpcs,
+    )
+    service = KVStoreService(store, config)
+    server.add_generic_rpc_handlers([service.handler()])
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        [SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server)
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    if port == 0:
+        raise OSError(f"cannot listen on {config.host}:{config.port}")
+    await server.start()
+    await health_servicer.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    metrics_port = None
+    if config.metrics_port is not None:
+        from prometheus_client import start_http_server
+        metrics_server, _ = start_http_server(config.metrics_port, addr=config.host, registry=metrics.registry)
+        metrics_port = metrics_server.server_port
+    if config.port_file is not None:
+        tmp = config.port_file.with_suffix(".tmp")
+        tmp.write_text(f"{port}\n{metrics_port or ''}\n")
+        os.replace(tmp, config.port_file)  # readers never see a half-written file
+    log.info("kvstore-server serving on %s:%d (metrics %s), data in %s",
+             config.host, port, metrics_port or "off", config.data_dir)
+
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):  # not the main thread (tests)
+            pass
+    maintenance = asyncio.create_task(store.run_maintenance())
+    try:
+        await stop.wait()
+    finally:
+        log.info("shutting down: draining RPCs for up to %.1f s", config.grace_s)
+        await health_servicer.enter_graceful_shutdown()
+        await server.stop(config.grace_s)
+        maintenance.cancel()
+        try:
+            await maintenance
+        except asyncio.CancelledError:
+            pass
+        await store.close()
+        log.info("stopped cleanly")
+
+
+def run_loop(coro) -> None:
+    """Run on uvloop where available (a dependency on Linux), else the default loop."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover
+        asyncio.run(coro)
+    else:
+        uvloop.run(coro)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        config = load_config(argv)
+    except ValueError as exc:
+        print(f"kvstore-server: configuration error: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        run_loop(serve(config))
+    except DataDirInUse as exc:
+        print(f"kvstore-server: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

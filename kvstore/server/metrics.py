@@ -1,0 +1,47 @@
+"""The daemon's metrics: one Prometheus registry, served on /metrics and flattened for the Stats RPC."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.lookup_keys = Counter("kvstore_lookup_keys", "Keys asked for in Lookup", registry=r)
+        self.lookup_hits = Counter("kvstore_lookup_hits", "Keys found by Lookup (leading run)", registry=r)
+        self.hits = Counter("kvstore_hits", "Blocks served by Get, by tier", ["tier"], registry=r)
+        self.misses = Counter("kvstore_misses", "Blocks not served by Get, by cause", ["cause"], registry=r)
+        self.bytes_read = Counter("kvstore_read_bytes", "Payload bytes served by Get", registry=r)
+        self.bytes_written = Counter("kvstore_written_bytes", "Record bytes written by Put", registry=r)
+        self.puts = Counter("kvstore_puts", "Put records, by result", ["result"], registry=r)
+        self.evictions = Counter("kvstore_evictions", "Blocks evicted for capacity", registry=r)
+        self.expiries = Counter("kvstore_expiries", "Blocks dropped at the end of their TTL", registry=r)
+        self.compactions = Counter("kvstore_compactions", "Segments compacted or expired", ["reason"], registry=r)
+        self.copied_forward = Counter("kvstore_copied_forward_bytes", "Live bytes copied by compaction", registry=r)
+        self.disk_full = Counter("kvstore_disk_full", "Puts refused because the disk was full", registry=r)
+        self.blocks = Gauge("kvstore_blocks", "Indexed blocks, by traffic class", ["traffic_class"], registry=r)
+        self.live_bytes = Gauge("kvstore_live_bytes", "Bytes of indexed records", registry=r)
+        self.disk_bytes = Gauge("kvstore_disk_bytes", "Bytes of segment files", registry=r)
+        self.capacity_bytes = Gauge("kvstore_capacity_bytes", "Configured byte budget", registry=r)
+        self.hot_bytes = Gauge("kvstore_hot_tier_bytes", "Bytes held in the DRAM tier", registry=r)
+        self.segments = Gauge("kvstore_segments", "Segment files", registry=r)
+        self.index_entries = Gauge("kvstore_index_entries", "LMDB index entries", registry=r)
+        self.index_map_bytes = Gauge("kvstore_index_map_bytes", "LMDB map size", registry=r)
+        self.rpc_latency = Histogram("kvstore_rpc_seconds", "RPC latency", ["method"], buckets=_LATENCY_BUCKETS,
+                                     registry=r)
+        self.rpc_errors = Counter("kvstore_rpc_errors", "RPCs ended with an error status", ["method", "code"],
+                                  registry=r)
+
+    def flatten(self) -> dict[str, float]:
+        """Every sample as `name{label=value,...}` -> value (histogram buckets left out)."""
+        out: dict[str, float] = {}
+        for family in self.registry.collect():
+            for sample in family.samples:
+                if sample.name.endswith(("_bucket", "_created")):
+                    continue
+                labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+                out[f"{sample.name}{{{labels}}}" if labels else sample.name] = float(sample.value)
+        return out

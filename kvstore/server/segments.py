@@ -1,0 +1,224 @@
+"""Append-only segment files holding block records (3FS-style large chunk files).
+
+Each segment holds records whose expiry falls in one time bucket, so that expiry is mostly a file
+deletion. Appends to a segment are serialised and a failed append is truncated away, so a segment is
+always a clean sequence of whole records, except for a torn tail after a crash, which start-up cuts off.
+
+File names say the state: `<id>-<bucket_end>.open` while appended to, `.sealed` once full and synced.
+Only `.open` files need scanning after a crash.
+
+Thread-safety: `append`, `sync`, `read` run on I/O threads; `acquire`/`release`/`delete` and the
+bookkeeping run on the event loop thread. A reader holds a reference, so deleting a segment that is
+being read unlinks it at once and closes its descriptor when the last reader is done.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence
+
+from kvstore import faults
+from kvstore.record import FIXED_HEADER_BYTES, CorruptRecord, RecordHeader, decode_header
+
+
+@dataclass(eq=False)
+class Segment:
+    id: int
+    bucket_end: int  # epoch seconds; the records' expiry (as written) is at most this
+    path: Path
+    fd: int
+    size: int
+    sealed: bool
+    live_bytes: int = 0  # bytes of records the index points at
+    readers: int = 0
+    deleted: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def garbage_ratio(self) -> float:
+        return 1.0 - self.live_bytes / self.size if self.size else 0.0
+
+
+class SegmentSet:
+    def __init__(self, directory: Path, segment_bytes: int, fsync: bool) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.segment_bytes = segment_bytes
+        self.fsync = fsync
+        self.segments: dict[int, Segment] = {}
+        self._active: dict[int, Segment] = {}  # bucket_end -> the open segment appended to
+        self._next_id = 1
+        self._lock = threading.Lock()  # guards choosing and creating active segments
+
+    # -- start-up -------------------------------------------------------------------------------
+
+    def open_existing(self) -> list[Segment]:
+        """Open every segment file; returns the ones left `.open` by the last run (to be scanned)."""
+        unfinished = []
+        for path in sorted(self.directory.iterdir()):
+            if path.suffix not in (".open", ".sealed"):
+                continue
+            try:
+                seg_id, bucket_end = (int(part) for part in path.stem.split("-"))
+            except ValueError:
+                continue
+            fd = os.open(path, os.O_RDWR)
+            segment = Segment(seg_id, bucket_end, path, fd, os.fstat(fd).st_size, sealed=True)
+            self.segments[seg_id] = segment
+            self._next_id = max(self._next_id, seg_id + 1)
+            if path.suffix == ".open":
+                unfinished.append(segment)
+        return unfinished
+
+    def recover(self, segment: Segment) -> list[tuple[int, RecordHeader]]:
+        """Cut a crashed segment back to its last whole record, seal it, and list its records."""
+        records = list(self.scan(segment))
+        end = records[-1][0] + records[-1][1].record_len if records else 0
+        if end < segment.size:
+            os.ftruncate(segment.fd, end)
+            segment.size = end
+        os.fsync(segment.fd)
+        self._rename(segment, ".sealed")
+        return records
+
+    def scan(self, segment: Segment) -> Iterator[tuple[int, RecordHeader]]:
+        """(offset, header) of each whole record, in order; stops at the first torn or foreign byte."""
+        offset = 0
+        while offset + FIXED_HEADER_BYTES <= segment.size:
+            fixed = os.pread(segment.fd, FIXED_HEADER_BYTES, offset)
+            header_len = int.from_bytes(fixed[8:12], "little")
+            if not FIXED_HEADER_BYTES <= header_len <= segment.size - offset:
+                return
+            try:
+                header = decode_header(os.pread(segment.fd, header_len, offset))
+            except CorruptRecord:
+                return
+            if offset + header.record_len > segment.size:
+                return
+            yield offset, header
+            offset += header.record_len
+
+    # -- appends (I/O threads) ----------------------------------------------------------------
+
+    def append(self, bucket_end: int, parts: Sequence[bytes | memoryview]) -> tuple[Segment, int]:
+        """Write one record at the end of the open segment of `bucket_end`; returns where it went."""
+        nbytes = sum(len(p) for p in parts)
+        while True:
+            segment = self._writable(bucket_end, nbytes)
+            with segment.lock:
+                if segment.sealed or segment.deleted:
+                    continue  # sealed by another writer meanwhile
+                offset = segment.size
+                try:
+                    faults.hit("segment.before_write")
+                    written = os.pwritev(segment.fd, list(parts), offset)
+                    if written != nbytes:
+                        raise OSError(f"short write: {written} of {nbytes} bytes")
+                    faults.hit("segment.after_write")
+                except OSError:
+                    # Keep the file a clean sequence of records: drop what was written, stop appending.
+                    try:
+                        os.ftruncate(segment.fd, offset)
+                    finally:
+                        self._seal_locked(segment, sync=False)
+                    raise
+                segment.size = offset + nbytes
+                if segment.size >= self.segment_bytes:
+                    self._seal_locked(segment, sync=True)
+                return segment, offset
+
+    def _writable(self, bucket_end: int, nbytes: int) -> Segment:
+        with self._lock:
+            segment = self._active.get(bucket_end)
+            if segment is not None and not segment.sealed and segment.size + nbytes <= self.segment_bytes:
+                return segment
+            if segment is not None and not segment.sealed and segment.size == 0:
+                return segment  # a record larger than a segment gets a segment of its own
+            if segment is not None and not segment.sealed:
+                with segment.lock:
+                    self._seal_locked(segment, sync=True)
+            seg_id = self._next_id
+            self._next_id += 1
+            path = self.directory / f"{seg_id:010d}-{bucket_end}.open"
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            segment = Segment(seg_id, bucket_end, path, fd, 0, sealed=False)
+            self.segments[seg_id] = segment
+            self._active[bucket_end] = segment
+            return segment
+
+    def seal(self, segment: Segment) -> None:
+        with segment.lock:
+            self._seal_locked(segment, sync=True)
+
+    def _seal_locked(self, segment: Segment, sync: bool) -> None:
+        if segment.sealed:
+            return
+        segment.sealed = True
+        if self._active.get(segment.bucket_end) is segment:
+            del self._active[segment.bucket_end]
+        if sync:
+            os.fsync(segment.fd)
+        if not segment.deleted:
+            self._rename(segment, ".sealed")
+
+    def _rename(self, segment: Segment, suffix: str) -> None:
+        target = segment.path.with_suffix(suffix)
+        if target != segment.path:
+            os.rename(segment.path, target)
+            segment.path = target
+
+    def sync(self, segments: Sequence[Segment]) -> None:
+        for segment in segments:
+            if not segment.deleted:
+                os.fdatasync(segment.fd)
+
+    # -- reads ------------------------------------------------------------------------------------
+
+    def acquire(self, seg_id: int) -> Segment | None:
+        segment = self.segments.get(seg_id)
+        if segment is None or segment.deleted:
+            return None
+        segment.readers += 1
+        return segment
+
+    def release(self, segment: Segment) -> None:
+        segment.readers -= 1
+        if segment.deleted and segment.readers == 0:
+            os.close(segment.fd)
+
+    @staticmethod
+    def read(segment: Segment, offset: int, length: int) -> bytes:
+        faults.hit("segment.read")
+        data = os.pread(segment.fd, length, offset)
+        if len(data) != length:
+            raise OSError(f"short read of segment {segment.id}: {len(data)} of {length} bytes at {offset}")
+        return data
+
+    # -- removal and accounting ---------------------------------------------------------------
+
+    def delete(self, segment: Segment) -> None:
+        with segment.lock:
+            segment.sealed = True
+            segment.deleted = True
+            if self._active.get(segment.bucket_end) is segment:
+                del self._active[segment.bucket_end]
+        self.segments.pop(segment.id, None)
+        os.unlink(segment.path)
+        if segment.readers == 0:
+            os.close(segment.fd)
+
+    @property
+    def disk_bytes(self) -> int:
+        return sum(s.size for s in self.segments.values())
+
+    def close(self) -> None:
+        for segment in list(self.segments.values()):
+            if not segment.sealed:
+                self.seal(segment)
+            if not segment.deleted:
+                os.close(segment.fd)
+                segment.deleted = True
+        self.segments.clear()

@@ -1,0 +1,496 @@
+"""The block store of one daemon: index + segments + DRAM tier, with retention and capacity.
+
+Runs on the daemon's event loop; file I/O goes to a thread pool, index writes to the index's writer
+thread. Guarantees (DESIGN.md section 10):
+* a record becomes visible only after its bytes are written (and synced, with durability "fsync");
+* every byte served from the segment files is verified against its header's checksums first;
+* start-up cuts torn tails and drops index entries that do not point at a whole record.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import fcntl
+import logging
+import math
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from kvstore.eviction import LRU, EvictionPolicy
+from kvstore.proto import pb
+from kvstore.record import CorruptRecord, RecordHeader, decode_header
+from kvstore.server.config import ServerConfig
+from kvstore.server.hot_tier import HotTier
+from kvstore.server.index import Entry, Index, IndexFull
+from kvstore.server.metrics import Metrics
+from kvstore.server.segments import Segment, SegmentSet
+
+log = logging.getLogger(__name__)
+# Evict once the LMDB map is this full at its maximum size: deleting needs free pages as well.
+INDEX_HIGH_FILL = 0.75
+
+
+class DiskFull(Exception):
+    """The segment directory's file system has no room; the put was not stored."""
+
+
+class DataDirInUse(RuntimeError):
+    pass
+
+
+@dataclass(slots=True)
+class OpenBlock:
+    """A block being served: its verified header and where its payload comes from."""
+
+    key: bytes
+    entry: Entry
+    header: RecordHeader
+    header_bytes: bytes
+    segment: Segment | None  # held (acquired) while serving from the segment file
+    payload: bytes | None  # set when served from the DRAM tier
+
+
+@dataclass(slots=True)
+class Miss:
+    status: int  # pb.PartStatus
+    cause: str
+
+
+class BlockStore:
+    def __init__(self, config: ServerConfig, metrics: Metrics | None = None,
+                 clock: Callable[[], float] = time.time, policy: EvictionPolicy | None = None) -> None:
+        self.config = config
+        self.metrics = metrics or Metrics()
+        self.clock = clock
+        self.policy = policy or LRU()
+        self.hot = HotTier(config.hot_tier_bytes)
+        self.live_bytes = 0
+        self._class_ids: dict[str, int] = {}
+        self._class_names: dict[int, str] = {}
+        self._class_blocks: dict[int, int] = {}
+        self._dirty: dict[bytes, tuple[int, int, int]] = {}  # key -> (access_ms, expires_ms, class_id)
+        self._pending: set[bytes] = set()
+        self._disk_limit = config.capacity_bytes  # lowered when the file system turns out smaller
+        self._wake = asyncio.Event()
+        self._maintenance_lock = asyncio.Lock()
+        self._executor = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvstore-io")
+        self._lock_fd: int | None = None
+        self.closed = False
+        self.index: Index
+        self.segments: SegmentSet
+
+    # -- life cycle -----------------------------------------------------------------------------
+
+    async def open(self) -> None:
+        data_dir = self.config.data_dir
+        data_dir.mkdir(parents=True, exist_ok=True)
+        self._lock_fd = os.open(data_dir / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise DataDirInUse(f"another kvstore-server is using {data_dir}; give each daemon its own data_dir") from None
+        fsync = self.config.durability == "fsync"
+        self.index = Index(data_dir / "index", self.config.lmdb_map_bytes, self.config.lmdb_max_map_bytes, fsync)
+        self.segments = SegmentSet(data_dir / "segments", self.config.segment_bytes, fsync)
+        for name in self.config.classes:
+            self._class_ids[name] = self.index.class_id(name)
+        self._class_names = {v: k for k, v in self.index.classes().items()}
+        await asyncio.get_running_loop().run_in_executor(self._executor, self._recover)
+        self.refresh_gauges()
+
+    def _recover(self) -> None:
+        started = time.perf_counter()
+        recovered = {seg.id: {off: h.key for off, h in self.segments.recover(seg)}
+                     for seg in self.segments.open_existing()}
+        stale: list[bytes] = []
+        order: list[tuple[int, bytes, int]] = []
+        for key, entry in self.index.items():
+            segment = self.segments.segments.get(entry.segment)
+            whole = segment is not None and entry.offset + entry.record_len <= segment.size
+            if whole and entry.segment in recovered:
+                whole = recovered[entry.segment].get(entry.offset) == key
+            if not whole:
+                stale.append(key)
+                continue
+            segment.live_bytes += entry.record_len
+            self.live_bytes += entry.record_len
+            self._class_blocks[entry.class_id] = self._class_blocks.get(entry.class_id, 0) + 1
+            order.append((entry.access_ms, key, entry.record_len))
+        order.sort()
+        for _, key, size in order:
+            self.policy.insert(key, size)
+        if stale:
+            self.index.submit(self.index.remove_op(stale)).result()
+        for segment in list(self.segments.segments.values()):
+            if segment.live_bytes == 0:
+                self.segments.delete(segment)
+        log.info("recovered %d blocks in %d segments (%d stale index entries dropped) in %.1f s",
+                 len(order), len(self.segments.segments), len(stale), time.perf_counter() - started)
+
+    async def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        await self.flush_access()
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._executor, self.segments.close)
+        await loop.run_in_executor(None, self.index.close)
+        self._executor.shutdown(wait=True)
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+
+    # -- helpers ----------------------------------------------------------------------------------
+
+    def _now_ms(self) -> int:
+        return int(self.clock() * 1000)
+
+    def _ttl_ms(self, class_id: int) -> int:
+        name = self._class_names.get(class_id, self.config.default_class)
+        return int(self.config.classes.get(name, self.config.classes[self.config.default_class]) * 1000)
+
+    def _bucket_end(self, expires_ms: int) -> int:
+        bucket = self.config.expiry_bucket_s
+        return int(math.ceil(expires_ms / 1000 / bucket) * bucket)
+
+    def _effective_expiry(self, key: bytes, entry: Entry) -> int:
+        dirty = self._dirty.get(key)
+        return max(entry.expires_ms, dirty[1]) if dirty else entry.expires_ms
+
+    def class_known(self, name: str) -> bool:
+        return name in self._class_ids
+
+    async def _io(self, fn: Callable, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def _commit(self, op, sync: Sequence[Segment] = ()):
+        return await asyncio.wrap_future(self.index.submit(op, sync))
+
+    # -- reads ------------------------------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        """How many leading keys exist and have not expired."""
+        now_ms = self._now_ms()
+        hits = 0
+        for key, entry in zip(keys, self.index.get_many(keys, stop_at_missing=True)):
+            if entry is None or self._effective_expiry(key, entry) <= now_ms:
+                break
+            hits += 1
+        self.metrics.lookup_keys.inc(len(keys))
+        self.metrics.lookup_hits.inc(hits)
+        return hits
+
+    async def open_block(self, key: bytes) -> OpenBlock | Miss:
+        """Find a block and verify its header; the caller must `close_block` an OpenBlock."""
+        entry = self.index.get(key)
+        if entry is None:
+            return self._miss(pb.MISSING, "missing")
+        if self._effective_expiry(key, entry) <= self._now_ms():
+            return self._miss(pb.EXPIRED, "expired")
+        cached = self.hot.get(key)
+        if cached is not None:
+            header_bytes, payload = cached
+            return OpenBlock(key, entry, decode_header(header_bytes), header_bytes, None, payload)
+        segment = self.segments.acquire(entry.segment)
+        if segment is None:
+            return self._miss(pb.UNAVAILABLE, "segment_gone")
+        try:
+            header_bytes = await self._io(SegmentSet.read, segment, entry.offset, entry.header_len)
+            header = decode_header(header_bytes)
+            if header.key != key or header.payload_len != entry.payload_len:
+                raise CorruptRecord("key_mismatch", "record at the indexed place belongs to another key")
+        except CorruptRecord as exc:
+            self.segments.release(segment)
+            await self.drop_corrupt(key, entry)
+            return self._miss(pb.CORRUPT, exc.cause)
+        except OSError:
+            self.segments.release(segment)
+            return self._miss(pb.UNAVAILABLE, "io_error")
+        return OpenBlock(key, entry, header, header_bytes, segment, None)
+
+    async def read_layers(self, block: OpenBlock, begin: int, end: int) -> bytes:
+        """Payload bytes of layers [begin, end), verified. Raises CorruptRecord or OSError."""
+        header = block.header
+        if block.payload is not None:
+            if begin == 0 and end == header.n_layers:
+                return block.payload
+            return block.payload[begin * header.layer_bytes : end * header.layer_bytes]
+        assert block.segment is not None
+        data = await self._io(SegmentSet.read, block.segment, block.entry.offset + header.layer_offset(begin),
+                              (end - begin) * header.layer_bytes)
+        try:
+            header.check_layers(data, begin)
+        except CorruptRecord:
+            await self.drop_corrupt(block.key, block.entry)
+            raise
+        if begin == 0 and end == header.n_layers:
+            self.hot.put(block.key, block.header_bytes, data)
+        return data
+
+    def close_block(self, block: OpenBlock) -> None:
+        if block.segment is not None:
+            self.segments.release(block.segment)
+            block.segment = None
+
+    def record_hits(self, blocks: Sequence[OpenBlock], served_bytes: int) -> None:
+        """Count and retain what was served; leaf first, so parents stay at least as recent as children."""
+        now_ms = self._now_ms()
+        for block in reversed(blocks):
+            self.metrics.hits.labels(tier="dram" if block.payload is not None else "ssd").inc()
+            self.policy.access(block.key)
+            self._extend(block.key, block.entry, now_ms, block.entry.class_id)
+        self.metrics.bytes_read.inc(served_bytes)
+
+    def _extend(self, key: bytes, entry: Entry, now_ms: int, class_id: int) -> None:
+        """Retain `key` for the TTL of the longest-lived class that has used it, from now."""
+        previous = self._dirty.get(key)
+        classes = [class_id, entry.class_id] + ([previous[2]] if previous else [])
+        class_id = max(classes, key=self._ttl_ms)
+        expires = now_ms + self._ttl_ms(class_id)
+        self._dirty[key] = (now_ms, max(expires, previous[1] if previous else 0), class_id)
+
+    def _miss(self, status: int, cause: str) -> Miss:
+        self.metrics.misses.labels(cause=cause).inc()
+        return Miss(status, cause)
+
+    async def drop_corrupt(self, key: bytes, entry: Entry) -> None:
+        log.warning("dropping corrupt block %s in segment %d at %d", key.hex(), entry.segment, entry.offset)
+        await self._remove([key], only_at={key: (entry.segment, entry.offset)})
+
+    # -- writes -----------------------------------------------------------------------------------
+
+    async def put(self, header: RecordHeader, header_bytes: bytes, chunks: Sequence[bytes]) -> int:
+        """Store one verified record; returns pb.STORED or pb.EXISTS. Raises DiskFull."""
+        key = header.key
+        class_id = self._class_ids[header.traffic_class]
+        now_ms = self._now_ms()
+        entry = self.index.get(key)
+        if entry is not None and self._effective_expiry(key, entry) > now_ms:
+            self._extend(key, entry, now_ms, class_id)
+            self.metrics.puts.labels(result="exists").inc()
+            return pb.EXISTS
+        if key in self._pending:
+            self.metrics.puts.labels(result="exists").inc()
+            return pb.EXISTS
+        self._pending.add(key)
+        try:
+            expires_ms = now_ms + self._ttl_ms(class_id)
+            try:
+                segment, offset = await self._io(self.segments.append, self._bucket_end(expires_ms),
+                                                 [header_bytes, *chunks])
+            except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                    self.metrics.disk_full.inc()
+                    self._disk_limit = min(self._disk_limit, self.segments.disk_bytes)
+                    self._wake.set()
+                    raise DiskFull(f"no space left for a {header.record_len}-byte record") from exc
+                raise
+            new = Entry(segment.id, offset, len(header_bytes), header.payload_len, expires_ms, now_ms, class_id)
+            sync = [segment] if self.config.durability == "fsync" else []
+            if self.index.fill_ratio() > INDEX_HIGH_FILL:
+                await self.evict_bytes(self.policy.tracked_bytes * 0.05)
+            old = await self._commit(self.index.put_op(key, new), sync)
+            if old is not None:
+                self._account_removed(key, old)
+            self._account_added(key, new)
+            payload = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            self.hot.put(key, header_bytes, payload)
+            self.metrics.puts.labels(result="stored").inc()
+            self.metrics.bytes_written.inc(new.record_len)
+            if self.segments.disk_bytes > self._limit() * self.config.high_watermark:
+                self._wake.set()
+            return pb.STORED
+        finally:
+            self._pending.discard(key)
+
+    def _account_added(self, key: bytes, entry: Entry) -> None:
+        segment = self.segments.segments.get(entry.segment)
+        if segment is not None:
+            segment.live_bytes += entry.record_len
+        self.live_bytes += entry.record_len
+        self._class_blocks[entry.class_id] = self._class_blocks.get(entry.class_id, 0) + 1
+        self.policy.insert(key, entry.record_len)
+
+    def _account_removed(self, key: bytes, entry: Entry) -> None:
+        segment = self.segments.segments.get(entry.segment)
+        if segment is not None:
+            segment.live_bytes -= entry.record_len
+        self.live_bytes -= entry.record_len
+        self._class_blocks[entry.class_id] = self._class_blocks.get(entry.class_id, 0) - 1
+
+    async def _remove(self, keys: Sequence[bytes], only_at: dict[bytes, tuple[int, int]] | None = None) -> list[tuple[bytes, Entry]]:
+        # Hashed keys are spread over every leaf page and a delete copies each page it touches, so in a
+        # nearly full map one big delete would need a free copy of the tree: use small transactions.
+        batch = 8 if len(keys) > 8 and self.index.fill_ratio() > INDEX_HIGH_FILL * 0.8 else 256
+        removed = []
+        for start in range(0, len(keys), batch):
+            removed += await self._commit(self.index.remove_op(keys[start : start + batch], only_at))
+        for key, entry in removed:
+            self._account_removed(key, entry)
+            self.policy.remove(key)
+            self.hot.discard(key)
+            self._dirty.pop(key, None)
+        return removed
+
+    async def touch(self, keys: Sequence[bytes], class_name: str = "") -> int:
+        now_ms = self._now_ms()
+        touched = 0
+        for key, entry in zip(keys, self.index.get_many(keys)):
+            if entry is None or self._effective_expiry(key, entry) <= now_ms:
+                continue
+            class_id = self._class_ids[class_name] if class_name else entry.class_id
+            self._extend(key, entry, now_ms, class_id)
+            self.policy.access(key)
+            touched += 1
+        return touched
+
+    async def delete(self, keys: Sequence[bytes]) -> int:
+        return len(await self._remove(keys))
+
+    async def flush_access(self) -> None:
+        """Persist access times and extended expiries (a crash loses at most one flush interval)."""
+        if not self._dirty:
+            return
+        dirty, self._dirty = self._dirty, {}
+
+        def op(txn, db) -> None:
+            for key, (access_ms, expires_ms, class_id) in dirty.items():
+                raw = txn.get(key, db=db)
+                if raw is not None:
+                    txn.put(key, Entry.unpack(raw).with_access(access_ms, expires_ms, class_id).pack(), db=db)
+        try:
+            await self._commit(op)
+        except IndexFull:
+            for key, value in dirty.items():
+                self._dirty.setdefault(key, value)
+
+    # -- retention and capacity -------------------------------------------------------------------
+
+    def _limit(self) -> int:
+        return min(self.config.capacity_bytes, self._disk_limit)
+
+    async def run_maintenance(self) -> None:
+        """Background loop: flush access times, expire, evict and compact."""
+        last_flush = 0.0
+        while True:
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=self.config.sweep_interval_s)
+            except asyncio.TimeoutError:
+                pass
+            self._wake.clear()
+            try:
+                if time.monotonic() - last_flush >= self.config.access_flush_interval_s:
+                    await self.flush_access()
+                    last_flush = time.monotonic()
+                await self.maintain()
+            except Exception:  # maintenance must never take the daemon down
+                log.exception("maintenance pass failed; retrying at the next interval")
+
+    async def maintain(self) -> None:
+        async with self._maintenance_lock:
+            await self._expire_segments()
+            limit = self._limit()
+            if self.segments.disk_bytes > limit * self.config.high_watermark or self.live_bytes > limit * self.config.high_watermark:
+                await self.evict_bytes(self.live_bytes - limit * self.config.low_watermark)
+            await self._compact(limit * self.config.low_watermark)
+            self.refresh_gauges()
+
+    async def evict_bytes(self, nbytes: float) -> int:
+        """Evict the policy's victims until at least `nbytes` of records are gone."""
+        victims = []
+        tracked = self.policy.tracked_bytes
+        while tracked - self.policy.tracked_bytes < nbytes:
+            key = self.policy.pop_victim()
+            if key is None:
+                break
+            victims.append(key)
+        removed = await self._remove(victims)
+        self.metrics.evictions.inc(len(removed))
+        return len(removed)
+
+    async def _expire_segments(self) -> None:
+        now_s = self.clock()
+        for segment in [s for s in self.segments.segments.values() if s.bucket_end <= now_s]:
+            await self._empty_segment(segment, "expiry")
+
+    async def _compact(self, target_disk_bytes: float) -> None:
+        candidates = sorted((s for s in self.segments.segments.values() if s.sealed),
+                            key=lambda s: s.garbage_ratio, reverse=True)
+        for segment in candidates:
+            under_pressure = self.segments.disk_bytes > target_disk_bytes
+            if segment.garbage_ratio >= self.config.compaction_min_garbage or (under_pressure and segment.garbage_ratio > 0):
+                await self._empty_segment(segment, "garbage")
+        if self.segments.disk_bytes > target_disk_bytes:
+            # Garbage in the open segments is reachable only once they are sealed.
+            for segment in [s for s in self.segments.segments.values() if not s.sealed and s.garbage_ratio > 0]:
+                await self._io(self.segments.seal, segment)
+
+    async def _empty_segment(self, segment: Segment, reason: str) -> None:
+        """Move the segment's live blocks forward (dropping expired ones), then delete the file."""
+        if not segment.sealed:
+            await self._io(self.segments.seal, segment)
+        if segment.live_bytes > 0:
+            records = await self._io(lambda: list(self.segments.scan(segment)))
+            now_ms = self._now_ms()
+            expired: dict[bytes, tuple[int, int]] = {}
+            for offset, header in records:
+                entry = self.index.get(header.key)
+                if entry is None or (entry.segment, entry.offset) != (segment.id, offset):
+                    continue
+                if self._effective_expiry(header.key, entry) <= now_ms:
+                    expired[header.key] = (segment.id, offset)
+                    continue
+                try:
+                    await self._copy_forward(header.key, entry, segment)
+                except OSError:
+                    log.warning("compaction of segment %d stopped: %s", segment.id, "copy failed", exc_info=True)
+                    return
+            if expired:
+                removed = await self._remove(list(expired), only_at=expired)
+                self.metrics.expiries.inc(len(removed))
+        if segment.live_bytes > 0:
+            return  # something was written meanwhile; try again at the next pass
+        self.segments.delete(segment)
+        self.metrics.compactions.labels(reason=reason).inc()
+
+    async def _copy_forward(self, key: bytes, entry: Entry, segment: Segment) -> None:
+        data = await self._io(SegmentSet.read, segment, entry.offset, entry.record_len)
+        expires_ms = self._effective_expiry(key, entry)
+        new_segment, new_offset = await self._io(self.segments.append, self._bucket_end(expires_ms), [data])
+        moved_to = Entry(new_segment.id, new_offset, entry.header_len, entry.payload_len,
+                         expires_ms, entry.access_ms, entry.class_id)
+
+        def op(txn, db) -> bool:
+            raw = txn.get(key, db=db)
+            if raw is None:
+                return False
+            current = Entry.unpack(raw)
+            if (current.segment, current.offset) != (segment.id, entry.offset):
+                return False
+            txn.put(key, Entry(moved_to.segment, moved_to.offset, current.header_len, current.payload_len,
+                               max(current.expires_ms, moved_to.expires_ms), current.access_ms,
+                               current.class_id).pack(), db=db)
+            return True
+        sync = [new_segment] if self.config.durability == "fsync" else []
+        if await self._commit(op, sync):
+            segment.live_bytes -= entry.record_len
+            new_segment.live_bytes += entry.record_len
+            self.metrics.copied_forward.inc(entry.record_len)
+
+    # -- observability ----------------------------------------------------------------------------
+
+    def refresh_gauges(self) -> None:
+        m = self.metrics
+        for class_id, count in self._class_blocks.items():
+            m.blocks.labels(traffic_class=self._class_names.get(class_id, f"class{class_id}")).set(count)
+        m.live_bytes.set(self.live_bytes)
+        m.disk_bytes.set(self.segments.disk_bytes)
+        m.capacity_bytes.set(self._limit())
+        m.hot_bytes.set(self.hot.bytes)
+        m.segments.set(len(self.segments.segments))
+        stat = self.index.stat()
+        m.index_entries.set(stat["entries"])
+        m.index_map_bytes.set(stat["map_bytes"])

@@ -1,0 +1,59 @@
+import pytest
+
+from kvstore.server.config import ServerConfig, load_config, parse_duration, parse_size
+
+pytestmark = pytest.mark.unit
+
+
+def test_defaults_follow_the_design():
+    config = ServerConfig()
+    assert config.classes == {"agent": 3 * 86400.0, "chat": 7 * 86400.0}
+    assert config.default_class == "chat"
+
+
+def test_precedence_defaults_toml_env_flags(tmp_path):
+    toml = tmp_path / "kv.toml"
+    toml.write_text('capacity_bytes = "2GiB"\nsegment_bytes = "8MiB"\nport = 7000\n[classes]\nagent = "1d"\nbatch = "12h"\nchat = 3600\n')
+    config = load_config(["--config", str(toml), "--port", "7002"],
+                         environ={"KVSTORE_SEGMENT_BYTES": "16MiB", "KVSTORE_PORT": "7001"})
+    assert config.capacity_bytes == 2 * 2**30  # from TOML
+    assert config.segment_bytes == 16 * 2**20  # env over TOML
+    assert config.port == 7002  # flag over env
+    assert config.classes == {"agent": 86400.0, "batch": 43200.0, "chat": 3600.0}
+
+
+def test_classes_from_a_flag():
+    config = load_config(["--classes", "agent=3d,chat=7d,bulk=1h", "--default-class", "bulk"], environ={})
+    assert config.classes["bulk"] == 3600 and config.default_class == "bulk"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--durability", "maybe"], "durability"),
+    (["--low-watermark", "0.99"], "low_watermark"),
+    (["--capacity-bytes", "lots"], "size"),
+    (["--classes", "chat=-1"], "TTL"),
+    (["--classes", "agent=1d", "--default-class", "chat"], "default_class"),
+    (["--port", "70000"], "port"),
+    (["--max-block-bytes", "1GiB", "--max-inflight-put-bytes", "64MiB"], "max_inflight_put_bytes"),
+    (["--sweep-interval-s", "soon"], "duration"),
+])
+def test_bad_values_say_what_to_change(argv, message):
+    with pytest.raises(ValueError, match=message):
+        load_config(argv, environ={})
+
+
+def test_unknown_toml_key_and_missing_file(tmp_path):
+    toml = tmp_path / "kv.toml"
+    toml.write_text("capacity = 5\n")
+    with pytest.raises(ValueError, match="unknown setting 'capacity'"):
+        load_config(["--config", str(toml)], environ={})
+    with pytest.raises(ValueError, match="does not exist"):
+        load_config(["--config", str(tmp_path / "nope.toml")], environ={})
+    toml.write_text("capacity_bytes = [\n")
+    with pytest.raises(ValueError, match="not valid TOML"):
+        load_config(["--config", str(toml)], environ={})
+
+
+def test_parsers():
+    assert parse_size("1.5KiB") == 1536 and parse_size(10) == 10 and parse_size("2 GB") == 2 * 10**9
+    assert parse_duration("3d") == 259200 and parse_duration("90s") == 90 and parse_duration(5) == 5

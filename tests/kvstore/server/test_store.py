@@ -1,0 +1,203 @@
+"""The block store in-process: real LMDB, real segment files, an injected clock."""
+
+import os
+
+import pytest
+
+from kvstore.proto import pb
+from kvstore.record import CorruptRecord
+from kvstore.server.store import DataDirInUse, Miss
+
+from .conftest import NS, put_all, read_all, records
+
+pytestmark = pytest.mark.unit
+DAY = 86400.0
+
+
+async def test_put_lookup_get_roundtrip(open_store):
+    store = await open_store()
+    recs = records(5)
+    assert await put_all(store, recs) == [pb.STORED] * 5
+    assert await put_all(store, recs[:2]) == [pb.EXISTS] * 2
+    keys = [r[0].key for r in recs]
+    assert store.lookup(keys) == 5
+    assert store.lookup(keys[:2] + [os.urandom(16)] + keys[2:]) == 2
+    assert store.lookup([]) == 0
+    store.hot = type(store.hot)(0)  # force reads from the segment files
+    for block, _, _, payload in recs:
+        assert await read_all(store, block.key) == payload
+        assert await read_all(store, block.key, 1, 3) == payload[NS.layer_bytes : 3 * NS.layer_bytes]
+    missing = await read_all(store, os.urandom(16))
+    assert isinstance(missing, Miss) and missing.status == pb.MISSING
+
+
+async def test_data_survives_reopen_and_dir_is_exclusive(open_store, tmp_path):
+    store = await open_store()
+    recs = records(3)
+    await put_all(store, recs)
+    with pytest.raises(DataDirInUse):
+        await open_store()
+    await store.close()
+    reopened = await open_store()
+    assert reopened.lookup([r[0].key for r in recs]) == 3
+    assert await read_all(reopened, recs[2][0].key) == recs[2][3]
+    assert reopened.live_bytes == sum(len(r[1]) + len(r[3]) for r in recs)
+
+
+async def test_ttl_per_class_and_extension_on_access(open_store, clock):
+    store = await open_store(expiry_bucket_s=3600)
+    agent, chat = records(1, "agent", seed=1), records(1, "chat", seed=2)
+    await put_all(store, agent + chat)
+    agent_key, chat_key = agent[0][0].key, chat[0][0].key
+    clock.advance(3 * DAY - 60)
+    assert store.lookup([agent_key]) == 1
+    clock.advance(120)
+    assert store.lookup([agent_key]) == 0 and store.lookup([chat_key]) == 1
+    expired = await store.open_block(agent_key)
+    assert isinstance(expired, Miss) and expired.status == pb.EXPIRED
+    clock.advance(3 * DAY)  # day 6: reading the chat block extends it by its 7-day TTL
+    found = await store.open_block(chat_key)
+    store.record_hits([found], 0)
+    store.close_block(found)
+    clock.advance(6 * DAY)  # day 12: alive only thanks to the extension
+    assert store.lookup([chat_key]) == 1
+    clock.advance(2 * DAY)
+    assert store.lookup([chat_key]) == 0
+
+
+async def test_a_block_shared_by_two_classes_keeps_the_longer_ttl(open_store, clock):
+    store = await open_store()
+    block, header_bytes, header, payload = records(1, "agent")[0]
+    await store.put(header, header_bytes, [payload])
+    assert await store.touch([block.key], "chat") == 1  # now also used by chat traffic
+    clock.advance(5 * DAY)
+    assert store.lookup([block.key]) == 1
+    assert await store.touch([block.key], "agent") == 1  # agent's shorter TTL must not shorten it
+    clock.advance(3 * DAY + 60)
+    assert store.lookup([block.key]) == 1
+
+
+async def test_expired_segments_are_deleted_and_hot_blocks_copied_forward(open_store, clock):
+    store = await open_store(expiry_bucket_s=3600, segment_bytes=1 << 20)
+    recs = records(6, "agent")
+    await put_all(store, recs)
+    files_before = set(os.listdir(store.segments.directory))
+    clock.advance(3 * DAY - 600)
+    assert await store.touch([recs[0][0].key]) == 1  # hot: extended to ~6 days
+    clock.advance(2 * 3600)
+    await store.maintain()
+    assert store.lookup([recs[0][0].key]) == 1
+    assert await read_all(store, recs[0][0].key) == recs[0][3]
+    assert [isinstance(await store.open_block(r[0].key), Miss) for r in recs[1:]] == [True] * 5
+    assert files_before.isdisjoint(os.listdir(store.segments.directory)), "the old bucket's file is gone"
+    assert store.metrics.expiries._value.get() == 5
+    assert store.live_bytes == len(recs[0][1]) + len(recs[0][3])
+
+
+async def test_capacity_evicts_lru_down_to_the_low_watermark(open_store):
+    record_bytes = sum(map(len, records(1)[0][1::2]))
+    store = await open_store(capacity_bytes=20 * record_bytes, segment_bytes=4 * record_bytes,
+                             high_watermark=0.9, low_watermark=0.5, hot_tier_bytes=0)
+    recs = records(22)
+    await put_all(store, recs[:18])
+    await store.touch([recs[0][0].key])  # recently used: must survive
+    await put_all(store, recs[18:])
+    await store.maintain()
+    assert store.live_bytes <= 0.5 * 20 * record_bytes
+    assert store.segments.disk_bytes <= 0.9 * 20 * record_bytes
+    assert [store.lookup([r[0].key]) for r in recs[:14]] == [1] + [0] * 12 + [1], "least recently used go first"
+    assert store.lookup([recs[-1][0].key]) == 1
+    assert store.metrics.evictions._value.get() == 12
+    for block, _, _, payload in recs[-5:]:
+        assert await read_all(store, block.key) == payload
+
+
+async def test_compaction_reclaims_deleted_space(open_store):
+    record_bytes = sum(map(len, records(1)[0][1::2]))
+    store = await open_store(segment_bytes=4 * record_bytes, compaction_min_garbage=0.5, hot_tier_bytes=0)
+    recs = records(12)
+    await put_all(store, recs)
+    disk_before = store.segments.disk_bytes
+    assert await store.delete([r[0].key for r in recs[::2]]) == 6
+    await store.maintain()
+    assert store.segments.disk_bytes <= disk_before - 5 * record_bytes
+    assert store.metrics.copied_forward._value.get() > 0
+    for block, _, _, payload in recs[1::2]:
+        assert await read_all(store, block.key) == payload
+
+
+async def test_flipped_payload_byte_on_disk_is_a_counted_miss(open_store):
+    store = await open_store(hot_tier_bytes=0)
+    recs = records(2)
+    await put_all(store, recs)
+    entry = store.index.get(recs[1][0].key)
+    segment = store.segments.segments[entry.segment]
+    spot = entry.offset + entry.header_len + 2 * NS.layer_bytes + 5  # layer 2
+    byte = os.pread(segment.fd, 1, spot)
+    os.pwrite(segment.fd, bytes([byte[0] ^ 0x01]), spot)
+    assert await read_all(store, recs[1][0].key, 0, 2) == recs[1][3][: 2 * NS.layer_bytes]  # layers 0-1 are fine
+    with pytest.raises(CorruptRecord, match="checksum"):
+        await read_all(store, recs[1][0].key)
+    assert store.lookup([recs[1][0].key]) == 0, "a corrupt block is dropped from the index"
+    assert await read_all(store, recs[0][0].key) == recs[0][3]
+
+
+async def test_flipped_header_byte_on_disk_is_a_counted_miss(open_store):
+    store = await open_store(hot_tier_bytes=0)
+    recs = records(1)
+    await put_all(store, recs)
+    entry = store.index.get(recs[0][0].key)
+    segment = store.segments.segments[entry.segment]
+    os.pwrite(segment.fd, b"\xff", entry.offset + 60)
+    miss = await store.open_block(recs[0][0].key)
+    assert isinstance(miss, Miss) and miss.status == pb.CORRUPT and miss.cause == "checksum"
+    assert store.metrics.misses.labels(cause="checksum")._value.get() == 1
+
+
+async def test_eviction_and_compaction_landing_inside_a_read_leave_the_read_intact(open_store):
+    # The read holds its segment; eviction and compaction run in the window between open and read.
+    record_bytes = sum(map(len, records(1)[0][1::2]))
+    store = await open_store(segment_bytes=2 * record_bytes, hot_tier_bytes=0)
+    recs = records(4)
+    await put_all(store, recs)
+    found = await store.open_block(recs[0][0].key)
+    await store.delete([recs[0][0].key, recs[1][0].key])
+    await store.maintain()  # the segment holding block 0 is now all garbage and deleted
+    assert found.segment.deleted
+    assert await store.read_layers(found, 0, NS.num_layers) == recs[0][3]
+    store.close_block(found)
+    assert store.lookup([recs[0][0].key]) == 0
+
+
+async def test_a_full_index_map_grows(open_store):
+    store = await open_store(lmdb_map_bytes=64 * 1024, lmdb_max_map_bytes=64 * 2**20)
+    recs = records(400)
+    await put_all(store, recs)
+    assert store.lookup([r[0].key for r in recs]) == 400
+    assert store.index.stat()["map_bytes"] > 64 * 1024
+
+
+async def test_a_map_that_cannot_grow_evicts_instead_of_crashing(open_store):
+    store = await open_store(lmdb_map_bytes=2**20, lmdb_max_map_bytes=2**20, hot_tier_bytes=0)
+    recs = records(10000)
+    results = await put_all(store, recs)
+    assert results.count(pb.STORED) == 10000
+    assert store.metrics.evictions._value.get() > 0
+    assert store.lookup([recs[-1][0].key]) == 1
+    assert await read_all(store, recs[-1][0].key) == recs[-1][3]
+
+
+async def test_restart_drops_index_entries_without_whole_records(open_store, clock):
+    store = await open_store()
+    recs = records(4)
+    await put_all(store, recs)
+    last = store.index.get(recs[-1][0].key)
+    await store.close()
+    segment_path = next(store.segments.directory.glob("*.sealed"))
+    with open(segment_path, "r+b") as f:  # lose the tail of the last record, as a crash might
+        f.truncate(last.offset + last.header_len + 10)
+    os.rename(segment_path, segment_path.with_suffix(".open"))
+    reopened = await open_store()
+    assert reopened.lookup([r[0].key for r in recs]) == 3
+    assert isinstance(await reopened.open_block(recs[-1][0].key), Miss)
+    assert os.path.getsize(next(reopened.segments.directory.glob("*.sealed"))) == last.offset

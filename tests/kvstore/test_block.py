@@ -1,0 +1,90 @@
+import numpy as np
+import pytest
+import xxhash
+
+from kvstore.block import KVLayout, Namespace, NamespaceMismatch, chain_hash, same_namespace
+
+pytestmark = pytest.mark.unit
+
+LAYOUT = KVLayout(num_layers=2, kv_heads=1, head_dim=4, dtype="float16")
+
+
+def golden_namespace() -> Namespace:
+    return Namespace("golden-model", LAYOUT, block_tokens=4, salt=b"tenant-a")
+
+
+def test_golden_vectors_pin_the_key_encoding():
+    # Fixed inputs -> fixed keys: an accidental change of encoding (token width, byte order, digest
+    # fields) breaks every stored block of every user, so it must break this test first.
+    ns = golden_namespace()
+    assert ns.digest.hex() == "4b3a4dee1da6f5df0579df78b7f5ff33"
+    assert [b.key.hex() for b in ns.blocks(range(10))] == [
+        "a06e6e40254ed695a6624e8e2d567211",
+        "0061fe5d190095155059b6fec7f5270a",
+    ]
+    assert chain_hash(bytes(16), [0, 1, 2, 3]).hex() == "361d40d624bc45847cb55c04878d9596"
+
+
+def test_key_is_xxh3_128_of_parent_and_little_endian_u32_tokens():
+    ns = golden_namespace()
+    first, second = ns.blocks(range(8))
+    assert first.key == xxhash.xxh3_128_digest(ns.digest + np.arange(4, dtype="<u4").tobytes())
+    assert second.parent == first.key
+    assert second.key == xxhash.xxh3_128_digest(first.key + np.arange(4, 8, dtype="<u4").tobytes())
+
+
+def test_only_full_blocks_and_prefix_property():
+    ns = golden_namespace()
+    assert len(ns.blocks(range(11))) == 2
+    assert ns.blocks([]) == []
+    long, short = ns.blocks(range(12)), ns.blocks(range(8))
+    assert [b.key for b in long[:2]] == [b.key for b in short]
+    diverged = ns.blocks([0, 1, 2, 3, 4, 5, 6, 99, 8, 9, 10, 11])
+    assert diverged[0].key == long[0].key and diverged[1].key != long[1].key and diverged[2].key != long[2].key
+
+
+@pytest.mark.parametrize("change", [
+    dict(model_id="other-model"),
+    dict(salt=b"tenant-b"),
+    dict(block_tokens=8),
+    dict(layout=KVLayout(2, 1, 4, "bfloat16")),
+    dict(layout=KVLayout(3, 1, 4, "float16")),
+])
+def test_any_namespace_field_changes_every_key(change):
+    base = dict(model_id="golden-model", layout=LAYOUT, block_tokens=4, salt=b"tenant-a")
+    a, b = Namespace(**base), Namespace(**{**base, **change})
+    assert a.digest != b.digest
+    assert a.blocks(range(8))[0].key != b.blocks(range(8))[0].key
+
+
+def test_raw_salt_is_not_recoverable_from_the_digest():
+    salt = b"super-secret-salt"
+    ns = Namespace("m", LAYOUT, 4, salt=salt)
+    assert salt not in ns.digest and salt not in repr(ns).encode()
+    assert not hasattr(ns, "salt")
+
+
+def test_bad_input_raises_with_a_message():
+    with pytest.raises(ValueError, match="model_id"):
+        Namespace("", LAYOUT, 4)
+    with pytest.raises(ValueError, match="block_tokens"):
+        Namespace("m", LAYOUT, 0)
+    with pytest.raises(ValueError, match="dtype"):
+        KVLayout(2, 1, 4, "float64")
+    with pytest.raises(ValueError, match="token ids"):
+        golden_namespace().blocks([-1, 0, 1, 2])
+    with pytest.raises(ValueError, match="token ids"):
+        golden_namespace().blocks([2**32, 0, 1, 2])
+
+
+def test_mixing_namespaces_in_one_call_is_an_error():
+    a = golden_namespace().blocks(range(4))
+    b = Namespace("golden-model", LAYOUT, 4, salt=b"tenant-b").blocks(range(4))
+    with pytest.raises(NamespaceMismatch):
+        same_namespace(a + b)
+    assert same_namespace(a) == a[0].namespace
+
+
+def test_layer_bytes_follow_the_layout():
+    assert LAYOUT.layer_bytes(4) == 2 * 4 * 1 * 4 * 2  # (K/V, tokens, heads, head_dim) * fp16
+    assert KVLayout(2, 1, 4, "float16", kv_per_layer=1).layer_bytes(4) == 4 * 4 * 2
