@@ -14,6 +14,7 @@ being read unlinks it at once and closes its descriptor when the last reader is 
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 from dataclasses import dataclass, field
@@ -114,9 +115,7 @@ class SegmentSet:
                 offset = segment.size
                 try:
                     faults.hit("segment.before_write")
-                    written = os.pwritev(segment.fd, list(parts), offset)
-                    if written != nbytes:
-                        raise OSError(f"short write: {written} of {nbytes} bytes")
+                    _write_all(segment.fd, parts, offset)
                     faults.hit("segment.after_write")
                 except OSError:
                     # Keep the file a clean sequence of records: drop what was written, stop appending.
@@ -222,3 +221,18 @@ class SegmentSet:
                 os.close(segment.fd)
                 segment.deleted = True
         self.segments.clear()
+
+
+def _write_all(fd: int, parts: Sequence[bytes | memoryview], offset: int) -> None:
+    """pwritev until everything is written; a full disk first writes short, then raises ENOSPC."""
+    views = [memoryview(p) for p in parts if len(p)]
+    while views:
+        written = os.pwritev(fd, views, offset)
+        if written == 0:
+            raise OSError(errno.ENOSPC, "no progress writing a segment")
+        offset += written
+        while views and written >= len(views[0]):
+            written -= len(views[0])
+            views.pop(0)
+        if written:
+            views[0] = views[0][written:]

@@ -247,6 +247,8 @@ class KVStoreService:
             results = await asyncio.gather(*tasks)
         except DiskFull as exc:
             await self._abort(context, "Put", grpc.StatusCode.RESOURCE_EXHAUSTED, f"disk full: {exc}")
+        except OSError as exc:
+            await self._abort(context, "Put", grpc.StatusCode.UNAVAILABLE, f"I/O error storing a record: {exc}")
         finally:
             if held:
                 await self.put_budget.release(held)
@@ -283,19 +285,41 @@ class KVStoreService:
                     self.metrics.rpc_latency.labels(method=method).observe(time.perf_counter() - started)
             return call
 
+        def parsed(method: str, message_type, fn: Callable[..., Awaitable]):
+            # Parse here, not in gRPC's deserializer, so a malformed request is INVALID_ARGUMENT
+            # (a failing deserializer would end the call as INTERNAL).
+            async def call(raw: bytes, context):
+                try:
+                    request = message_type.FromString(raw)
+                except DecodeError:
+                    await self._abort(context, method, grpc.StatusCode.INVALID_ARGUMENT,
+                                      f"request is not a valid {message_type.DESCRIPTOR.name}")
+                return await fn(request, context)
+            return call
+
+        def parsed_stream(method: str, message_type, fn: Callable[..., AsyncIterator]):
+            async def call(raw: bytes, context):
+                try:
+                    request = message_type.FromString(raw)
+                except DecodeError:
+                    await self._abort(context, method, grpc.StatusCode.INVALID_ARGUMENT,
+                                      f"request is not a valid {message_type.DESCRIPTOR.name}")
+                async for message in fn(request, context):
+                    yield message
+            return call
+
         def serialize(message) -> bytes:
             return message.SerializeToString()
 
+        def unary(method: str, message_type, fn):
+            return grpc.unary_unary_rpc_method_handler(timed(method, parsed(method, message_type, fn)), None, serialize)
+
         return grpc.method_handlers_generic_handler(SERVICE, {
-            "Lookup": grpc.unary_unary_rpc_method_handler(
-                timed("Lookup", self.lookup), pb.LookupRequest.FromString, serialize),
+            "Lookup": unary("Lookup", pb.LookupRequest, self.lookup),
             "Get": grpc.unary_stream_rpc_method_handler(
-                timed_stream("Get", self.get), pb.GetRequest.FromString, None),
+                timed_stream("Get", parsed_stream("Get", pb.GetRequest, self.get)), None, None),
             "Put": grpc.stream_unary_rpc_method_handler(timed("Put", self.put), None, serialize),
-            "Touch": grpc.unary_unary_rpc_method_handler(
-                timed("Touch", self.touch), pb.KeysRequest.FromString, serialize),
-            "Delete": grpc.unary_unary_rpc_method_handler(
-                timed("Delete", self.delete), pb.KeysRequest.FromString, serialize),
-            "Stats": grpc.unary_unary_rpc_method_handler(
-                timed("Stats", self.stats), pb.StatsRequest.FromString, serialize),
+            "Touch": unary("Touch", pb.KeysRequest, self.touch),
+            "Delete": unary("Delete", pb.KeysRequest, self.delete),
+            "Stats": unary("Stats", pb.StatsRequest, self.stats),
         })

@@ -445,8 +445,8 @@ class BlockStore:
                     continue
                 try:
                     await self._copy_forward(header.key, entry, segment)
-                except OSError:
-                    log.warning("compaction of segment %d stopped: %s", segment.id, "copy failed", exc_info=True)
+                except OSError as exc:
+                    log.warning("compaction of segment %d stopped, will retry: %s", segment.id, exc)
                     return
             if expired:
                 removed = await self._remove(list(expired), only_at=expired)

@@ -1,0 +1,67 @@
+"""A full disk refuses puts with RESOURCE_EXHAUSTED while gets go on."""
+
+import os
+import subprocess
+
+import grpc
+import pytest
+
+from kvstore.block import KVLayout, Namespace
+from kvstore.client import KVClient
+from kvstore.proto import method, pb
+from kvstore.record import build_record
+
+pytestmark = pytest.mark.integration
+
+NS = Namespace("disk-full", KVLayout(num_layers=4, kv_heads=2, head_dim=64, dtype="float16"), block_tokens=128)
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """An 8 MiB tmpfs made for the test (needs root, as in CI)."""
+    mount_point = tmp_path / "small"
+    mount_point.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount_point)],
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {result.stderr.strip()}")
+    yield mount_point
+    subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+def test_disk_full_puts_fail_precisely_and_gets_go_on(tmp_path, small_fs):
+    from tests.conftest import Daemon
+    daemon = Daemon(small_fs / "data", tmp_path, ["--segment-bytes", "1MiB", "--capacity-bytes", "1GiB",
+                                                   "--lmdb-map-bytes", "1MiB"]).start()
+    try:
+        blocks = NS.blocks(range(40 * NS.block_tokens))  # 40 x 256 KiB = 10 MiB > 8 MiB
+        payloads = [os.urandom(NS.block_bytes) for _ in blocks]
+        codes = []
+        with grpc.insecure_channel(daemon.address) as channel:
+            put = channel.stream_unary(method("Put"), None, pb.PutResponse.FromString)
+            for block, payload in zip(blocks, payloads):
+                header, body = build_record(block, payload, NS.num_layers, "chat")
+                try:
+                    put(iter([pb.PutHead(record_bytes=len(header) + len(body)).SerializeToString(), header, body]),
+                        timeout=10)
+                    codes.append(grpc.StatusCode.OK)
+                except grpc.RpcError as exc:
+                    codes.append(exc.code())
+        assert grpc.StatusCode.RESOURCE_EXHAUSTED in codes
+        assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}
+        stored = [i for i, code in enumerate(codes) if code == grpc.StatusCode.OK]
+        with KVClient([daemon.address]) as client:
+            readable = 0
+            for i in stored:
+                got = client.get([blocks[i]])
+                if got:
+                    assert got[0].payload == payloads[i]
+                    readable += 1
+            assert readable >= len(stored) // 2, "gets go on after the disk filled"
+            stats = client.server_stats()[daemon.address]
+            assert stats["kvstore_disk_full_total"] >= 1
+            # The daemon learned the disk's real size and makes room for new blocks.
+            client._run(client._async.server_stats())
+        assert daemon.proc.poll() is None
+    finally:
+        daemon.stop()
