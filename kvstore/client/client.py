@@ -258,6 +258,10 @@ class AsyncKVClient:
             return count
         return sum(await asyncio.gather(*(one(s, p) for s, p in self._group(blocks).items())))
 
+    def last_errors(self) -> dict[str, str]:
+        """The last error of each daemon that has failed a call."""
+        return {address: shard.last_error for address, shard in self.shards.items() if shard.last_error}
+
     async def server_stats(self) -> dict[str, dict[str, float] | None]:
         """Each daemon's Stats; None for a daemon that did not answer."""
         async def one(shard: Shard) -> dict[str, float] | None:
@@ -304,6 +308,9 @@ class KVClient:
 
     def server_stats(self) -> dict[str, dict[str, float] | None]:
         return self._run(self._async.server_stats())
+
+    def last_errors(self) -> dict[str, str]:
+        return self._async.last_errors()
 
     def close(self) -> None:
         if self._loop.is_running():

@@ -10,6 +10,7 @@ from kvstore.block import KVLayout, Namespace
 from kvstore.client import KVClient
 from kvstore.proto import method, pb
 from kvstore.record import build_record
+from kvstore.server.process import DaemonProcess
 
 pytestmark = pytest.mark.integration
 
@@ -30,8 +31,7 @@ def small_fs(tmp_path):
 
 
 def test_disk_full_puts_fail_precisely_and_gets_go_on(tmp_path, small_fs):
-    from tests.conftest import Daemon
-    daemon = Daemon(small_fs / "data", tmp_path, ["--segment-bytes", "1MiB", "--capacity-bytes", "1GiB",
+    daemon = DaemonProcess(small_fs / "data", tmp_path, ["--segment-bytes", "1MiB", "--capacity-bytes", "1GiB",
                                                    "--lmdb-map-bytes", "1MiB"]).start()
     try:
         blocks = NS.blocks(range(40 * NS.block_tokens))  # 40 x 256 KiB = 10 MiB > 8 MiB
@@ -60,8 +60,8 @@ def test_disk_full_puts_fail_precisely_and_gets_go_on(tmp_path, small_fs):
             assert readable >= len(stored) // 2, "gets go on after the disk filled"
             stats = client.server_stats()[daemon.address]
             assert stats["kvstore_disk_full_total"] >= 1
-            # The daemon learned the disk's real size and makes room for new blocks.
-            client._run(client._async.server_stats())
+            # The daemon learned the disk's real size: its capacity now fits the file system.
+            assert stats["kvstore_capacity_bytes"] <= 8 * 2**20
         assert daemon.proc.poll() is None
     finally:
         daemon.stop()

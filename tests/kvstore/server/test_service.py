@@ -104,12 +104,12 @@ def test_prometheus_endpoint(daemon):
 
 @pytest.mark.parametrize("name, request_bytes", [
     ("Lookup", pb.LookupRequest(keys=[b"short"]).SerializeToString()),
-    ("Lookup", pb.LookupRequest(keys=[os.urandom(16)] * 1001).SerializeToString()),
+    ("Lookup", pb.LookupRequest(keys=[b"k" * 16] * 1001).SerializeToString()),
     ("Lookup", b"\xff\xff\xff garbage"),
-    ("Touch", pb.KeysRequest(keys=[os.urandom(16)], traffic_class="nope").SerializeToString()),
+    ("Touch", pb.KeysRequest(keys=[b"k" * 16], traffic_class="nope").SerializeToString()),
     ("Delete", pb.KeysRequest(keys=[b""]).SerializeToString()),
     ("Stats", b"\x0a\x05abc"),
-])
+], ids=["short-key", "too-many-keys", "not-protobuf", "unknown-class", "empty-key", "truncated-field"])
 def test_malformed_unary_requests_are_invalid_argument(channel, name, request_bytes):
     call = channel.unary_unary(method(name), None, None)
     with pytest.raises(grpc.RpcError) as info:
@@ -120,8 +120,8 @@ def test_malformed_unary_requests_are_invalid_argument(channel, name, request_by
 @pytest.mark.parametrize("request_bytes", [
     b"\xff garbage",
     pb.GetRequest(keys=[b"x" * 15]).SerializeToString(),
-    pb.GetRequest(keys=[os.urandom(16)], layer_begin=3, layer_end=2).SerializeToString(),
-])
+    pb.GetRequest(keys=[b"k" * 16], layer_begin=3, layer_end=2).SerializeToString(),
+], ids=["not-protobuf", "short-key", "empty-layer-range"])
 def test_malformed_get_is_invalid_argument(channel, request_bytes):
     call = channel.unary_stream(method("Get"), None, None)
     with pytest.raises(grpc.RpcError) as info:

@@ -1,0 +1,179 @@
+"""`kvstore`: the admin CLI for manual checks and scripts.
+
+    kvstore put    --servers H:P[,H:P] --text "some prompt" [--class agent]
+    kvstore lookup --servers ... --text "some prompt"
+    kvstore get    --servers ... --text "some prompt" [--layers 0:2] [--out DIR]
+    kvstore stats  --servers ... [--json] [--grep hits]
+    kvstore fsck   DATA_DIR
+
+Prompts are given as token ids (--tokens 1,2,3 or --tokens-file) or as --text, whose UTF-8 bytes
+stand in for token ids. The namespace flags (--model, --num-layers, ...) must match between put and
+get, as they would between engines. Exit codes: 0 done, 1 the operation failed, 2 bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from kvstore.block import KVLayout, Namespace
+
+
+def _namespace_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--servers", required=True, help="comma-separated host:port of the daemons")
+    parser.add_argument("--model", default="kvstore-cli", help="model identity (part of the namespace)")
+    parser.add_argument("--num-layers", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--block-tokens", type=int, default=16)
+    parser.add_argument("--salt", default="", help="tenant cache salt (never stored)")
+    group = parser.add_mutually_exclusive_group(required=True)
+    group.add_argument("--tokens", help="comma-separated token ids")
+    group.add_argument("--tokens-file", type=Path, help="file of whitespace-separated token ids")
+    group.add_argument("--text", help="text whose UTF-8 bytes are used as token ids")
+    parser.add_argument("--timeout", type=float, default=5.0, help="deadline of each call, seconds")
+
+
+def _blocks(args: argparse.Namespace):
+    namespace = Namespace(args.model, KVLayout(args.num_layers, args.kv_heads, args.head_dim, args.dtype),
+                          args.block_tokens, args.salt)
+    if args.text is not None:
+        tokens = list(args.text.encode())
+    else:
+        raw = args.tokens_file.read_text() if args.tokens_file else args.tokens.replace(",", " ")
+        try:
+            tokens = [int(t) for t in raw.split()]
+        except ValueError:
+            raise ValueError("token ids must be integers") from None
+    blocks = namespace.blocks(tokens)
+    if not blocks:
+        raise ValueError(f"{len(tokens)} tokens make no full block of {args.block_tokens}; give more tokens")
+    return namespace, blocks
+
+
+def _client(args: argparse.Namespace):
+    from kvstore.client import ClientConfig, KVClient
+    return KVClient(ClientConfig(tuple(s for s in args.servers.split(",") if s), timeout_s=args.timeout,
+                                 lookup_timeout_s=args.timeout))
+
+
+def cmd_put(args: argparse.Namespace) -> int:
+    namespace, blocks = _blocks(args)
+    if args.payload_file:
+        data = args.payload_file.read_bytes()
+        if len(data) != namespace.block_bytes * len(blocks):
+            raise ValueError(f"--payload-file has {len(data)} bytes; {len(blocks)} blocks of this layout need "
+                             f"{namespace.block_bytes * len(blocks)}")
+        payloads = [data[i * namespace.block_bytes : (i + 1) * namespace.block_bytes] for i in range(len(blocks))]
+    else:
+        payloads = [os.urandom(namespace.block_bytes) for _ in blocks]
+    with _client(args) as client:
+        summary = client.put(list(zip(blocks, payloads)), namespace.num_layers, args.traffic_class)
+        errors = client.last_errors()
+    print(f"{len(blocks)} blocks of {namespace.block_bytes} bytes: stored {summary.stored}, "
+          f"already present {summary.existed}, failed {summary.failed}")
+    for block in blocks:
+        print(block.key.hex())
+    for address, error in errors.items():
+        print(f"{address}: {error}", file=sys.stderr)
+    return 1 if summary.failed else 0
+
+
+def cmd_lookup(args: argparse.Namespace) -> int:
+    namespace, blocks = _blocks(args)
+    with _client(args) as client:
+        hits = client.lookup(blocks)
+    print(f"{hits} of {len(blocks)} leading blocks cached ({hits * namespace.block_tokens} tokens)")
+    return 0
+
+
+def cmd_get(args: argparse.Namespace) -> int:
+    namespace, blocks = _blocks(args)
+    begin, _, end = args.layers.partition(":")
+    layer_begin, layer_end = int(begin or 0), int(end) if end else None
+    with _client(args) as client:
+        got = client.get(blocks, layer_begin, layer_end)
+        causes = dict(client.stats.miss_causes)
+    print(f"{len(got)} of {len(blocks)} leading blocks read and verified"
+          + (f"; misses: {causes}" if causes else ""))
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        for data in got:
+            (args.out / f"{data.block.key.hex()}.kv").write_bytes(data.payload)
+        print(f"payloads written to {args.out}/<key>.kv")
+    return 0
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    from kvstore.client import ClientConfig, KVClient
+    with KVClient(ClientConfig(tuple(s for s in args.servers.split(",") if s), lookup_timeout_s=args.timeout)) as c:
+        stats = c.server_stats()
+    if args.json:
+        print(json.dumps(stats, indent=2, sort_keys=True))
+    else:
+        for address, values in stats.items():
+            print(f"== {address}" + ("  (unreachable)" if values is None else ""))
+            for name, value in sorted((values or {}).items()):
+                if args.grep in name:
+                    print(f"  {name:60s} {value:>16,.0f}" if value == int(value) else f"  {name:60s} {value:>16.4f}")
+    return 1 if any(v is None for v in stats.values()) else 0
+
+
+def cmd_fsck(args: argparse.Namespace) -> int:
+    from kvstore.server.fsck import check
+    if not (args.data_dir / "index").is_dir():
+        raise ValueError(f"{args.data_dir} is not a kvstore data directory (no index/ inside)")
+    report = check(args.data_dir, verify_payloads=not args.no_payload)
+    print(f"{report.entries} index entries, {report.verified} verified, {len(report.problems)} problems; "
+          f"{report.segments} segments ({report.open_segments} left open), "
+          f"{report.segment_bytes:,} segment bytes, {report.live_bytes:,} live")
+    for problem in report.problems[:50]:
+        print("  " + problem)
+    return 0 if report.ok else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvstore", description="Admin CLI of the kvstore KV-cache store.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    put = sub.add_parser("put", help="store the full blocks of a prompt (random or given payloads)")
+    _namespace_args(put)
+    put.add_argument("--class", dest="traffic_class", default="chat", help="traffic class (sets the TTL)")
+    put.add_argument("--payload-file", type=Path, help="layer-major payloads of all blocks, concatenated")
+    put.set_defaults(run=cmd_put)
+    lookup = sub.add_parser("lookup", help="how many leading blocks of a prompt are cached")
+    _namespace_args(lookup)
+    lookup.set_defaults(run=cmd_lookup)
+    get = sub.add_parser("get", help="read and verify the cached blocks of a prompt")
+    _namespace_args(get)
+    get.add_argument("--layers", default="0:", help="layer range begin:end (default all)")
+    get.add_argument("--out", type=Path, help="write each block's payload to OUT/<key>.kv")
+    get.set_defaults(run=cmd_get)
+    stats = sub.add_parser("stats", help="each daemon's counters and gauges")
+    stats.add_argument("--servers", required=True)
+    stats.add_argument("--json", action="store_true")
+    stats.add_argument("--grep", default="", help="only names containing this")
+    stats.add_argument("--timeout", type=float, default=5.0)
+    stats.set_defaults(run=cmd_stats)
+    fsck = sub.add_parser("fsck", help="check a stopped daemon's data directory")
+    fsck.add_argument("data_dir", type=Path)
+    fsck.add_argument("--no-payload", action="store_true", help="check headers only (faster)")
+    fsck.set_defaults(run=cmd_fsck)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except ValueError as exc:
+        print(f"kvstore {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
