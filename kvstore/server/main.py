@@ -16,7 +16,7 @@ from grpc_reflection.v1alpha import reflection
 from kvstore.proto import SERVICE
 from kvstore.server.config import ServerConfig, load_config
 from kvstore.server.metrics import Metrics
-from kvstore.server.service import KVStoreService
+from kvstore.server.service import ByteBudget, KVStoreService
 from kvstore.server.store import BlockStore, DataDirInUse
 
 log = logging.getLogger("kvstore.server")
@@ -36,7 +36,7 @@ async def serve(config: ServerConfig, stop: asyncio.Event | None = None) -> None
         ],
         maximum_concurrent_rpcs=config.max_concurrent_rpcs,
     )
-    service = KVStoreService(store, config)
+    service = KVStoreService(store, config, ByteBudget(config.max_inflight_put_bytes))
     server.add_generic_rpc_handlers([service.handler()])
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

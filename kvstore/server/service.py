@@ -1,4 +1,4 @@
-"""The gRPC face of the daemon: request validation, streaming framing and status codes.
+"""The gRPC face of the daemon: control RPCs, and Get/Put for clients without the data channel.
 
 Bulk bytes travel as raw gRPC messages (no protobuf wrapper, see proto/kvstore.proto), so a
 multi-MiB payload is handed from the page cache or the DRAM tier to gRPC without another copy.
@@ -13,11 +13,13 @@ from typing import AsyncIterator, Awaitable, Callable
 import grpc
 from google.protobuf.message import DecodeError
 
-from kvstore.block import KEY_BYTES
+import kvstore
 from kvstore.proto import SERVICE, pb
-from kvstore.record import CorruptRecord, decode_header, payload_layer_sums
 from kvstore.server.config import ServerConfig
-from kvstore.server.store import BlockStore, DiskFull, Miss, OpenBlock
+from kvstore.server.reads import get_parts
+from kvstore.server.requests import (RequestError, check_get, check_keys, check_payload, check_put_head,
+                                     parse_record_header)
+from kvstore.server.store import BlockStore, DiskFull
 
 
 class ByteBudget:
@@ -28,14 +30,14 @@ class ByteBudget:
         self.used = 0
         self._changed = asyncio.Condition()
 
-    async def acquire(self, nbytes: int, timeout_s: float) -> bool:
+    async def acquire(self, nbytes: int, timeout_s: float = 5.0) -> None:
         async with self._changed:
             try:
                 await asyncio.wait_for(self._changed.wait_for(lambda: self.used + nbytes <= self.limit), timeout_s)
             except asyncio.TimeoutError:
-                return False
+                raise RequestError("too many bytes of puts in flight on this daemon; retry later",
+                                   exhausted=True) from None
             self.used += nbytes
-            return True
 
     async def release(self, nbytes: int) -> None:
         async with self._changed:
@@ -44,207 +46,98 @@ class ByteBudget:
 
 
 class KVStoreService:
-    def __init__(self, store: BlockStore, config: ServerConfig) -> None:
+    def __init__(self, store: BlockStore, config: ServerConfig, put_budget: ByteBudget, data_port: int = 0) -> None:
         self.store = store
         self.config = config
         self.metrics = store.metrics
-        self.put_budget = ByteBudget(config.max_inflight_put_bytes)
+        self.put_budget = put_budget
+        self.data_port = data_port
 
     async def _abort(self, context: grpc.aio.ServicerContext, method: str, code: grpc.StatusCode, details: str):
         self.metrics.rpc_errors.labels(method=method, code=code.name).inc()
         await context.abort(code, details)
 
-    async def _check_keys(self, keys, context, method: str) -> None:
-        if len(keys) > self.config.max_keys_per_request:
-            await self._abort(context, method, grpc.StatusCode.INVALID_ARGUMENT,
-                              f"{len(keys)} keys in one request; the limit is {self.config.max_keys_per_request}")
-        for key in keys:
-            if len(key) != KEY_BYTES:
-                await self._abort(context, method, grpc.StatusCode.INVALID_ARGUMENT,
-                                  f"a key is {KEY_BYTES} bytes, got one of {len(key)}")
+    async def _reject(self, context, method: str, error: RequestError):
+        code = grpc.StatusCode.RESOURCE_EXHAUSTED if error.exhausted else grpc.StatusCode.INVALID_ARGUMENT
+        await self._abort(context, method, code, str(error))
 
     # -- unary RPCs -------------------------------------------------------------------------------
 
     async def lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
-        await self._check_keys(request.keys, context, "Lookup")
+        check_keys(request.keys, self.config)
         return pb.LookupResponse(hits=self.store.lookup(request.keys))
 
     async def touch(self, request: pb.KeysRequest, context) -> pb.CountResponse:
-        await self._check_keys(request.keys, context, "Touch")
+        check_keys(request.keys, self.config)
         if request.traffic_class and not self.store.class_known(request.traffic_class):
-            await self._abort(context, "Touch", grpc.StatusCode.INVALID_ARGUMENT,
-                              f"unknown traffic class {request.traffic_class!r}; known: {sorted(self.config.classes)}")
+            raise RequestError(f"unknown traffic class {request.traffic_class!r}; known: {sorted(self.config.classes)}")
         return pb.CountResponse(count=await self.store.touch(request.keys, request.traffic_class))
 
     async def delete(self, request: pb.KeysRequest, context) -> pb.CountResponse:
-        await self._check_keys(request.keys, context, "Delete")
+        check_keys(request.keys, self.config)
         return pb.CountResponse(count=await self.store.delete(request.keys))
 
     async def stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
         self.store.refresh_gauges()
         return pb.StatsResponse(values=self.metrics.flatten())
 
-    # -- Get: server-streamed ---------------------------------------------------------------------
+    async def info(self, request: pb.InfoRequest, context) -> pb.InfoResponse:
+        return pb.InfoResponse(data_port=self.data_port, max_block_bytes=self.config.max_block_bytes,
+                               max_keys_per_request=self.config.max_keys_per_request,
+                               traffic_classes=sorted(self.config.classes), version=kvstore.__version__)
+
+    # -- Get: server-streamed: per part a GetPartHead, then the payload if the part is OK -------------
 
     async def get(self, request: pb.GetRequest, context) -> AsyncIterator[bytes]:
-        await self._check_keys(request.keys, context, "Get")
-        if request.layer_end and request.layer_end <= request.layer_begin:
-            await self._abort(context, "Get", grpc.StatusCode.INVALID_ARGUMENT,
-                              f"empty layer range [{request.layer_begin}, {request.layer_end})")
-        opened: list[tuple[int, OpenBlock, int, int]] = []
-        served: list[OpenBlock] = []
-        served_bytes = 0
-        try:
-            if request.order == pb.LAYER_MAJOR:
-                # Headers first, then layer by layer across blocks, so layer 0 of every block arrives first.
-                for index, key in enumerate(request.keys):
-                    found = await self._open(request, index, key)
-                    if isinstance(found, bytes):
-                        yield found
-                        if request.stop_at_miss:
-                            break
-                        continue
-                    opened.append(found)
-                    yield self._head(index, pb.OK, found[2], found[2], found[1].header_bytes, 0)
-                alive = list(opened)
-                for layer in range(request.layer_begin, max((o[3] for o in opened), default=0)):
-                    survivors = []
-                    for opened_block in alive:
-                        index, block, _, end = opened_block
-                        if layer >= end:
-                            survivors.append(opened_block)
-                            continue
-                        head, data = await self._read(block, layer, layer + 1, index, with_header=False)
-                        yield head
-                        if data is None:
-                            if request.stop_at_miss:
-                                break  # this block and every later one are no longer part of the prefix
-                            continue
-                        yield data
-                        served_bytes += len(data)
-                        survivors.append(opened_block)
-                    alive = survivors
-                served = [block for _, block, *_ in alive]
-            else:
-                for index, key in enumerate(request.keys):
-                    found = await self._open(request, index, key)
-                    if isinstance(found, bytes):
-                        yield found
-                        if request.stop_at_miss:
-                            break
-                        continue
-                    opened.append(found)
-                    _, block, begin, end = found
-                    head, data = await self._read(block, begin, end, index, with_header=True)
-                    yield head
-                    if data is None:
-                        if request.stop_at_miss:
-                            break
-                        continue
-                    yield data
-                    served_bytes += len(data)
-                    served.append(block)
-        finally:
-            for _, block, *_ in opened:
-                self.store.close_block(block)
-            self.store.record_hits(served, served_bytes)
+        check_get(request, self.config)
+        async for head, payload in get_parts(self.store, request):
+            yield head
+            if payload is not None:
+                yield payload if isinstance(payload, bytes) else bytes(payload)
 
-    async def _open(self, request: pb.GetRequest, index: int, key: bytes) -> tuple[int, OpenBlock, int, int] | bytes:
-        found = await self.store.open_block(key)
-        if isinstance(found, Miss):
-            return self._head(index, found.status, 0, 0, b"", 0, found.cause)
-        n_layers = found.header.n_layers
-        begin, end = request.layer_begin, request.layer_end or n_layers
-        if end > n_layers:
-            self.store.close_block(found)
-            return self._head(index, pb.BAD_RANGE, begin, end, b"", 0, f"block has {n_layers} layers")
-        return index, found, begin, end
-
-    async def _read(self, block: OpenBlock, begin: int, end: int, index: int,
-                    with_header: bool) -> tuple[bytes, bytes | None]:
-        header_bytes = block.header_bytes if with_header else b""
-        try:
-            data = await self.store.read_layers(block, begin, end)
-        except CorruptRecord as exc:
-            self.metrics.misses.labels(cause=exc.cause).inc()
-            return self._head(index, pb.CORRUPT, begin, end, header_bytes, 0, exc.cause), None
-        except OSError:
-            self.metrics.misses.labels(cause="io_error").inc()
-            return self._head(index, pb.UNAVAILABLE, begin, end, header_bytes, 0, "io_error"), None
-        return self._head(index, pb.OK, begin, end, header_bytes, len(data)), data
-
-    @staticmethod
-    def _head(index: int, status: int, begin: int, end: int, header: bytes, nbytes: int, cause: str = "") -> bytes:
-        return pb.GetPartHead(index=index, status=status, layer_begin=begin, layer_end=end, header=header,
-                              payload_bytes=nbytes, cause=cause).SerializeToString()
-
-    # -- Put: client-streamed ---------------------------------------------------------------------
+    # -- Put: client-streamed: per record a PutHead, the header, then payload chunks ----------------
 
     async def put(self, request_iterator: AsyncIterator[bytes], context) -> pb.PutResponse:
-        invalid = grpc.StatusCode.INVALID_ARGUMENT
         tasks: list[asyncio.Task] = []
         held = 0
         messages = request_iterator.__aiter__()
 
-        async def next_message() -> bytes | None:
+        async def next_message(what: str, received: int = 0, expected: int = 0) -> bytes:
             try:
                 return await messages.__anext__()
             except StopAsyncIteration:
-                return None
+                raise RequestError(f"stream ended before {what}" + (
+                    f": {received} of {expected} payload bytes received" if expected else "")) from None
 
         try:
-            while (raw := await next_message()) is not None:
+            while True:
                 try:
-                    head = pb.PutHead.FromString(raw)
+                    raw = await messages.__anext__()
+                except StopAsyncIteration:
+                    break
+                try:
+                    declared = pb.PutHead.FromString(raw).record_bytes
                 except DecodeError:
-                    await self._abort(context, "Put", invalid, "expected a PutHead message")
-                declared = head.record_bytes
-                if declared == 0:
-                    await self._abort(context, "Put", invalid, "PutHead.record_bytes must be positive")
-                if declared > self.config.max_block_bytes:
-                    await self._abort(context, "Put", grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                      f"record of {declared} bytes exceeds max_block_bytes={self.config.max_block_bytes}")
-                if not await self.put_budget.acquire(declared, timeout_s=5.0):
-                    await self._abort(context, "Put", grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                      "too many bytes of puts in flight on this daemon; retry later")
+                    raise RequestError("expected a PutHead message") from None
+                check_put_head(declared, self.config)
+                await self.put_budget.acquire(declared)
                 held += declared
-                header_bytes = await next_message()
-                if header_bytes is None:
-                    await self._abort(context, "Put", invalid, "stream ended before the record header")
-                try:
-                    header = decode_header(header_bytes)
-                    if len(header_bytes) != header.header_len:
-                        raise CorruptRecord("bad_header", "the first chunk must be exactly the record header")
-                    header.check_identity()
-                except CorruptRecord as exc:
-                    await self._abort(context, "Put", invalid, f"invalid record header: {exc}")
-                if header.record_len != declared:
-                    await self._abort(context, "Put", invalid,
-                                      f"PutHead declares {declared} bytes but the header describes {header.record_len}")
-                if not self.store.class_known(header.traffic_class):
-                    await self._abort(context, "Put", invalid, f"unknown traffic class {header.traffic_class!r}; "
-                                      f"this daemon knows {sorted(self.config.classes)}")
+                header_bytes = await next_message("the record header")
+                header = parse_record_header(header_bytes, declared, list(self.config.classes))
                 chunks: list[bytes] = []
                 received = 0
                 while received < header.payload_len:
-                    chunk = await next_message()
-                    if chunk is None:
-                        await self._abort(context, "Put", invalid, f"stream ended inside a record: {received} of "
-                                          f"{header.payload_len} payload bytes received")
+                    chunk = await next_message("the end of the record", received, header.payload_len)
                     received += len(chunk)
                     if received > header.payload_len:
-                        await self._abort(context, "Put", invalid,
-                                          f"payload longer than declared ({header.payload_len} bytes)")
+                        raise RequestError(f"payload longer than declared ({header.payload_len} bytes)")
                     chunks.append(chunk)
-                try:
-                    sums = payload_layer_sums(chunks, header.layer_bytes)
-                except CorruptRecord as exc:
-                    await self._abort(context, "Put", invalid, str(exc))
-                if tuple(sums) != header.layer_sums:
-                    await self._abort(context, "Put", invalid, "payload does not match the header's layer checksums")
+                check_payload(header, chunks)
                 tasks.append(asyncio.ensure_future(self._store_one(header, header_bytes, chunks, declared)))
                 held -= declared  # now owned by the task
             results = await asyncio.gather(*tasks)
+        except RequestError as exc:
+            await self._reject(context, "Put", exc)
         except DiskFull as exc:
             await self._abort(context, "Put", grpc.StatusCode.RESOURCE_EXHAUSTED, f"disk full: {exc}")
         except OSError as exc:
@@ -266,60 +159,49 @@ class KVStoreService:
     # -- wiring -----------------------------------------------------------------------------------
 
     def handler(self) -> grpc.GenericRpcHandler:
-        def timed(method: str, fn: Callable[..., Awaitable]):
-            async def call(request, context):
-                started = time.perf_counter()
-                try:
-                    return await fn(request, context)
-                finally:
-                    self.metrics.rpc_latency.labels(method=method).observe(time.perf_counter() - started)
-            return call
-
-        def timed_stream(method: str, fn: Callable[..., AsyncIterator]):
-            async def call(request, context):
-                started = time.perf_counter()
-                try:
-                    async for message in fn(request, context):
-                        yield message
-                finally:
-                    self.metrics.rpc_latency.labels(method=method).observe(time.perf_counter() - started)
-            return call
-
-        def parsed(method: str, message_type, fn: Callable[..., Awaitable]):
+        def unary(method: str, message_type, fn: Callable[..., Awaitable]):
             # Parse here, not in gRPC's deserializer, so a malformed request is INVALID_ARGUMENT
             # (a failing deserializer would end the call as INTERNAL).
             async def call(raw: bytes, context):
+                started = time.perf_counter()
                 try:
-                    request = message_type.FromString(raw)
-                except DecodeError:
-                    await self._abort(context, method, grpc.StatusCode.INVALID_ARGUMENT,
-                                      f"request is not a valid {message_type.DESCRIPTOR.name}")
-                return await fn(request, context)
-            return call
+                    return (await fn(self._parse(message_type, raw), context)).SerializeToString()
+                except RequestError as exc:
+                    await self._reject(context, method, exc)
+                finally:
+                    self.metrics.rpc_latency.labels(method=method).observe(time.perf_counter() - started)
+            return grpc.unary_unary_rpc_method_handler(call, None, None)
 
-        def parsed_stream(method: str, message_type, fn: Callable[..., AsyncIterator]):
-            async def call(raw: bytes, context):
-                try:
-                    request = message_type.FromString(raw)
-                except DecodeError:
-                    await self._abort(context, method, grpc.StatusCode.INVALID_ARGUMENT,
-                                      f"request is not a valid {message_type.DESCRIPTOR.name}")
-                async for message in fn(request, context):
+        async def get(raw: bytes, context):
+            started = time.perf_counter()
+            try:
+                async for message in self.get(self._parse(pb.GetRequest, raw), context):
                     yield message
-            return call
+            except RequestError as exc:
+                await self._reject(context, "Get", exc)
+            finally:
+                self.metrics.rpc_latency.labels(method="Get").observe(time.perf_counter() - started)
 
-        def serialize(message) -> bytes:
-            return message.SerializeToString()
-
-        def unary(method: str, message_type, fn):
-            return grpc.unary_unary_rpc_method_handler(timed(method, parsed(method, message_type, fn)), None, serialize)
+        async def put(request_iterator, context):
+            started = time.perf_counter()
+            try:
+                return (await self.put(request_iterator, context)).SerializeToString()
+            finally:
+                self.metrics.rpc_latency.labels(method="Put").observe(time.perf_counter() - started)
 
         return grpc.method_handlers_generic_handler(SERVICE, {
             "Lookup": unary("Lookup", pb.LookupRequest, self.lookup),
-            "Get": grpc.unary_stream_rpc_method_handler(
-                timed_stream("Get", parsed_stream("Get", pb.GetRequest, self.get)), None, None),
-            "Put": grpc.stream_unary_rpc_method_handler(timed("Put", self.put), None, serialize),
+            "Get": grpc.unary_stream_rpc_method_handler(get, None, None),
+            "Put": grpc.stream_unary_rpc_method_handler(put, None, None),
             "Touch": unary("Touch", pb.KeysRequest, self.touch),
             "Delete": unary("Delete", pb.KeysRequest, self.delete),
             "Stats": unary("Stats", pb.StatsRequest, self.stats),
+            "Info": unary("Info", pb.InfoRequest, self.info),
         })
+
+    @staticmethod
+    def _parse(message_type, raw: bytes):
+        try:
+            return message_type.FromString(raw)
+        except DecodeError:
+            raise RequestError(f"request is not a valid {message_type.DESCRIPTOR.name}") from None

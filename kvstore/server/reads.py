@@ -1,0 +1,103 @@
+"""The parts of a Get, in the order they are sent; shared by the gRPC service and the data channel.
+
+Each part is (GetPartHead bytes, payload or None). Block-major sends all requested layers of a block
+as one part; layer-major sends every block's header first, then layer l of every block before layer
+l+1 of any, so that a loader can start on layer 0 while later layers are in flight.
+"""
+
+from __future__ import annotations
+
+from typing import AsyncIterator
+
+from kvstore.proto import pb
+from kvstore.record import CorruptRecord
+from kvstore.server.store import BlockStore, Miss, OpenBlock
+
+Part = tuple[bytes, "bytes | memoryview | None"]
+
+
+async def get_parts(store: BlockStore, request: pb.GetRequest) -> AsyncIterator[Part]:
+    opened: list[tuple[int, OpenBlock, int, int]] = []
+    served: list[OpenBlock] = []
+    served_bytes = 0
+    try:
+        if request.order == pb.LAYER_MAJOR:
+            for index, key in enumerate(request.keys):
+                found = await _open(store, request, index, key)
+                if isinstance(found, bytes):
+                    yield found, None
+                    if request.stop_at_miss:
+                        break
+                    continue
+                opened.append(found)
+                yield head(index, pb.OK, found[2], found[2], found[1].header_bytes, 0), None
+            alive = list(opened)
+            for layer in range(request.layer_begin, max((o[3] for o in opened), default=0)):
+                survivors = []
+                for opened_block in alive:
+                    index, block, _, end = opened_block
+                    if layer >= end:
+                        survivors.append(opened_block)
+                        continue
+                    part = await _read(store, block, layer, layer + 1, index, with_header=False)
+                    yield part
+                    if part[1] is None:
+                        if request.stop_at_miss:
+                            break  # this block and every later one are no longer part of the prefix
+                        continue
+                    served_bytes += len(part[1])
+                    survivors.append(opened_block)
+                alive = survivors
+            served = [block for _, block, *_ in alive]
+        else:
+            for index, key in enumerate(request.keys):
+                found = await _open(store, request, index, key)
+                if isinstance(found, bytes):
+                    yield found, None
+                    if request.stop_at_miss:
+                        break
+                    continue
+                opened.append(found)
+                _, block, begin, end = found
+                part = await _read(store, block, begin, end, index, with_header=True)
+                yield part
+                if part[1] is None:
+                    if request.stop_at_miss:
+                        break
+                    continue
+                served_bytes += len(part[1])
+                served.append(block)
+    finally:
+        for _, block, *_ in opened:
+            store.close_block(block)
+        store.record_hits(served, served_bytes)
+
+
+async def _open(store: BlockStore, request: pb.GetRequest, index: int, key: bytes) -> tuple[int, OpenBlock, int, int] | bytes:
+    found = await store.open_block(key)
+    if isinstance(found, Miss):
+        return head(index, found.status, 0, 0, b"", 0, found.cause)
+    n_layers = found.header.n_layers
+    begin, end = request.layer_begin, request.layer_end or n_layers
+    if end > n_layers:
+        store.close_block(found)
+        return head(index, pb.BAD_RANGE, begin, end, b"", 0, f"block has {n_layers} layers")
+    return index, found, begin, end
+
+
+async def _read(store: BlockStore, block: OpenBlock, begin: int, end: int, index: int, with_header: bool) -> Part:
+    header_bytes = block.header_bytes if with_header else b""
+    try:
+        data = await store.read_layers(block, begin, end)
+    except CorruptRecord as exc:
+        store.metrics.misses.labels(cause=exc.cause).inc()
+        return head(index, pb.CORRUPT, begin, end, header_bytes, 0, exc.cause), None
+    except OSError:
+        store.metrics.misses.labels(cause="io_error").inc()
+        return head(index, pb.UNAVAILABLE, begin, end, header_bytes, 0, "io_error"), None
+    return head(index, pb.OK, begin, end, header_bytes, len(data)), data
+
+
+def head(index: int, status: int, begin: int, end: int, header: bytes, nbytes: int, cause: str = "") -> bytes:
+    return pb.GetPartHead(index=index, status=status, layer_begin=begin, layer_end=end, header=header,
+                          payload_bytes=nbytes, cause=cause).SerializeToString()
