@@ -17,12 +17,15 @@ import grpc
 
 from kvstore.block import Block, same_namespace
 from kvstore.client.config import ClientConfig
+from kvstore.client.dataplane import TransportError
 from kvstore.client.placement import place
 from kvstore.client.shard import Shard
 from kvstore.proto import pb
 from kvstore.record import CorruptRecord, RecordHeader, build_record, decode_header
 
 T = TypeVar("T")
+VERIFY_CHUNK_BYTES = 256 * 1024  # verify a part in chunks of about this size while the rest arrives
+Buffer = bytes | bytearray | memoryview
 
 
 @dataclass(slots=True)
@@ -33,7 +36,7 @@ class BlockData:
     header: RecordHeader
     layer_begin: int
     layer_end: int
-    payload: bytes  # (layer_end - layer_begin) * header.layer_bytes bytes, layer-major
+    payload: Buffer  # (layer_end - layer_begin) * header.layer_bytes bytes, layer-major
 
     def layer(self, layer: int) -> memoryview:
         size = self.header.layer_bytes
@@ -118,84 +121,61 @@ class AsyncKVClient:
     # -- get --------------------------------------------------------------------------------------
 
     async def get(self, blocks: Sequence[Block], layer_begin: int = 0, layer_end: int | None = None,
-                  layer_major: bool = False) -> list[BlockData]:
-        """The leading run of `blocks` that could be read and verified, layers [layer_begin, layer_end)."""
+                  layer_major: bool = False, into: Sequence[Buffer] | None = None) -> list[BlockData]:
+        """The leading run of `blocks` that could be read and verified, layers [layer_begin, layer_end).
+
+        With `into`, block i's layers land in into[i] (layer-major, at least (end - begin) * layer_bytes
+        long) and BlockData.payload is a view of it; reused, pre-touched buffers avoid page faults.
+        """
         same_namespace(blocks)
         if not blocks:
             return []
-        results: list[BlockData | None] = [None] * len(blocks)
-        groups = self._group(blocks)
-        await asyncio.gather(*(self._get_from(shard, blocks, positions, results, layer_begin, layer_end or 0,
-                                              layer_major)
-                               for shard, positions in groups.items() if shard is not None))
+        if into is not None and len(into) < len(blocks):
+            raise ValueError(f"`into` has {len(into)} buffers for {len(blocks)} blocks")
+        request_end = layer_end or 0
+        results: dict[int, BlockData] = {}
+
+        async def from_shard(shard: Shard, positions: list[int]) -> None:
+            assembly = _Assembly(blocks, positions, layer_begin, layer_end, into, self.stats)
+            request = pb.GetRequest(keys=[blocks[i].key for i in positions], layer_begin=layer_begin,
+                                    layer_end=request_end, stop_at_miss=True,
+                                    order=pb.LAYER_MAJOR if layer_major else pb.BLOCK_MAJOR)
+            try:
+                channel = await shard.data_channel()
+                if channel is not None:
+                    await asyncio.to_thread(channel.get, request, assembly.sink, assembly.received,
+                                            self.config.timeout_s)
+                else:
+                    await self._get_grpc(shard, request, assembly)
+            except (grpc.RpcError, TransportError) as exc:
+                self._failed(shard, exc)
+            except CorruptRecord as exc:  # a daemon that breaks the protocol
+                self.stats.miss_causes[exc.cause] += 1
+                self._failed(shard, exc)
+            else:
+                shard.succeeded()
+            results.update(assembly.results())
+
+        await asyncio.gather(*(from_shard(shard, positions)
+                               for shard, positions in self._group(blocks).items() if shard is not None))
         prefix: list[BlockData] = []
-        for data in results:
-            if data is None:
-                break
-            prefix.append(data)
+        while len(prefix) in results:
+            prefix.append(results[len(prefix)])
         self.stats.hit_blocks += len(prefix)
         self.stats.bytes_read += sum(len(d.payload) for d in prefix)
         return prefix
 
-    async def _get_from(self, shard: Shard, blocks: Sequence[Block], positions: list[int],
-                        results: list[BlockData | None], layer_begin: int, layer_end: int, layer_major: bool) -> None:
-        request = pb.GetRequest(keys=[blocks[i].key for i in positions], layer_begin=layer_begin,
-                                layer_end=layer_end, order=pb.LAYER_MAJOR if layer_major else pb.BLOCK_MAJOR,
-                                stop_at_miss=True)
-        headers: dict[int, RecordHeader] = {}
-        parts: dict[int, list[bytes]] = {}
-        broken: set[int] = set()
+    @staticmethod
+    async def _get_grpc(shard: Shard, request: pb.GetRequest, assembly: "_Assembly") -> None:
         pending: pb.GetPartHead | None = None
-        try:
-            async for message in shard.get(request):
-                if pending is None:
-                    head = pb.GetPartHead.FromString(message)
-                    if head.index >= len(positions):
-                        raise CorruptRecord("protocol", f"part index {head.index} out of range")
-                    if head.status != pb.OK:
-                        self.stats.miss_causes[head.cause or pb.PartStatus.Name(head.status).lower()] += 1
-                        broken.add(head.index)
-                        continue
-                    if head.header:
-                        try:
-                            header = decode_header(head.header)
-                            header.check_expected(blocks[positions[head.index]])
-                            headers[head.index] = header
-                        except CorruptRecord as exc:  # a collision or a substituted block: a miss
-                            self.stats.miss_causes[exc.cause] += 1
-                            broken.add(head.index)
-                    if head.payload_bytes:
-                        pending = head
-                    continue
-                head, pending = pending, None
-                if head.index in broken:
-                    continue
-                header = headers.get(head.index)
-                if header is None or len(message) != head.payload_bytes:
-                    raise CorruptRecord("protocol", "payload without a verified header")
-                try:
-                    header.check_layers(message, head.layer_begin)
-                except CorruptRecord as exc:
-                    self.stats.miss_causes[exc.cause] += 1
-                    broken.add(head.index)
-                    continue
-                parts.setdefault(head.index, []).append(message)
-        except grpc.RpcError as exc:
-            self._failed(shard, exc)
-        except CorruptRecord as exc:  # a daemon that breaks the protocol or serves foreign blocks
-            self.stats.miss_causes[exc.cause] += 1
-            self._failed(shard, exc)
-        else:
-            shard.succeeded()
-        for local, header in headers.items():
-            if local in broken or local not in parts:
+        async for message in shard.get(request):
+            if pending is None:
+                head = pb.GetPartHead.FromString(message)
+                if assembly.accept(head) or (head.status == pb.OK and head.payload_bytes):
+                    pending = head  # its payload is the next message, wanted or not
                 continue
-            end = layer_end or header.n_layers
-            pieces = parts[local]
-            payload = pieces[0] if len(pieces) == 1 else b"".join(pieces)
-            if len(payload) != (end - layer_begin) * header.layer_bytes:
-                continue  # the stream ended early: not all layers arrived
-            results[positions[local]] = BlockData(blocks[positions[local]], header, layer_begin, end, payload)
+            head, pending = pending, None
+            assembly.received_message(head, message)
 
     # -- put --------------------------------------------------------------------------------------
 
@@ -204,25 +184,29 @@ class AsyncKVClient:
         same_namespace([block for block, _ in items])
         records = [build_record(block, payload, num_layers, traffic_class) for block, payload in items]
         summary = PutSummary()
-        groups = self._group([block for block, _ in items])
 
         async def put_to(shard: Shard | None, positions: list[int]) -> None:
             if shard is None:
                 summary.failed += len(positions)
                 return
+            mine = [records[i] for i in positions]
             try:
-                results = await shard.put(self._put_messages([records[i] for i in positions]))
-            except grpc.RpcError as exc:
+                channel = await shard.data_channel()
+                if channel is not None:
+                    results = await asyncio.to_thread(channel.put, mine, self.config.timeout_s)
+                else:
+                    results = await shard.put(self._put_messages(mine))
+            except (grpc.RpcError, TransportError) as exc:
                 self._failed(shard, exc)
                 summary.failed += len(positions)
                 return
             shard.succeeded()
             summary.stored += sum(1 for r in results if r == pb.STORED)
             summary.existed += sum(1 for r in results if r == pb.EXISTS)
-            self.stats.bytes_written += sum(len(records[i][0]) + len(records[i][1])
-                                            for i, r in zip(positions, results) if r == pb.STORED)
+            self.stats.bytes_written += sum(len(h) + len(p) for (h, p), r in zip(mine, results) if r == pb.STORED)
 
-        await asyncio.gather(*(put_to(shard, positions) for shard, positions in groups.items()))
+        await asyncio.gather(*(put_to(shard, positions)
+                               for shard, positions in self._group([b for b, _ in items]).items()))
         return summary
 
     def _put_messages(self, records: Sequence[tuple[bytes, bytes]]) -> Iterator[bytes]:
@@ -274,6 +258,109 @@ class AsyncKVClient:
         return dict(zip(self.shards, values))
 
 
+class _Assembly:
+    """One shard's share of a Get: checks every part and gathers verified blocks.
+
+    Runs on the data channel's worker thread or on the event loop, never on both at once.
+    """
+
+    def __init__(self, blocks: Sequence[Block], positions: list[int], layer_begin: int, layer_end: int | None,
+                 into: Sequence[Buffer] | None, stats: ClientStats) -> None:
+        self.blocks, self.positions = blocks, positions
+        self.layer_begin, self.layer_end = layer_begin, layer_end
+        self.into, self.stats = into, stats
+        self.headers: dict[int, RecordHeader] = {}
+        self.payloads: dict[int, Buffer] = {}
+        self.received_bytes: dict[int, int] = {}
+        self.broken: set[int] = set()
+
+    def _miss(self, local: int, cause: str) -> None:
+        self.stats.miss_causes[cause] += 1
+        self.broken.add(local)
+
+    def accept(self, head: pb.GetPartHead) -> bool:
+        """Check a part's head; True when its payload is wanted."""
+        if head.index >= len(self.positions):
+            raise CorruptRecord("protocol", f"part index {head.index} out of range")
+        local = head.index
+        if head.status != pb.OK:
+            self._miss(local, head.cause or pb.PartStatus.Name(head.status).lower())
+            return False
+        if head.header:
+            try:
+                header = decode_header(head.header)
+                header.check_expected(self.blocks[self.positions[local]])
+                self.headers[local] = header
+            except CorruptRecord as exc:  # a collision or a substituted block: a miss
+                self._miss(local, exc.cause)
+        return bool(head.payload_bytes) and local not in self.broken and local in self.headers
+
+    def destination(self, head: pb.GetPartHead) -> memoryview:
+        """Where this part's payload belongs in its block's buffer."""
+        local = head.index
+        header = self.headers[local]
+        end = self.layer_end or header.n_layers
+        size = (end - self.layer_begin) * header.layer_bytes
+        if local not in self.payloads:
+            if self.into is not None:
+                target = memoryview(self.into[self.positions[local]]).cast("B")
+                if len(target) < size:
+                    raise ValueError(f"into[{self.positions[local]}] has {len(target)} bytes; the block needs {size}")
+                self.payloads[local] = target[:size]
+            else:
+                self.payloads[local] = memoryview(bytearray(size))
+        start = (head.layer_begin - self.layer_begin) * header.layer_bytes
+        if head.layer_begin < self.layer_begin or start + head.payload_bytes > size:
+            raise CorruptRecord("protocol", "part outside the requested layer range")
+        return self.payloads[local][start : start + head.payload_bytes]
+
+    def sink(self, head: pb.GetPartHead) -> tuple[memoryview, int] | None:
+        if not self.accept(head):
+            return None
+        layer_bytes = self.headers[head.index].layer_bytes
+        return self.destination(head), layer_bytes * max(1, VERIFY_CHUNK_BYTES // layer_bytes)
+
+    def received(self, head: pb.GetPartHead, offset: int, data: memoryview | bytes) -> None:
+        """Layers [offset, offset + len(data)) of a part have arrived: verify them."""
+        local = head.index
+        if local in self.broken:
+            return
+        header = self.headers[local]
+        try:
+            header.check_layers(data, head.layer_begin + offset // header.layer_bytes)
+        except CorruptRecord as exc:
+            self._miss(local, exc.cause)
+            return
+        self.received_bytes[local] = self.received_bytes.get(local, 0) + len(data)
+
+    def received_message(self, head: pb.GetPartHead, message: bytes) -> None:
+        """A gRPC payload, which arrives as its own bytes: keep it when it is the whole block."""
+        local = head.index
+        if local in self.broken or local not in self.headers:
+            return
+        header = self.headers[local]
+        whole = (head.layer_begin == self.layer_begin
+                 and head.layer_end == (self.layer_end or header.n_layers))
+        if whole and self.into is None:
+            self.payloads[local] = message
+            self.received(head, 0, message)
+            return
+        target = self.destination(head)
+        target[:] = message
+        self.received(head, 0, target)
+
+    def results(self) -> dict[int, BlockData]:
+        out = {}
+        for local, header in self.headers.items():
+            payload = self.payloads.get(local)
+            if local in self.broken or payload is None or self.received_bytes.get(local, 0) != len(payload):
+                continue  # missed, or the stream ended before all its layers arrived
+            end = self.layer_end or header.n_layers
+            out[self.positions[local]] = BlockData(self.blocks[self.positions[local]], header,
+                                                   self.layer_begin, end, payload)
+        return out
+
+
 class KVClient:
     """The blocking face of AsyncKVClient, for scripts and threads; runs its own event loop thread."""
 
@@ -294,8 +381,8 @@ class KVClient:
         return self._run(self._async.lookup(blocks))
 
     def get(self, blocks: Sequence[Block], layer_begin: int = 0, layer_end: int | None = None,
-            layer_major: bool = False) -> list[BlockData]:
-        return self._run(self._async.get(blocks, layer_begin, layer_end, layer_major))
+            layer_major: bool = False, into: Sequence[Buffer] | None = None) -> list[BlockData]:
+        return self._run(self._async.get(blocks, layer_begin, layer_end, layer_major, into))
 
     def put(self, items: Sequence[tuple[Block, bytes]], num_layers: int, traffic_class: str = "chat") -> PutSummary:
         return self._run(self._async.put(items, num_layers, traffic_class))

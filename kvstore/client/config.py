@@ -14,6 +14,7 @@ class ClientConfig:
     max_message_bytes: int = 65 * 2**20  # largest Get part accepted (a whole block plus room)
     down_backoff_s: float = 0.5  # a failed daemon is skipped this long, doubling per failure ...
     max_down_backoff_s: float = 5.0  # ... up to this
+    transport: str = "auto"  # "auto": the daemon's raw-TCP data channel when it has one; "grpc": gRPC only
 
     def __post_init__(self) -> None:
         if isinstance(self.servers, str):
@@ -29,5 +30,7 @@ class ClientConfig:
         for name in ("timeout_s", "lookup_timeout_s", "down_backoff_s", "max_down_backoff_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ClientConfig.{name} must be positive")
+        if self.transport not in ("auto", "grpc"):
+            raise ValueError(f"ClientConfig.transport must be 'auto' or 'grpc', got {self.transport!r}")
         if self.put_chunk_bytes < 1 or self.max_message_bytes < 1:
             raise ValueError("ClientConfig.put_chunk_bytes and max_message_bytes must be positive")

@@ -13,6 +13,7 @@ from typing import AsyncIterator, Iterable
 import grpc
 
 from kvstore.client.config import ClientConfig
+from kvstore.client.dataplane import DataChannel, TransportError
 from kvstore.proto import method, pb
 
 # Codes that say "this daemon cannot serve now", as opposed to "this request is wrong".
@@ -42,6 +43,10 @@ class Shard:
                                                 pb.CountResponse.FromString)
         self._stats = self.channel.unary_unary(method("Stats"), pb.StatsRequest.SerializeToString,
                                                pb.StatsResponse.FromString)
+        self._info = self.channel.unary_unary(method("Info"), pb.InfoRequest.SerializeToString,
+                                              pb.InfoResponse.FromString)
+        self._data: DataChannel | None = None
+        self._data_checked = False
         self._down_until = 0.0
         self._backoff = config.down_backoff_s
         self.failures = 0
@@ -55,15 +60,36 @@ class Shard:
         self._backoff = self.config.down_backoff_s
         self._down_until = 0.0
 
-    def failed(self, error: grpc.RpcError | Exception) -> None:
+    def failed(self, error: Exception) -> None:
         """Record a failed call; mark the daemon down if the failure was the daemon's, not the request's."""
-        code = error.code() if isinstance(error, grpc.RpcError) else None
+        if isinstance(error, grpc.RpcError):
+            code, details = error.code(), error.details()
+        elif isinstance(error, TransportError):
+            code, details = getattr(grpc.StatusCode, error.code, grpc.StatusCode.UNKNOWN), error.message
+        else:
+            code, details = None, str(error)
         self.failures += 1
-        self.last_error = f"{code.name if code else type(error).__name__}: " + (
-            error.details() if isinstance(error, grpc.RpcError) else str(error))
+        self.last_error = f"{code.name if code else type(error).__name__}: {details}"
         if code is None or code in _DOWN_CODES:
             self._down_until = time.monotonic() + self._backoff
             self._backoff = min(self._backoff * 2, self.config.max_down_backoff_s)
+            self._forget_data_channel()  # a restarted daemon may listen on another data port
+
+    async def data_channel(self) -> DataChannel | None:
+        """The daemon's raw-TCP data channel, asked for once; None for gRPC-only transport."""
+        if self.config.transport == "grpc":
+            return None
+        if not self._data_checked:
+            info = await self._info(pb.InfoRequest(), timeout=self.config.lookup_timeout_s)
+            host = self.address.rpartition(":")[0].strip("[]")
+            self._data = DataChannel(host, info.data_port) if info.data_port else None
+            self._data_checked = True
+        return self._data
+
+    def _forget_data_channel(self) -> None:
+        if self._data is not None:
+            self._data.close()
+        self._data, self._data_checked = None, False
 
     async def lookup(self, keys: list[bytes]) -> int:
         response = await self._lookup(pb.LookupRequest(keys=keys), timeout=self.config.lookup_timeout_s)
@@ -88,4 +114,5 @@ class Shard:
         return dict((await self._stats(pb.StatsRequest(), timeout=self.config.lookup_timeout_s)).values)
 
     async def close(self) -> None:
+        self._forget_data_channel()
         await self.channel.close()

@@ -50,6 +50,7 @@ class ServerConfig:
     port: int = 50051  # 0: the OS picks one; see port_file
     port_file: Path | None = None  # written with the bound port once serving
     metrics_port: int | None = None  # Prometheus /metrics; None: off, 0: the OS picks one
+    data_port: int | None = 50052  # raw-TCP bulk data channel; None: off (gRPC only), 0: the OS picks one
 
     capacity_bytes: int = 64 * 2**30
     high_watermark: float = 0.95
@@ -83,8 +84,10 @@ class ServerConfig:
             self.port_file = Path(self.port_file)
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be 0..65535 (0 lets the OS choose), got {self.port}")
-        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
-            raise ValueError(f"metrics_port must be 0..65535 or unset, got {self.metrics_port}")
+        for name in ("metrics_port", "data_port"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= 65535:
+                raise ValueError(f"{name} must be 0..65535, or 'off', got {value}")
         if not 0 < self.low_watermark < self.high_watermark <= 1:
             raise ValueError(
                 f"need 0 < low_watermark < high_watermark <= 1, got {self.low_watermark} and {self.high_watermark}"
@@ -138,7 +141,7 @@ _FIELDS = {f.name: f for f in dataclasses.fields(ServerConfig)}
 def _coerce(name: str, value: Any) -> Any:
     if name not in _FIELDS:
         raise ValueError(f"unknown setting {name!r}; known: {', '.join(sorted(_FIELDS))}")
-    if name in ("metrics_port", "port_file") and (value is None or str(value).lower() in ("", "none", "off")):
+    if name in ("metrics_port", "data_port", "port_file") and (value is None or str(value).lower() in ("", "none", "off")):
         return None
     try:
         if name in _SIZE_FIELDS:

@@ -21,6 +21,7 @@ class DaemonProcess:
         self.env = env or {}
         self.port = 0
         self.metrics_port: int | None = None
+        self.data_port: int | None = None
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -33,7 +34,7 @@ class DaemonProcess:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "kvstore.server.main", "--data-dir", str(self.data_dir),
-                 "--port", str(self.port), "--port-file", str(port_file), *self.args],
+                 "--port", str(self.port), "--port-file", str(port_file), "--data-port", "0", *self.args],
                 stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env, **(extra_env or {})})
         deadline = time.monotonic() + timeout_s
         while not port_file.exists():
@@ -43,9 +44,10 @@ class DaemonProcess:
                 self.kill()
                 raise TimeoutError(f"kvstore-server did not start within {timeout_s} s:\n{self.log()}")
             time.sleep(0.02)
-        port, metrics_port = port_file.read_text().split("\n")[:2]
+        port, metrics_port, data_port = port_file.read_text().split("\n")[:3]
         self.port = int(port)
         self.metrics_port = int(metrics_port) if metrics_port.strip() else None
+        self.data_port = int(data_port) if data_port.strip() else None
         return self
 
     def log(self) -> str:

@@ -189,6 +189,15 @@ class SegmentSet:
             os.close(segment.fd)
 
     @staticmethod
+    def read_into(segment: Segment, offset: int, view: memoryview) -> None:
+        faults.hit("segment.read")
+        while len(view):
+            received = os.preadv(segment.fd, [view], offset)
+            if received == 0:
+                raise OSError(f"segment {segment.id} ends before offset {offset}")
+            view, offset = view[received:], offset + received
+
+    @staticmethod
     def read(segment: Segment, offset: int, length: int) -> bytes:
         faults.hit("segment.read")
         data = os.pread(segment.fd, length, offset)

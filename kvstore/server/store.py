@@ -24,7 +24,7 @@ from kvstore.eviction import LRU, EvictionPolicy
 from kvstore.proto import pb
 from kvstore.record import CorruptRecord, RecordHeader, decode_header
 from kvstore.server.config import ServerConfig
-from kvstore.server.hot_tier import HotTier
+from kvstore.server.hot_tier import HotEntry, HotTier
 from kvstore.server.index import Entry, Index, IndexFull
 from kvstore.server.metrics import Metrics
 from kvstore.server.segments import Segment, SegmentSet
@@ -51,7 +51,12 @@ class OpenBlock:
     header: RecordHeader
     header_bytes: bytes
     segment: Segment | None  # held (acquired) while serving from the segment file
-    payload: bytes | None  # set when served from the DRAM tier
+    hot: HotEntry | None  # pinned while serving from the DRAM tier
+    tier: str  # where the hit was found: "dram" or "ssd"
+
+    @property
+    def payload(self) -> bytes | bytearray | None:
+        return self.hot.payload if self.hot is not None else None
 
 
 @dataclass(slots=True)
@@ -190,10 +195,9 @@ class BlockStore:
             return self._miss(pb.MISSING, "missing")
         if self._effective_expiry(key, entry) <= self._now_ms():
             return self._miss(pb.EXPIRED, "expired")
-        cached = self.hot.get(key)
+        cached = self.hot.pin(key)
         if cached is not None:
-            header_bytes, payload = cached
-            return OpenBlock(key, entry, decode_header(header_bytes), header_bytes, None, payload)
+            return OpenBlock(key, entry, decode_header(cached.header), cached.header, None, cached, "dram")
         segment = self.segments.acquire(entry.segment)
         if segment is None:
             return self._miss(pb.UNAVAILABLE, "segment_gone")
@@ -209,7 +213,7 @@ class BlockStore:
         except OSError:
             self.segments.release(segment)
             return self._miss(pb.UNAVAILABLE, "io_error")
-        return OpenBlock(key, entry, header, header_bytes, segment, None)
+        return OpenBlock(key, entry, header, header_bytes, segment, None, "ssd")
 
     async def read_layers(self, block: OpenBlock, begin: int, end: int) -> bytes:
         """Payload bytes of layers [begin, end), verified. Raises CorruptRecord or OSError."""
@@ -219,27 +223,34 @@ class BlockStore:
                 return block.payload
             return block.payload[begin * header.layer_bytes : end * header.layer_bytes]
         assert block.segment is not None
-        data = await self._io(SegmentSet.read, block.segment, block.entry.offset + header.layer_offset(begin),
-                              (end - begin) * header.layer_bytes)
+        whole = begin == 0 and end == header.n_layers
+        nbytes = (end - begin) * header.layer_bytes
+        data = self.hot.buffer(nbytes) if whole else bytearray(nbytes)
+        await self._io(SegmentSet.read_into, block.segment, block.entry.offset + header.layer_offset(begin),
+                       memoryview(data))
         try:
             header.check_layers(data, begin)
         except CorruptRecord:
             await self.drop_corrupt(block.key, block.entry)
             raise
-        if begin == 0 and end == header.n_layers:
+        if whole:  # the DRAM tier keeps it; pinned for this reader, as if it had come from there
             self.hot.put(block.key, block.header_bytes, data)
+            block.hot = self.hot.pin(block.key)
         return data
 
     def close_block(self, block: OpenBlock) -> None:
         if block.segment is not None:
             self.segments.release(block.segment)
             block.segment = None
+        if block.hot is not None:
+            self.hot.unpin(block.hot)
+            block.hot = None
 
     def record_hits(self, blocks: Sequence[OpenBlock], served_bytes: int) -> None:
         """Count and retain what was served; leaf first, so parents stay at least as recent as children."""
         now_ms = self._now_ms()
         for block in reversed(blocks):
-            self.metrics.hits.labels(tier="dram" if block.payload is not None else "ssd").inc()
+            self.metrics.hits.labels(tier=block.tier).inc()
             self.policy.access(block.key)
             self._extend(block.key, block.entry, now_ms, block.entry.class_id)
         self.metrics.bytes_read.inc(served_bytes)

@@ -1,0 +1,155 @@
+"""Data-plane throughput of one kvstore-server on loopback beside raw TCP, Redis and Mooncake Store.
+
+    python bench/dataplane.py [--sizes 1,4,16] [--repeats 5] [--json out.json]
+
+For each block size, every contender stores the same blocks and reads them back, one block per call
+("op", giving p50/p99 latency) and in batches ("batch": our prefix read, Redis MGET, Mooncake's
+zero-copy batch_get_into, pipelined raw TCP). Every contender gets the same warm-up pass and the same
+pre-touched destination buffers (fresh memory on these VMs costs ~3 us per 4 KiB page to fault in).
+Our reads are verified (header and per-layer checksums); the peers' are not. Puts use fresh names
+every repeat. Figures are medians over repeats with [min, max]; ratios are ours over theirs, each
+system at its faster Get path. Run bench/setup_peers.sh first for Redis and Mooncake.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.peers import Contender, KVStoreDaemon, Mooncake, RawTCP, Redis  # noqa: E402
+
+MiB = 2**20
+
+
+def timed(fn) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+def measure(contender: Contender, size: int, count: int, batch: int, repeats: int,
+            bufs: list[memoryview], payload: bytes) -> dict:
+    names_per_repeat = [list(range(r * count, (r + 1) * count)) for r in range(repeats + 1)]
+    contender.prepare(size, count * (repeats + 1))
+    # Warm-up: one full pass of every operation on names of its own.
+    for name in names_per_repeat[0]:
+        contender.put(name, payload)
+    for name, buf in zip(names_per_repeat[0], bufs):
+        contender.get(name, buf)
+    contender.get_many(names_per_repeat[0][:batch], bufs[:batch])
+    put_rates, op_rates, batch_rates, latencies = [], [], [], []
+    for names in names_per_repeat[1:]:
+        put_rates.append(count * size / sum(timed(lambda n=n: contender.put(n, payload)) for n in names))
+        op_times = [timed(lambda n=n, b=b: contender.get(n, b)) for n, b in zip(names, bufs)]
+        latencies += op_times
+        op_rates.append(count * size / sum(op_times))
+        batch_time = sum(timed(lambda i=i: contender.get_many(names[i:i + batch], bufs[i:i + batch]))
+                         for i in range(0, count, batch))
+        batch_rates.append(count * size / batch_time)
+    contender.clear([n for names in names_per_repeat for n in names])
+    latencies.sort()
+    return {
+        "put_GBps": _summary(put_rates),
+        "get_op_GBps": _summary(op_rates),
+        "get_batch_GBps": _summary(batch_rates),
+        "get_p50_ms": 1000 * latencies[len(latencies) // 2],
+        "get_p99_ms": 1000 * latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))],
+    }
+
+
+def _summary(rates: list[float]) -> dict:
+    return {"median": statistics.median(rates) / 1e9, "min": min(rates) / 1e9, "max": max(rates) / 1e9}
+
+
+def best_get(result: dict) -> float:
+    return max(result["get_op_GBps"]["median"], result["get_batch_GBps"]["median"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="1,4,16", help="block sizes in MiB")
+    parser.add_argument("--bytes-per-repeat", type=int, default=128, help="MiB moved per repeat and size")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--batch", type=int, default=8, help="blocks per batched get")
+    parser.add_argument("--only", default="", help="comma-separated contender names to run (e.g. 'kvstore,raw TCP')")
+    parser.add_argument("--json", type=Path, help="write every figure and the headline ratios here")
+    args = parser.parse_args()
+    sizes = [int(float(s) * MiB) for s in args.sizes.split(",")]
+    max_size = max(sizes)
+
+    contenders: list[Contender] = [RawTCP(max_size), KVStoreDaemon("auto"), KVStoreDaemon("grpc"), Redis(),
+                                   Mooncake(max_size, args.batch)]
+    if args.only:
+        wanted = {n.strip() for n in args.only.split(",")}
+        contenders = [c for c in contenders if c.name in wanted]
+    results: dict[str, dict[str, dict]] = {}
+    skipped: dict[str, str] = {}
+    payload_cache = {size: os.urandom(size) for size in sizes}
+    for contender in contenders:
+        try:
+            contender.start()
+        except Exception as exc:  # a peer that cannot run here is reported, not fatal
+            skipped[contender.name] = str(exc)
+            print(f"skipping {contender.name}: {exc}", file=sys.stderr)
+            continue
+        try:
+            for size in sizes:
+                count = max(args.batch, args.bytes_per_repeat * MiB // size)
+                whole = memoryview(bytearray(count * size))
+                whole[:] = b"\x01" * len(whole)  # pre-touched
+                contender.register(whole)
+                bufs = [whole[i * size : (i + 1) * size] for i in range(count)]
+                print(f"{contender.name:>18}: {size // MiB:>2} MiB x {count} ...", end="", flush=True, file=sys.stderr)
+                result = measure(contender, size, count, args.batch, args.repeats, bufs, payload_cache[size])
+                results.setdefault(contender.name, {})[f"{size // MiB}MiB"] = result
+                print(f" get {best_get(result):.2f} GB/s", file=sys.stderr)
+        finally:
+            contender.stop()
+
+    report = {"results": results, "skipped": skipped, "repeats": args.repeats, "batch": args.batch}
+    print_table(results, sizes)
+    ours = results.get("kvstore", {})
+    for size in sizes:
+        label = f"{size // MiB}MiB"
+        if label not in ours:
+            continue
+        for peer, key in (("raw TCP", "tcp"), ("Redis", "redis"), ("Mooncake", "mooncake")):
+            theirs = results.get(peer, {}).get(label)
+            if theirs:
+                report[f"get_vs_{key}_{label}"] = best_get(ours[label]) / best_get(theirs)
+                report[f"put_vs_{key}_{label}"] = ours[label]["put_GBps"]["median"] / theirs["put_GBps"]["median"]
+                report[f"{key}_get_GBps_{label}"] = best_get(theirs)
+                report[f"{key}_put_GBps_{label}"] = theirs["put_GBps"]["median"]
+        report[f"kvstore_get_GBps_{label}"] = best_get(ours[label])
+        report[f"kvstore_put_GBps_{label}"] = ours[label]["put_GBps"]["median"]
+    print()
+    for key in ("get_vs_tcp_4MiB", "get_vs_redis_4MiB", "get_vs_mooncake_4MiB", "put_vs_tcp_4MiB"):
+        if key in report:
+            print(f"{key:>22} = {report[key]:.2f}")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+        print(f"wrote {args.json}")
+
+
+def print_table(results: dict, sizes: list[int]) -> None:
+    print(f"\n{'contender':>18} {'size':>6} {'put GB/s':>20} {'get/op GB/s':>20} {'get/batch GB/s':>20} "
+          f"{'p50 ms':>7} {'p99 ms':>7}")
+    for name, by_size in results.items():
+        for size in sizes:
+            r = by_size.get(f"{size // MiB}MiB")
+            if r is None:
+                continue
+            cell = lambda s: f"{s['median']:.2f} [{s['min']:.2f}-{s['max']:.2f}]"  # noqa: E731
+            print(f"{name:>18} {size // MiB:>4}Mi {cell(r['put_GBps']):>20} {cell(r['get_op_GBps']):>20} "
+                  f"{cell(r['get_batch_GBps']):>20} {r['get_p50_ms']:>7.2f} {r['get_p99_ms']:>7.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,286 @@
+"""The contenders of bench/dataplane.py: our daemon, raw loopback TCP, Redis and Mooncake Store.
+
+Each one stores `count` blocks of one size under names made from an integer and reads them back into
+pre-touched destination buffers where its API allows (Redis and Mooncake's plain `get` return new
+bytes: that is their API). `get_many` is each system's batched read path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing as mp
+import os
+import shutil
+import socket
+import struct
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from kvstore.block import KVLayout, Namespace
+from kvstore.client import ClientConfig, KVClient
+from kvstore.server.process import DaemonProcess
+
+ROOT = Path(__file__).resolve().parent.parent
+PEER_LIBS = ROOT / "bench" / ".peers" / "lib"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_port(port: int, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"nothing listens on 127.0.0.1:{port}")
+
+
+class Contender:
+    name = "?"
+
+    def start(self) -> None: ...
+    def stop(self) -> None: ...
+    def prepare(self, size: int, names: int) -> None: ...
+    def register(self, whole: memoryview) -> None: ...
+    def put(self, name: int, data: bytes) -> None: raise NotImplementedError
+    def get(self, name: int, buf: memoryview) -> None: raise NotImplementedError
+    def get_many(self, names: list[int], bufs: list[memoryview]) -> None:
+        for name, buf in zip(names, bufs):
+            self.get(name, buf)
+    def clear(self, names: list[int]) -> None: ...
+
+
+# -- raw loopback TCP: the limit ----------------------------------------------------------------------
+
+
+def _tcp_server(port_queue: mp.Queue, max_size: int) -> None:
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    port_queue.put(listener.getsockname()[1])
+    conn, _ = listener.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    store = bytearray(os.urandom(max_size))  # pre-touched
+    sink = memoryview(bytearray(max_size))
+    sink[:] = store
+    header = struct.Struct("<cIQ")
+    while True:
+        raw = _recv_exact(conn, header.size)
+        if raw is None:
+            return
+        op, count, size = header.unpack(raw)
+        if op == b"P":
+            for _ in range(count):
+                view = sink[:size]
+                while len(view):
+                    view = view[conn.recv_into(view):]
+            conn.sendall(b"k")
+        else:
+            for _ in range(count):
+                conn.sendall(memoryview(store)[:size])
+
+
+def _recv_exact(conn: socket.socket, n: int) -> bytes | None:
+    data = b""
+    while len(data) < n:
+        chunk = conn.recv(n - len(data))
+        if not chunk:
+            return None
+        data += chunk
+    return data
+
+
+class RawTCP(Contender):
+    """Request/response over one loopback connection, no framing beyond a 13-byte header."""
+    name = "raw TCP"
+
+    def __init__(self, max_size: int) -> None:
+        self.max_size = max_size
+
+    def start(self) -> None:
+        queue: mp.Queue = mp.Queue()
+        self.proc = mp.Process(target=_tcp_server, args=(queue, self.max_size), daemon=True)
+        self.proc.start()
+        self.conn = socket.create_connection(("127.0.0.1", queue.get(timeout=10)))
+        self.conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.header = struct.Struct("<cIQ")
+
+    def stop(self) -> None:
+        self.conn.close()
+        self.proc.join(timeout=5)
+
+    def put(self, name: int, data: bytes) -> None:
+        self.conn.sendall(self.header.pack(b"P", 1, len(data)))
+        self.conn.sendall(data)
+        self.conn.recv(1)
+
+    def get(self, name: int, buf: memoryview) -> None:
+        self.get_many([name], [buf])
+
+    def get_many(self, names: list[int], bufs: list[memoryview]) -> None:
+        self.conn.sendall(self.header.pack(b"G", len(bufs), len(bufs[0])))
+        for buf in bufs:
+            view = buf
+            while len(view):
+                view = view[self.conn.recv_into(view):]
+
+
+# -- our daemon ---------------------------------------------------------------------------------------
+
+
+class KVStoreDaemon(Contender):
+    """One kvstore-server; blocks of a 32-layer layout, every read verified by the client."""
+
+    def __init__(self, transport: str = "auto", hot_tier_bytes: int = 512 * 2**20) -> None:
+        self.transport = transport
+        self.name = "kvstore" if transport == "auto" else f"kvstore ({transport})"
+        self.hot_tier_bytes = hot_tier_bytes
+
+    def start(self) -> None:
+        self.workdir = Path(tempfile.mkdtemp(prefix="kvstore-bench-"))
+        self.daemon = DaemonProcess(self.workdir / "data", self.workdir,
+                                    ["--hot-tier-bytes", str(self.hot_tier_bytes), "--max-block-bytes", "64MiB",
+                                     "--max-message-bytes", "64MiB", "--capacity-bytes", "64GiB"]).start()
+        self.client = KVClient(ClientConfig((self.daemon.address,), transport=self.transport, timeout_s=60,
+                                            max_message_bytes=80 * 2**20))
+
+    def stop(self) -> None:
+        self.client.close()
+        self.daemon.stop()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def prepare(self, size: int, names: int) -> None:
+        layers = 32
+        tokens = max(1, size // (layers * 2 * 8 * 128 * 2))  # bf16, 8 KV heads x 128: 128 KiB per token
+        self.namespace = Namespace("bench", KVLayout(layers, 8, 128, "bfloat16"), tokens)
+        assert self.namespace.block_bytes == size, f"{size} is not a whole number of tokens of this layout"
+        # Name i is block i of one long prompt, so a batch of names is a prefix read, as an engine does.
+        self.blocks = self.namespace.blocks(range(names * tokens))
+
+    def put(self, name: int, data: bytes) -> None:
+        summary = self.client.put([(self.blocks[name], data)], self.namespace.num_layers)
+        assert summary.stored == 1, summary
+
+    def get(self, name: int, buf: memoryview) -> None:
+        assert len(self.client.get([self.blocks[name]], into=[buf])) == 1
+
+    def get_many(self, names: list[int], bufs: list[memoryview]) -> None:
+        got = self.client.get([self.blocks[n] for n in names], into=bufs)
+        assert len(got) == len(names), len(got)
+
+    def clear(self, names: list[int]) -> None:
+        self.client.delete([self.blocks[n] for n in names])
+
+
+# -- Redis ----------------------------------------------------------------------------------------------
+
+
+class Redis(Contender):
+    name = "Redis"
+
+    def start(self) -> None:
+        import redis
+        if not shutil.which("redis-server"):
+            raise RuntimeError("redis-server is not installed; run bench/setup_peers.sh")
+        self.workdir = Path(tempfile.mkdtemp(prefix="redis-bench-"))
+        port = free_port()
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", str(self.workdir), "--proto-max-bulk-len", "1gb", "--client-query-buffer-limit", "1gb"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_for_port(port)
+        self.client = redis.Redis(host="127.0.0.1", port=port)
+
+    def stop(self) -> None:
+        self.client.close()
+        self.proc.terminate()
+        self.proc.wait(timeout=10)
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def put(self, name: int, data: bytes) -> None:
+        self.client.set(f"k{name}", data)
+
+    def get(self, name: int, buf: memoryview) -> None:
+        assert len(self.client.get(f"k{name}")) == len(buf)
+
+    def get_many(self, names: list[int], bufs: list[memoryview]) -> None:
+        values = self.client.mget([f"k{n}" for n in names])
+        assert all(v is not None for v in values)
+
+    def clear(self, names: list[int]) -> None:
+        self.client.flushall()
+
+
+# -- Mooncake Store -----------------------------------------------------------------------------------
+
+
+class Mooncake(Contender):
+    """mooncake_master + a mooncake_client storage process; this process is a pure client over TCP."""
+    name = "Mooncake"
+
+    def __init__(self, max_size: int, batch: int) -> None:
+        self.max_size, self.batch = max_size, batch
+
+    def start(self) -> None:
+        for lib in ("libnl-3.so.200", "libnl-route-3.so.200", "libibverbs.so.1"):  # unpacked, not installed
+            if (PEER_LIBS / lib).exists():
+                ctypes.CDLL(str(PEER_LIBS / lib), mode=ctypes.RTLD_GLOBAL)
+        from mooncake.store import MooncakeDistributedStore
+        bin_dir = Path(shutil.which("mooncake_master") or (ROOT / ".venv" / "bin" / "mooncake_master")).parent
+        env = {**os.environ, "LD_LIBRARY_PATH": f"{PEER_LIBS}:{os.environ.get('LD_LIBRARY_PATH', '')}",
+               "MC_TCP_BIND_ADDRESS": "127.0.0.1"}
+        master_port, store_port = free_port(), free_port()
+        self.procs = [subprocess.Popen([str(bin_dir / "mooncake_master"), f"--rpc_port={master_port}",
+                                        f"--metrics_port={free_port()}"],
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)]
+        wait_for_port(master_port)
+        self.procs.append(subprocess.Popen(
+            [str(bin_dir / "mooncake_client"), f"--master_server_address=127.0.0.1:{master_port}",
+             "--metadata_server=P2PHANDSHAKE", "--protocol=tcp", "--host=127.0.0.1", f"--port={store_port}",
+             "--global_segment_size=6 GB"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env))
+        wait_for_port(store_port)
+        time.sleep(1.0)  # the storage process mounts its segment with the master
+        self.store = MooncakeDistributedStore()
+        rc = self.store.setup("127.0.0.1", "P2PHANDSHAKE", 0, 2 * self.max_size * self.batch, "tcp", "",
+                              f"127.0.0.1:{master_port}")
+        if rc != 0:
+            raise RuntimeError(f"Mooncake setup failed with {rc}")
+        self.registered: set[int] = set()
+
+    def stop(self) -> None:
+        self.store.close()
+        for proc in reversed(self.procs):
+            proc.terminate()
+            proc.wait(timeout=10)
+
+    def _address(self, buf: memoryview) -> int:
+        address = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+        return address
+
+    def register(self, whole: memoryview) -> None:
+        address = self._address(whole)
+        if address not in self.registered:
+            assert self.store.register_buffer(address, len(whole)) == 0
+            self.registered.add(address)
+
+    def put(self, name: int, data: bytes) -> None:
+        assert self.store.put(f"k{name}", data) == 0
+
+    def get(self, name: int, buf: memoryview) -> None:  # plain get: returns new bytes
+        assert len(self.store.get(f"k{name}")) == len(buf)
+
+    def get_many(self, names: list[int], bufs: list[memoryview]) -> None:  # zero-copy batch_get_into
+        sizes = self.store.batch_get_into([f"k{n}" for n in names], [self._address(b) for b in bufs],
+                                          [len(b) for b in bufs])
+        assert all(s == len(b) for s, b in zip(sizes, bufs)), sizes
+
+    def clear(self, names: list[int]) -> None:
+        self.store.remove_all()

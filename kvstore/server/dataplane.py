@@ -1,0 +1,207 @@
+"""The daemon's bulk data channel: Get and Put over framed raw TCP (kvstore/wire.py).
+
+One request at a time per connection; clients keep a few connections open. The same validation,
+limits and store calls as the gRPC service; a protocol violation is answered with an ERROR frame
+naming a gRPC status code, and the connection is closed. A connection that stalls inside a frame
+for longer than `frame_timeout_s` is dropped, so a slow or stuck client cannot pin memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+
+from google.protobuf.message import DecodeError
+
+from kvstore import wire
+from kvstore.proto import pb
+from kvstore.record import FIXED_HEADER_BYTES
+from kvstore.server.config import ServerConfig
+from kvstore.server.reads import get_parts
+from kvstore.server.requests import RequestError, check_get, check_payload, check_put_head, parse_record_header
+from kvstore.server.service import ByteBudget
+from kvstore.server.store import BlockStore, DiskFull
+
+log = logging.getLogger(__name__)
+
+
+class _Closed(Exception):
+    pass
+
+
+class DataPlaneServer:
+    def __init__(self, store: BlockStore, config: ServerConfig, put_budget: ByteBudget,
+                 frame_timeout_s: float = 30.0) -> None:
+        self.store = store
+        self.config = config
+        self.put_budget = put_budget
+        self.frame_timeout_s = frame_timeout_s
+        self.metrics = store.metrics
+        self._listener: socket.socket | None = None
+        self._accepting: asyncio.Task | None = None
+        self._connections: set[asyncio.Task] = set()
+
+    async def start(self, host: str, port: int) -> int:
+        listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, port))
+        listener.listen(256)
+        listener.setblocking(False)
+        self._listener = listener
+        self._accepting = asyncio.create_task(self._accept_loop())
+        return listener.getsockname()[1]
+
+    async def stop(self, grace_s: float) -> None:
+        if self._accepting:
+            self._accepting.cancel()
+        if self._listener:
+            self._listener.close()
+        if self._connections:
+            _, pending = await asyncio.wait(self._connections, timeout=grace_s)
+            for task in pending:
+                task.cancel()
+
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            sock, _ = await loop.sock_accept(self._listener)
+            if len(self._connections) >= self.config.max_concurrent_rpcs:
+                sock.close()  # the client sees a reset and counts the daemon as busy
+                continue
+            sock.setblocking(False)
+            wire.tune(sock)
+            task = asyncio.create_task(self._serve(sock))
+            self._connections.add(task)
+            task.add_done_callback(self._connections.discard)
+
+    async def _serve(self, sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                try:
+                    prefix = await self._read(sock, wire.PREFIX.size, idle=True)
+                except _Closed:
+                    return
+                try:
+                    kind, head_len = wire.parse_prefix(prefix)
+                    head = await self._read(sock, head_len)
+                    if kind == wire.GET:
+                        await self._get(sock, self._parse(pb.GetRequest, head))
+                    elif kind == wire.PUT:
+                        await self._puts(sock, self._parse(pb.PutHead, head))
+                    else:
+                        raise RequestError(f"unexpected frame kind {kind}")
+                except (RequestError, wire.FrameError) as exc:
+                    exhausted = isinstance(exc, RequestError) and exc.exhausted
+                    await self._error(sock, "RESOURCE_EXHAUSTED" if exhausted else "INVALID_ARGUMENT", str(exc))
+                    return
+                except DiskFull as exc:
+                    self.metrics.rpc_errors.labels(method="data.Put", code="RESOURCE_EXHAUSTED").inc()
+                    await self._error(sock, "RESOURCE_EXHAUSTED", f"disk full: {exc}")
+                    return
+        except (_Closed, ConnectionError, asyncio.TimeoutError, OSError):
+            return
+        finally:
+            try:
+                sock.close()
+            except OSError:
+                pass
+            del loop
+
+    # -- Get ----------------------------------------------------------------------------------------
+
+    async def _get(self, sock: socket.socket, request: pb.GetRequest) -> None:
+        check_get(request, self.config)
+        loop = asyncio.get_running_loop()
+        started = time.perf_counter()
+        async for head, payload in get_parts(self.store, request):
+            await loop.sock_sendall(sock, wire.frame(wire.PART, head))
+            if payload is not None:
+                await loop.sock_sendall(sock, payload)
+        await loop.sock_sendall(sock, wire.frame(wire.DONE))
+        self.metrics.rpc_latency.labels(method="data.Get").observe(time.perf_counter() - started)
+
+    # -- Put ----------------------------------------------------------------------------------------
+
+    async def _puts(self, sock: socket.socket, first: pb.PutHead) -> None:
+        started = time.perf_counter()
+        tasks: list[asyncio.Task] = []
+        put_head: pb.PutHead | None = first
+        try:
+            while put_head is not None:
+                tasks.append(await self._receive_record(sock, put_head.record_bytes))
+                kind, head_len = wire.parse_prefix(await self._read(sock, wire.PREFIX.size))
+                head = await self._read(sock, head_len)
+                if kind == wire.PUT:
+                    put_head = self._parse(pb.PutHead, head)
+                elif kind == wire.PUT_END:
+                    put_head = None
+                else:
+                    raise RequestError(f"expected PUT or PUT_END, got frame kind {kind}")
+            results = await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                if not task.done():
+                    task.cancel()
+        response = pb.PutResponse(results=results).SerializeToString()
+        await asyncio.get_running_loop().sock_sendall(sock, wire.frame(wire.PUT_RESULT, response))
+        self.metrics.rpc_latency.labels(method="data.Put").observe(time.perf_counter() - started)
+
+    async def _receive_record(self, sock: socket.socket, declared: int) -> asyncio.Task:
+        check_put_head(declared, self.config)
+        await self.put_budget.acquire(declared)
+        try:
+            fixed = await self._read(sock, min(FIXED_HEADER_BYTES, declared))
+            header_len = int.from_bytes(fixed[8:12], "little") if len(fixed) == FIXED_HEADER_BYTES else 0
+            if not FIXED_HEADER_BYTES <= header_len <= declared:
+                raise RequestError(f"record header length {header_len} does not fit a {declared}-byte record")
+            header_bytes = fixed + await self._read(sock, header_len - FIXED_HEADER_BYTES)
+            header = parse_record_header(header_bytes, declared, list(self.config.classes))
+            payload = self.store.hot.buffer(header.payload_len)  # becomes the DRAM tier's copy
+            await self._read_into(sock, memoryview(payload))
+            check_payload(header, [payload])
+        except BaseException:
+            await self.put_budget.release(declared)
+            raise
+        return asyncio.ensure_future(self._store(header, header_bytes, payload, declared))
+
+    async def _store(self, header, header_bytes: bytes, payload: bytearray, declared: int) -> int:
+        try:
+            return await self.store.put(header, header_bytes, [payload])
+        finally:
+            await self.put_budget.release(declared)
+
+    # -- plumbing -----------------------------------------------------------------------------------
+
+    async def _read(self, sock: socket.socket, nbytes: int, idle: bool = False) -> bytes:
+        buf = bytearray(nbytes)
+        await self._read_into(sock, memoryview(buf), idle)
+        return bytes(buf)
+
+    async def _read_into(self, sock: socket.socket, view: memoryview, idle: bool = False) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = None if idle else time.monotonic() + self.frame_timeout_s
+        while len(view):
+            timeout = None if deadline is None else max(deadline - time.monotonic(), 0.001)
+            received = await asyncio.wait_for(loop.sock_recv_into(sock, view), timeout)
+            if received == 0:
+                raise _Closed()
+            view = view[received:]
+            deadline = deadline or time.monotonic() + self.frame_timeout_s  # a frame has begun
+
+    async def _error(self, sock: socket.socket, code: str, message: str) -> None:
+        self.metrics.rpc_errors.labels(method="data", code=code).inc()
+        try:
+            await asyncio.wait_for(asyncio.get_running_loop().sock_sendall(
+                sock, wire.frame(wire.ERROR, pb.DataError(code=code, message=message).SerializeToString())), 5)
+        except (OSError, asyncio.TimeoutError):
+            pass
+
+    @staticmethod
+    def _parse(message_type, raw: bytes):
+        try:
+            return message_type.FromString(raw)
+        except DecodeError:
+            raise RequestError(f"frame head is not a valid {message_type.DESCRIPTOR.name}") from None
