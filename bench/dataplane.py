@@ -7,7 +7,8 @@ For each block size, every contender stores the same blocks and reads them back,
 zero-copy batch_get_into, pipelined raw TCP). Every contender gets the same warm-up pass and the same
 pre-touched destination buffers (fresh memory on these VMs costs ~3 us per 4 KiB page to fault in).
 Our reads are verified (header and per-layer checksums); the peers' are not. Puts use fresh names
-every repeat. Figures are medians over repeats with [min, max]; ratios are ours over theirs, each
+every repeat. Repeats interleave the contenders, so that drift in these shared machines' speed hits
+them all alike. Figures are medians over repeats with [min, max]; ratios are ours over theirs, each
 system at its faster Get path. Run bench/setup_peers.sh first for Redis and Mooncake.
 """
 
@@ -34,34 +35,62 @@ def timed(fn) -> float:
     return time.perf_counter() - started
 
 
-def measure(contender: Contender, size: int, count: int, batch: int, repeats: int,
-            bufs: list[memoryview], payload: bytes) -> dict:
-    names_per_repeat = [list(range(r * count, (r + 1) * count)) for r in range(repeats + 1)]
-    contender.prepare(size, count * (repeats + 1))
-    # Warm-up: one full pass of every operation on names of its own.
-    for name in names_per_repeat[0]:
-        contender.put(name, payload)
-    for name, buf in zip(names_per_repeat[0], bufs):
-        contender.get(name, buf)
-    contender.get_many(names_per_repeat[0][:batch], bufs[:batch])
-    put_rates, op_rates, batch_rates, latencies = [], [], [], []
-    for names in names_per_repeat[1:]:
-        put_rates.append(count * size / sum(timed(lambda n=n: contender.put(n, payload)) for n in names))
-        op_times = [timed(lambda n=n, b=b: contender.get(n, b)) for n, b in zip(names, bufs)]
-        latencies += op_times
-        op_rates.append(count * size / sum(op_times))
-        batch_time = sum(timed(lambda i=i: contender.get_many(names[i:i + batch], bufs[i:i + batch]))
-                         for i in range(0, count, batch))
-        batch_rates.append(count * size / batch_time)
-    contender.clear([n for names in names_per_repeat for n in names])
-    latencies.sort()
-    return {
-        "put_GBps": _summary(put_rates),
-        "get_op_GBps": _summary(op_rates),
-        "get_batch_GBps": _summary(batch_rates),
-        "get_p50_ms": 1000 * latencies[len(latencies) // 2],
-        "get_p99_ms": 1000 * latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))],
-    }
+class Run:
+    """One contender at one block size: its names, buffers and the samples of every repeat."""
+
+    def __init__(self, contender: Contender, size: int, count: int, batch: int, repeats: int) -> None:
+        self.contender, self.size, self.count, self.batch = contender, size, count, batch
+        self.names = [list(range(r * count, (r + 1) * count)) for r in range(repeats + 1)]
+        self.whole = memoryview(bytearray(count * size))
+        self.whole[:] = b"\x01" * len(self.whole)  # pre-touched
+        self.bufs = [self.whole[i * size : (i + 1) * size] for i in range(count)]
+        self.put_rates: list[float] = []
+        self.op_rates: list[float] = []
+        self.batch_rates: list[float] = []
+        self.latencies: list[float] = []
+
+    def warm_up(self, payload: bytes) -> None:
+        """One full pass of every operation, on names of its own."""
+        self.contender.prepare(self.size, len(self.names) * self.count)
+        self.contender.register(self.whole)
+        for name in self.names[0]:
+            self.contender.put(name, payload)
+        for name, buf in zip(self.names[0], self.bufs):
+            self.contender.get(name, buf)
+        self.contender.get_many(self.names[0][: self.batch], self.bufs[: self.batch])
+
+    def repeat(self, r: int, payload: bytes) -> None:
+        c, names, nbytes = self.contender, self.names[r], self.count * self.size
+        self.put_rates.append(nbytes / sum(timed(lambda n=n: c.put(n, payload)) for n in names))
+        op_times = [timed(lambda n=n, b=b: c.get(n, b)) for n, b in zip(names, self.bufs)]
+        self.latencies += op_times
+        self.op_rates.append(nbytes / sum(op_times))
+        self.batch_rates.append(nbytes / sum(
+            timed(lambda i=i: c.get_many(names[i : i + self.batch], self.bufs[i : i + self.batch]))
+            for i in range(0, self.count, self.batch)))
+
+    def result(self) -> dict:
+        self.contender.clear([n for names in self.names for n in names])
+        latencies = sorted(self.latencies)
+        return {
+            "put_GBps": _summary(self.put_rates),
+            "get_op_GBps": _summary(self.op_rates),
+            "get_batch_GBps": _summary(self.batch_rates),
+            "get_p50_ms": 1000 * latencies[len(latencies) // 2],
+            "get_p99_ms": 1000 * latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))],
+        }
+
+
+def _attempt(fn, *args) -> bool:
+    """Run one step of one contender; a failure drops that contender at that size, not the benchmark."""
+    *fn_args, label, skipped = args
+    try:
+        fn(*fn_args)
+        return True
+    except Exception as exc:  # noqa: BLE001
+        skipped[label] = repr(exc)
+        print(f"{label} failed: {exc!r}", file=sys.stderr)
+        return False
 
 
 def _summary(rates: list[float]) -> dict:
@@ -91,26 +120,33 @@ def main() -> None:
         contenders = [c for c in contenders if c.name in wanted]
     results: dict[str, dict[str, dict]] = {}
     skipped: dict[str, str] = {}
-    payload_cache = {size: os.urandom(size) for size in sizes}
+    started: list[Contender] = []
     for contender in contenders:
         try:
             contender.start()
-        except Exception as exc:  # a peer that cannot run here is reported, not fatal
+            started.append(contender)
+        except Exception as exc:  # noqa: BLE001 - a peer that cannot run here is reported, not fatal
             skipped[contender.name] = str(exc)
             print(f"skipping {contender.name}: {exc}", file=sys.stderr)
-            continue
-        try:
-            for size in sizes:
-                count = max(args.batch, args.bytes_per_repeat * MiB // size)
-                whole = memoryview(bytearray(count * size))
-                whole[:] = b"\x01" * len(whole)  # pre-touched
-                contender.register(whole)
-                bufs = [whole[i * size : (i + 1) * size] for i in range(count)]
-                print(f"{contender.name:>18}: {size // MiB:>2} MiB x {count} ...", end="", flush=True, file=sys.stderr)
-                result = measure(contender, size, count, args.batch, args.repeats, bufs, payload_cache[size])
-                results.setdefault(contender.name, {})[f"{size // MiB}MiB"] = result
-                print(f" get {best_get(result):.2f} GB/s", file=sys.stderr)
-        finally:
+    try:
+        for size in sizes:
+            payload = os.urandom(size)
+            count = max(args.batch, args.bytes_per_repeat * MiB // size)
+            runs = []
+            for contender in started:
+                run = Run(contender, size, count, args.batch, args.repeats)
+                if _attempt(run.warm_up, payload, f"{contender.name} {size // MiB}MiB", skipped):
+                    runs.append(run)
+            # Repeats interleave the contenders, so that each repeat sees them all under the same load.
+            for r in range(1, args.repeats + 1):
+                print(f"{size // MiB} MiB x {count}: repeat {r}/{args.repeats}", file=sys.stderr)
+                for run in list(runs):
+                    if not _attempt(run.repeat, r, payload, f"{run.contender.name} {size // MiB}MiB", skipped):
+                        runs.remove(run)
+            for run in runs:
+                results.setdefault(run.contender.name, {})[f"{size // MiB}MiB"] = run.result()
+    finally:
+        for contender in started:
             contender.stop()
 
     report = {"results": results, "skipped": skipped, "repeats": args.repeats, "batch": args.batch}

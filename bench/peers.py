@@ -205,14 +205,17 @@ class Redis(Contender):
         self.proc.wait(timeout=10)
         shutil.rmtree(self.workdir, ignore_errors=True)
 
+    def prepare(self, size: int, names: int) -> None:
+        self.prefix = f"{size}-"
+
     def put(self, name: int, data: bytes) -> None:
-        self.client.set(f"k{name}", data)
+        self.client.set(f"{self.prefix}{name}", data)
 
     def get(self, name: int, buf: memoryview) -> None:
-        assert len(self.client.get(f"k{name}")) == len(buf)
+        assert len(self.client.get(f"{self.prefix}{name}")) == len(buf)
 
     def get_many(self, names: list[int], bufs: list[memoryview]) -> None:
-        values = self.client.mget([f"k{n}" for n in names])
+        values = self.client.mget([f"{self.prefix}{n}" for n in names])
         assert all(v is not None for v in values)
 
     def clear(self, names: list[int]) -> None:
@@ -271,14 +274,17 @@ class Mooncake(Contender):
             assert self.store.register_buffer(address, len(whole)) == 0
             self.registered.add(address)
 
+    def prepare(self, size: int, names: int) -> None:
+        self.prefix = f"{size}-"  # names of one size never meet another size's (removal waits for leases)
+
     def put(self, name: int, data: bytes) -> None:
-        assert self.store.put(f"k{name}", data) == 0
+        assert self.store.put(f"{self.prefix}{name}", data) == 0
 
     def get(self, name: int, buf: memoryview) -> None:  # plain get: returns new bytes
-        assert len(self.store.get(f"k{name}")) == len(buf)
+        assert len(self.store.get(f"{self.prefix}{name}")) == len(buf)
 
     def get_many(self, names: list[int], bufs: list[memoryview]) -> None:  # zero-copy batch_get_into
-        sizes = self.store.batch_get_into([f"k{n}" for n in names], [self._address(b) for b in bufs],
+        sizes = self.store.batch_get_into([f"{self.prefix}{n}" for n in names], [self._address(b) for b in bufs],
                                           [len(b) for b in bufs])
         assert all(s == len(b) for s, b in zip(sizes, bufs)), sizes
 

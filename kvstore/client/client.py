@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Awaitable, Iterator, Sequence, TypeVar
@@ -17,7 +18,7 @@ import grpc
 
 from kvstore.block import Block, same_namespace
 from kvstore.client.config import ClientConfig
-from kvstore.client.dataplane import TransportError
+from kvstore.client.dataplane import DataChannel, TransportError
 from kvstore.client.placement import place
 from kvstore.client.shard import Shard
 from kvstore.proto import pb
@@ -127,37 +128,51 @@ class AsyncKVClient:
         With `into`, block i's layers land in into[i] (layer-major, at least (end - begin) * layer_bytes
         long) and BlockData.payload is a view of it; reused, pre-touched buffers avoid page faults.
         """
+        plans = self._plan_get(blocks, layer_begin, layer_end, layer_major, into)
+
+        async def run(plan: _ShardGet) -> None:
+            try:
+                channel = await plan.shard.data_channel()
+                if channel is not None:
+                    await asyncio.to_thread(self._get_over_channel, channel, plan)
+                else:
+                    await self._get_grpc(plan.shard, plan.request, plan.assembly)
+            except (grpc.RpcError, TransportError, CorruptRecord) as exc:
+                self._get_failed(plan, exc)
+            else:
+                plan.shard.succeeded()
+
+        await asyncio.gather(*(run(plan) for plan in plans))
+        return self._finish_get(plans)
+
+    def _plan_get(self, blocks: Sequence[Block], layer_begin: int, layer_end: int | None, layer_major: bool,
+                  into: Sequence[Buffer] | None) -> list["_ShardGet"]:
         same_namespace(blocks)
-        if not blocks:
-            return []
         if into is not None and len(into) < len(blocks):
             raise ValueError(f"`into` has {len(into)} buffers for {len(blocks)} blocks")
-        request_end = layer_end or 0
-        results: dict[int, BlockData] = {}
-
-        async def from_shard(shard: Shard, positions: list[int]) -> None:
-            assembly = _Assembly(blocks, positions, layer_begin, layer_end, into, self.stats)
+        plans = []
+        for shard, positions in self._group(blocks).items():
+            if shard is None:
+                continue
             request = pb.GetRequest(keys=[blocks[i].key for i in positions], layer_begin=layer_begin,
-                                    layer_end=request_end, stop_at_miss=True,
+                                    layer_end=layer_end or 0, stop_at_miss=True,
                                     order=pb.LAYER_MAJOR if layer_major else pb.BLOCK_MAJOR)
-            try:
-                channel = await shard.data_channel()
-                if channel is not None:
-                    await asyncio.to_thread(channel.get, request, assembly.sink, assembly.received,
-                                            self.config.timeout_s)
-                else:
-                    await self._get_grpc(shard, request, assembly)
-            except (grpc.RpcError, TransportError) as exc:
-                self._failed(shard, exc)
-            except CorruptRecord as exc:  # a daemon that breaks the protocol
-                self.stats.miss_causes[exc.cause] += 1
-                self._failed(shard, exc)
-            else:
-                shard.succeeded()
-            results.update(assembly.results())
+            plans.append(_ShardGet(shard, request,
+                                   _Assembly(blocks, positions, layer_begin, layer_end, into, self.stats)))
+        return plans
 
-        await asyncio.gather(*(from_shard(shard, positions)
-                               for shard, positions in self._group(blocks).items() if shard is not None))
+    def _get_over_channel(self, channel: DataChannel, plan: "_ShardGet") -> None:
+        channel.get(plan.request, plan.assembly.sink, plan.assembly.received, self.config.timeout_s)
+
+    def _get_failed(self, plan: "_ShardGet", exc: Exception) -> None:
+        if isinstance(exc, CorruptRecord):  # a daemon that breaks the protocol
+            self.stats.miss_causes[exc.cause] += 1
+        self._failed(plan.shard, exc)
+
+    def _finish_get(self, plans: list["_ShardGet"]) -> list[BlockData]:
+        results: dict[int, BlockData] = {}
+        for plan in plans:
+            results.update(plan.assembly.results())
         prefix: list[BlockData] = []
         while len(prefix) in results:
             prefix.append(results[len(prefix)])
@@ -256,6 +271,13 @@ class AsyncKVClient:
                 return None
         values = await asyncio.gather(*(one(shard) for shard in self.shards.values()))
         return dict(zip(self.shards, values))
+
+
+@dataclass(slots=True)
+class _ShardGet:
+    shard: Shard
+    request: pb.GetRequest
+    assembly: "_Assembly"
 
 
 class _Assembly:
@@ -369,6 +391,7 @@ class KVClient:
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvstore-client", daemon=True)
         self._thread.start()
         self._async = self._run(_make_async(config))
+        self._pool = ThreadPoolExecutor(max_workers=len(self._async.shards), thread_name_prefix="kvstore-get")
 
     @property
     def stats(self) -> ClientStats:
@@ -382,7 +405,27 @@ class KVClient:
 
     def get(self, blocks: Sequence[Block], layer_begin: int = 0, layer_end: int | None = None,
             layer_major: bool = False, into: Sequence[Buffer] | None = None) -> list[BlockData]:
-        return self._run(self._async.get(blocks, layer_begin, layer_end, layer_major, into))
+        """As AsyncKVClient.get. When every daemon involved has a known data channel, the sockets are
+        driven from this thread (and a pool thread per extra daemon), skipping two thread hops."""
+        client = self._async
+        plans = client._plan_get(blocks, layer_begin, layer_end, layer_major, into)
+        channels = [plan.shard.known_data_channel() for plan in plans]
+        if not plans or any(channel is None for channel in channels):
+            return self._run(client.get(blocks, layer_begin, layer_end, layer_major, into))
+
+        def run(plan, channel) -> None:
+            try:
+                client._get_over_channel(channel, plan)
+            except (TransportError, CorruptRecord) as exc:
+                client._get_failed(plan, exc)
+            else:
+                plan.shard.succeeded()
+
+        extra = [self._pool.submit(run, plan, channel) for plan, channel in zip(plans[1:], channels[1:])]
+        run(plans[0], channels[0])
+        for future in extra:
+            future.result()
+        return client._finish_get(plans)
 
     def put(self, items: Sequence[tuple[Block, bytes]], num_layers: int, traffic_class: str = "chat") -> PutSummary:
         return self._run(self._async.put(items, num_layers, traffic_class))
@@ -400,6 +443,7 @@ class KVClient:
         return self._async.last_errors()
 
     def close(self) -> None:
+        self._pool.shutdown(wait=True)
         if self._loop.is_running():
             self._run(self._async.close())
             self._loop.call_soon_threadsafe(self._loop.stop)

@@ -86,6 +86,10 @@ class Shard:
             self._data_checked = True
         return self._data
 
+    def known_data_channel(self) -> DataChannel | None:
+        """The data channel if it is already known and the daemon is up; never blocks."""
+        return self._data if self._data_checked and self.up else None
+
     def _forget_data_channel(self) -> None:
         if self._data is not None:
             self._data.close()

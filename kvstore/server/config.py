@@ -76,6 +76,7 @@ class ServerConfig:
     max_concurrent_rpcs: int = 256
     io_threads: int = 8
     grace_s: float = 5.0
+    data_frame_timeout_s: float = 30.0  # a data-channel client stalled inside a frame this long is dropped
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
@@ -123,7 +124,8 @@ class ServerConfig:
             raise ValueError("lmdb_max_map_bytes must be >= lmdb_map_bytes")
         if self.max_block_bytes > self.max_inflight_put_bytes:
             raise ValueError("max_inflight_put_bytes must be >= max_block_bytes, or no block could ever be put")
-        for name in ("expiry_bucket_s", "sweep_interval_s", "access_flush_interval_s", "grace_s"):
+        for name in ("expiry_bucket_s", "sweep_interval_s", "access_flush_interval_s", "grace_s",
+                     "data_frame_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
@@ -134,7 +136,7 @@ class ServerConfig:
 
 _SIZE_FIELDS = {"capacity_bytes", "segment_bytes", "hot_tier_bytes", "lmdb_map_bytes", "lmdb_max_map_bytes",
                 "max_block_bytes", "max_message_bytes", "max_inflight_put_bytes"}
-_TIME_FIELDS = {"expiry_bucket_s", "sweep_interval_s", "access_flush_interval_s", "grace_s"}
+_TIME_FIELDS = {"expiry_bucket_s", "sweep_interval_s", "access_flush_interval_s", "grace_s", "data_frame_timeout_s"}
 _FIELDS = {f.name: f for f in dataclasses.fields(ServerConfig)}
 
 

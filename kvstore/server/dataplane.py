@@ -32,12 +32,11 @@ class _Closed(Exception):
 
 
 class DataPlaneServer:
-    def __init__(self, store: BlockStore, config: ServerConfig, put_budget: ByteBudget,
-                 frame_timeout_s: float = 30.0) -> None:
+    def __init__(self, store: BlockStore, config: ServerConfig, put_budget: ByteBudget) -> None:
         self.store = store
         self.config = config
         self.put_budget = put_budget
-        self.frame_timeout_s = frame_timeout_s
+        self.frame_timeout_s = config.data_frame_timeout_s
         self.metrics = store.metrics
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task | None = None

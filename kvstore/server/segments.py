@@ -4,8 +4,10 @@ Each segment holds records whose expiry falls in one time bucket, so that expiry
 deletion. Appends to a segment are serialised and a failed append is truncated away, so a segment is
 always a clean sequence of whole records, except for a torn tail after a crash, which start-up cuts off.
 
-File names say the state: `<id>-<bucket_end>.open` while appended to, `.sealed` once full and synced.
-Only `.open` files need scanning after a crash.
+File names say the state: `<id>-<bucket_end>.open` while appended to, `.sealed` once full (and synced,
+with durability "fsync"). Only `.open` files are scanned after a crash: a daemon crash leaves sealed
+files whole; a power failure under durability "os" may not, and then every read's checksums turn the
+damage into misses.
 
 Thread-safety: `append`, `sync`, `read` run on I/O threads; `acquire`/`release`/`delete` and the
 bookkeeping run on the event loop thread. A reader holds a reference, so deleting a segment that is
@@ -126,7 +128,7 @@ class SegmentSet:
                     raise
                 segment.size = offset + nbytes
                 if segment.size >= self.segment_bytes:
-                    self._seal_locked(segment, sync=True)
+                    self._seal_locked(segment, sync=self.fsync)
                 return segment, offset
 
     def _writable(self, bucket_end: int, nbytes: int) -> Segment:
@@ -138,7 +140,7 @@ class SegmentSet:
                 return segment  # a record larger than a segment gets a segment of its own
             if segment is not None and not segment.sealed:
                 with segment.lock:
-                    self._seal_locked(segment, sync=True)
+                    self._seal_locked(segment, sync=self.fsync)
             seg_id = self._next_id
             self._next_id += 1
             path = self.directory / f"{seg_id:010d}-{bucket_end}.open"
@@ -150,7 +152,7 @@ class SegmentSet:
 
     def seal(self, segment: Segment) -> None:
         with segment.lock:
-            self._seal_locked(segment, sync=True)
+            self._seal_locked(segment, sync=self.fsync)
 
     def _seal_locked(self, segment: Segment, sync: bool) -> None:
         if segment.sealed:

@@ -201,3 +201,39 @@ async def test_restart_drops_index_entries_without_whole_records(open_store, clo
     assert reopened.lookup([r[0].key for r in recs]) == 3
     assert isinstance(await reopened.open_block(recs[-1][0].key), Miss)
     assert os.path.getsize(next(reopened.segments.directory.glob("*.sealed"))) == last.offset
+
+
+async def test_dram_eviction_during_a_read_never_rewrites_what_the_reader_sends(open_store):
+    # One record fits the DRAM tier: every put evicts the previous one and recycles its buffer.
+    record_bytes = sum(map(len, records(1)[0][1::2]))
+    store = await open_store(hot_tier_bytes=record_bytes)
+    recs = records(4)
+
+    async def put_in_recyclable_buffer(header_bytes, header, payload):
+        buffer = store.hot.buffer(len(payload))  # block 0's buffer, were it not pinned
+        buffer[:] = payload
+        await store.put(header, header_bytes, [buffer])
+
+    await put_in_recyclable_buffer(*recs[0][1:])
+    found = await store.open_block(recs[0][0].key)
+    assert found.tier == "dram"
+    for _, header_bytes, header, payload in recs[1:]:
+        await put_in_recyclable_buffer(header_bytes, header, payload)
+    assert bytes(await store.read_layers(found, 0, NS.num_layers)) == recs[0][3]
+    store.close_block(found)
+
+
+async def test_ssd_reads_fill_the_dram_tier_and_count_their_tier(open_store):
+    store = await open_store()
+    recs = records(2)
+    await put_all(store, recs)
+    store.hot = type(store.hot)(10 * 2**20)  # an empty DRAM tier, as after a restart
+    found = await store.open_block(recs[0][0].key)
+    assert found.tier == "ssd"
+    assert bytes(await store.read_layers(found, 0, NS.num_layers)) == recs[0][3]
+    store.record_hits([found], NS.block_bytes)
+    store.close_block(found)
+    again = await store.open_block(recs[0][0].key)
+    assert again.tier == "dram"
+    store.close_block(again)
+    assert store.metrics.hits.labels(tier="ssd")._value.get() == 1

@@ -1,0 +1,144 @@
+"""The raw-TCP bulk data channel: used when offered, precise errors for hostile frames, bounded memory."""
+
+import os
+import socket
+import struct
+import time
+
+import pytest
+
+from kvstore import wire
+from kvstore.block import KVLayout, Namespace
+from kvstore.client import ClientConfig, KVClient
+from kvstore.proto import pb
+from kvstore.record import build_record
+
+pytestmark = pytest.mark.integration
+
+NS = Namespace("data-test", KVLayout(num_layers=4, kv_heads=2, head_dim=32, dtype="float16"), block_tokens=16)
+
+
+@pytest.fixture
+def daemon(daemons):
+    return daemons(1, "--max-block-bytes", "4MiB", "--data-frame-timeout-s", "1")[0]
+
+
+def prompt(n_blocks: int, start: int = 0):
+    return [(b, os.urandom(NS.block_bytes)) for b in NS.blocks(range(start, start + n_blocks * NS.block_tokens))]
+
+
+def data_calls(client: KVClient, address: str, method: str) -> float:
+    return client.server_stats()[address].get(f"kvstore_rpc_seconds_count{{method={method}}}", 0)
+
+
+@pytest.mark.parametrize("transport, channel_used", [("auto", True), ("grpc", False)])
+def test_transport_choice(daemon, transport, channel_used):
+    items = prompt(5)
+    with KVClient(ClientConfig((daemon.address,), transport=transport)) as client:
+        assert client.put(items, NS.num_layers).stored == 5
+        assert [g.payload for g in client.get([b for b, _ in items])] == [p for _, p in items]
+        layered = client.get([b for b, _ in items], 2, 4, layer_major=True)
+        assert [bytes(g.payload) for g in layered] == [p[2 * NS.layer_bytes :] for _, p in items]
+        assert (data_calls(client, daemon.address, "data.Get") > 0) == channel_used
+        assert (data_calls(client, daemon.address, "data.Put") > 0) == channel_used
+
+
+def test_get_into_caller_buffers(daemon):
+    items = prompt(3)
+    buffers = [bytearray(NS.block_bytes) for _ in items]
+    with KVClient([daemon.address]) as client:
+        client.put(items, NS.num_layers)
+        got = client.get([b for b, _ in items], into=buffers)
+        assert [bytes(b) for b in buffers] == [p for _, p in items]
+        assert all(g.payload.obj is buf for g, buf in zip(got, buffers)), "no copy: payload views the caller's buffer"
+        with pytest.raises(ValueError, match="into"):
+            client.get([b for b, _ in items], into=[bytearray(10)] * 3)
+
+
+def exchange(daemon, payload: bytes, read_timeout: float = 5.0) -> tuple[int, bytes]:
+    """Send raw bytes on a fresh data connection; the first frame the daemon answers with."""
+    with socket.create_connection(("127.0.0.1", daemon.data_port), timeout=read_timeout) as sock:
+        sock.sendall(payload)
+        prefix = _recv(sock, wire.PREFIX.size)
+        kind, head_len = wire.parse_prefix(prefix)
+        return kind, _recv(sock, head_len)
+
+
+def _recv(sock, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError("closed")
+        data += chunk
+    return data
+
+
+def _bad_frames():
+    (block, payload), = prompt(1, start=500)
+    header, body = build_record(block, payload, NS.num_layers, "chat")
+    put = lambda declared: wire.frame(wire.PUT, pb.PutHead(record_bytes=declared).SerializeToString())  # noqa: E731
+    flipped = bytearray(body)
+    flipped[7] ^= 1
+    return {
+        "bad magic": (b"XXXX" + bytes(8), "INVALID_ARGUMENT"),
+        "head too long": (struct.pack("<4sBxxxI", b"KVD1", wire.GET, wire.MAX_HEAD_BYTES + 1), "INVALID_ARGUMENT"),
+        "unknown kind": (wire.frame(42), "INVALID_ARGUMENT"),
+        "get head not protobuf": (wire.frame(wire.GET, b"\xff\xff"), "INVALID_ARGUMENT"),
+        "get short key": (wire.frame(wire.GET, pb.GetRequest(keys=[b"abc"]).SerializeToString()), "INVALID_ARGUMENT"),
+        "put of zero bytes": (put(0), "INVALID_ARGUMENT"),
+        "put over the block limit": (put(5 * 2**20), "RESOURCE_EXHAUSTED"),
+        "put garbage header": (put(len(header) + len(body)) + os.urandom(len(header)), "INVALID_ARGUMENT"),
+        "put lying length": (put(len(header) + len(body) + 8) + header, "INVALID_ARGUMENT"),
+        "put flipped payload": (put(len(header) + len(body)) + header + bytes(flipped), "INVALID_ARGUMENT"),
+        "put then a get frame": (put(len(header) + len(body)) + header + body + wire.frame(wire.GET), "INVALID_ARGUMENT"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_bad_frames()))
+def test_hostile_frames_get_an_error_frame_and_the_daemon_keeps_serving(daemon, case):
+    payload, code = _bad_frames()[case]
+    kind, head = exchange(daemon, payload)
+    assert kind == wire.ERROR
+    assert pb.DataError.FromString(head).code == code
+    with KVClient([daemon.address]) as client:
+        items = prompt(2, start=900)
+        assert client.put(items, NS.num_layers).stored == 2
+        assert len(client.get([b for b, _ in items])) == 2
+        assert client.server_stats()[daemon.address].get("kvstore_puts_total{result=stored}") == 2
+
+
+def test_a_client_stalled_inside_a_frame_is_dropped(daemon):
+    with socket.create_connection(("127.0.0.1", daemon.data_port), timeout=10) as sock:
+        sock.sendall(wire.frame(wire.PUT, pb.PutHead(record_bytes=100_000).SerializeToString())[:-1])
+        started = time.monotonic()
+        assert sock.recv(1) == b"", "the daemon closes the connection"
+        assert time.monotonic() - started < 8
+    with socket.create_connection(("127.0.0.1", daemon.data_port), timeout=10) as sock:
+        time.sleep(1.5)  # idle between frames is fine
+        sock.sendall(wire.frame(wire.GET, pb.GetRequest(keys=[b"k" * 16]).SerializeToString()))
+        kind, head = wire.parse_prefix(_recv(sock, wire.PREFIX.size))
+        assert kind == wire.PART
+
+
+def test_memory_stays_bounded_under_abandoned_puts(daemon):
+    (block, payload), = prompt(1, start=700)
+    header, _ = build_record(block, payload, NS.num_layers, "chat")
+    rss_before = daemon.rss_bytes()
+    for _ in range(60):
+        with socket.create_connection(("127.0.0.1", daemon.data_port), timeout=5) as sock:
+            sock.sendall(wire.frame(wire.PUT, pb.PutHead(record_bytes=4 * 2**20 - 1).SerializeToString()) + header
+                         + os.urandom(2**20))
+    time.sleep(0.5)
+    assert daemon.rss_bytes() - rss_before < 96 * 2**20
+    with KVClient([daemon.address]) as client:
+        assert client.put(prompt(1, start=800), NS.num_layers).stored == 1
+
+
+def test_a_daemon_without_a_data_channel_serves_over_grpc(daemons):
+    daemon, = daemons(1, "--data-port", "off")
+    assert daemon.data_port is None
+    items = prompt(2)
+    with KVClient([daemon.address]) as client:
+        assert client.put(items, NS.num_layers).stored == 2
+        assert len(client.get([b for b, _ in items])) == 2
