@@ -1,6 +1,8 @@
 """The engine-embedded client of a kvstore cluster."""
 
-from kvstore.client.client import AsyncKVClient, BlockData, ClientStats, KVClient, PutSummary
+from kvstore.client.assembly import BlockData
+from kvstore.client.client import AsyncKVClient, ClientStats, PutSummary
 from kvstore.client.config import ClientConfig
+from kvstore.client.sync import KVClient
 
 __all__ = ["AsyncKVClient", "BlockData", "ClientConfig", "ClientStats", "KVClient", "PutSummary"]

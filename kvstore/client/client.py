@@ -8,11 +8,9 @@ mistake (mixed namespaces, a payload that does not fit the layout) raises ValueE
 from __future__ import annotations
 
 import asyncio
-import threading
-from concurrent.futures import ThreadPoolExecutor
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Awaitable, Iterator, Sequence, TypeVar
+from typing import Iterator, Sequence
 
 import grpc
 
@@ -22,27 +20,8 @@ from kvstore.client.dataplane import DataChannel, TransportError
 from kvstore.client.placement import place
 from kvstore.client.shard import Shard
 from kvstore.proto import pb
-from kvstore.record import CorruptRecord, RecordHeader, build_record, decode_header
-
-T = TypeVar("T")
-VERIFY_CHUNK_BYTES = 256 * 1024  # verify a part in chunks of about this size while the rest arrives
-Buffer = bytes | bytearray | memoryview
-
-
-@dataclass(slots=True)
-class BlockData:
-    """A verified block as read: layers [layer_begin, layer_end) of its layer-major payload."""
-
-    block: Block
-    header: RecordHeader
-    layer_begin: int
-    layer_end: int
-    payload: Buffer  # (layer_end - layer_begin) * header.layer_bytes bytes, layer-major
-
-    def layer(self, layer: int) -> memoryview:
-        size = self.header.layer_bytes
-        start = (layer - self.layer_begin) * size
-        return memoryview(self.payload)[start : start + size]
+from kvstore.client.assembly import BlockData, Buffer, GetAssembly, ShardGet
+from kvstore.record import CorruptRecord, build_record
 
 
 @dataclass(slots=True)
@@ -130,7 +109,7 @@ class AsyncKVClient:
         """
         plans = self._plan_get(blocks, layer_begin, layer_end, layer_major, into)
 
-        async def run(plan: _ShardGet) -> None:
+        async def run(plan: ShardGet) -> None:
             try:
                 channel = await plan.shard.data_channel()
                 if channel is not None:
@@ -146,7 +125,7 @@ class AsyncKVClient:
         return self._finish_get(plans)
 
     def _plan_get(self, blocks: Sequence[Block], layer_begin: int, layer_end: int | None, layer_major: bool,
-                  into: Sequence[Buffer] | None) -> list["_ShardGet"]:
+                  into: Sequence[Buffer] | None) -> list[ShardGet]:
         same_namespace(blocks)
         if into is not None and len(into) < len(blocks):
             raise ValueError(f"`into` has {len(into)} buffers for {len(blocks)} blocks")
@@ -157,19 +136,19 @@ class AsyncKVClient:
             request = pb.GetRequest(keys=[blocks[i].key for i in positions], layer_begin=layer_begin,
                                     layer_end=layer_end or 0, stop_at_miss=True,
                                     order=pb.LAYER_MAJOR if layer_major else pb.BLOCK_MAJOR)
-            plans.append(_ShardGet(shard, request,
-                                   _Assembly(blocks, positions, layer_begin, layer_end, into, self.stats)))
+            plans.append(ShardGet(shard, request,
+                                   GetAssembly(blocks, positions, layer_begin, layer_end, into, self.stats.miss_causes)))
         return plans
 
-    def _get_over_channel(self, channel: DataChannel, plan: "_ShardGet") -> None:
+    def _get_over_channel(self, channel: DataChannel, plan: ShardGet) -> None:
         channel.get(plan.request, plan.assembly.sink, plan.assembly.received, self.config.timeout_s)
 
-    def _get_failed(self, plan: "_ShardGet", exc: Exception) -> None:
+    def _get_failed(self, plan: ShardGet, exc: Exception) -> None:
         if isinstance(exc, CorruptRecord):  # a daemon that breaks the protocol
             self.stats.miss_causes[exc.cause] += 1
         self._failed(plan.shard, exc)
 
-    def _finish_get(self, plans: list["_ShardGet"]) -> list[BlockData]:
+    def _finish_get(self, plans: list[ShardGet]) -> list[BlockData]:
         results: dict[int, BlockData] = {}
         for plan in plans:
             results.update(plan.assembly.results())
@@ -181,7 +160,7 @@ class AsyncKVClient:
         return prefix
 
     @staticmethod
-    async def _get_grpc(shard: Shard, request: pb.GetRequest, assembly: "_Assembly") -> None:
+    async def _get_grpc(shard: Shard, request: pb.GetRequest, assembly: GetAssembly) -> None:
         pending: pb.GetPartHead | None = None
         async for message in shard.get(request):
             if pending is None:
@@ -271,199 +250,3 @@ class AsyncKVClient:
                 return None
         values = await asyncio.gather(*(one(shard) for shard in self.shards.values()))
         return dict(zip(self.shards, values))
-
-
-@dataclass(slots=True)
-class _ShardGet:
-    shard: Shard
-    request: pb.GetRequest
-    assembly: "_Assembly"
-
-
-class _Assembly:
-    """One shard's share of a Get: checks every part and gathers verified blocks.
-
-    Runs on the data channel's worker thread or on the event loop, never on both at once.
-    """
-
-    def __init__(self, blocks: Sequence[Block], positions: list[int], layer_begin: int, layer_end: int | None,
-                 into: Sequence[Buffer] | None, stats: ClientStats) -> None:
-        self.blocks, self.positions = blocks, positions
-        self.layer_begin, self.layer_end = layer_begin, layer_end
-        self.into, self.stats = into, stats
-        self.headers: dict[int, RecordHeader] = {}
-        self.payloads: dict[int, Buffer] = {}
-        self.received_bytes: dict[int, int] = {}
-        self.broken: set[int] = set()
-
-    def _miss(self, local: int, cause: str) -> None:
-        self.stats.miss_causes[cause] += 1
-        self.broken.add(local)
-
-    def accept(self, head: pb.GetPartHead) -> bool:
-        """Check a part's head; True when its payload is wanted."""
-        if head.index >= len(self.positions):
-            raise CorruptRecord("protocol", f"part index {head.index} out of range")
-        local = head.index
-        if head.status != pb.OK:
-            self._miss(local, head.cause or pb.PartStatus.Name(head.status).lower())
-            return False
-        if head.header:
-            try:
-                header = decode_header(head.header)
-                header.check_expected(self.blocks[self.positions[local]])
-                self.headers[local] = header
-            except CorruptRecord as exc:  # a collision or a substituted block: a miss
-                self._miss(local, exc.cause)
-        return bool(head.payload_bytes) and local not in self.broken and local in self.headers
-
-    def destination(self, head: pb.GetPartHead) -> memoryview:
-        """Where this part's payload belongs in its block's buffer."""
-        local = head.index
-        header = self.headers[local]
-        end = self.layer_end or header.n_layers
-        size = (end - self.layer_begin) * header.layer_bytes
-        if local not in self.payloads:
-            if self.into is not None:
-                target = memoryview(self.into[self.positions[local]]).cast("B")
-                if len(target) < size:
-                    raise ValueError(f"into[{self.positions[local]}] has {len(target)} bytes; the block needs {size}")
-                self.payloads[local] = target[:size]
-            else:
-                self.payloads[local] = memoryview(bytearray(size))
-        start = (head.layer_begin - self.layer_begin) * header.layer_bytes
-        if head.layer_begin < self.layer_begin or start + head.payload_bytes > size:
-            raise CorruptRecord("protocol", "part outside the requested layer range")
-        return self.payloads[local][start : start + head.payload_bytes]
-
-    def sink(self, head: pb.GetPartHead) -> tuple[memoryview, int] | None:
-        if not self.accept(head):
-            return None
-        layer_bytes = self.headers[head.index].layer_bytes
-        return self.destination(head), layer_bytes * max(1, VERIFY_CHUNK_BYTES // layer_bytes)
-
-    def received(self, head: pb.GetPartHead, offset: int, data: memoryview | bytes) -> None:
-        """Layers [offset, offset + len(data)) of a part have arrived: verify them."""
-        local = head.index
-        if local in self.broken:
-            return
-        header = self.headers[local]
-        try:
-            header.check_layers(data, head.layer_begin + offset // header.layer_bytes)
-        except CorruptRecord as exc:
-            self._miss(local, exc.cause)
-            return
-        self.received_bytes[local] = self.received_bytes.get(local, 0) + len(data)
-
-    def received_message(self, head: pb.GetPartHead, message: bytes) -> None:
-        """A gRPC payload, which arrives as its own bytes: keep it when it is the whole block."""
-        local = head.index
-        if local in self.broken or local not in self.headers:
-            return
-        header = self.headers[local]
-        whole = (head.layer_begin == self.layer_begin
-                 and head.layer_end == (self.layer_end or header.n_layers))
-        if whole and self.into is None:
-            self.payloads[local] = message
-            self.received(head, 0, message)
-            return
-        target = self.destination(head)
-        target[:] = message
-        self.received(head, 0, target)
-
-    def results(self) -> dict[int, BlockData]:
-        out = {}
-        for local, header in self.headers.items():
-            payload = self.payloads.get(local)
-            if local in self.broken or payload is None or self.received_bytes.get(local, 0) != len(payload):
-                continue  # missed, or the stream ended before all its layers arrived
-            end = self.layer_end or header.n_layers
-            out[self.positions[local]] = BlockData(self.blocks[self.positions[local]], header,
-                                                   self.layer_begin, end, payload)
-        return out
-
-
-class KVClient:
-    """The blocking face of AsyncKVClient, for scripts and threads; runs its own event loop thread."""
-
-    def __init__(self, config: ClientConfig | Sequence[str] | str) -> None:
-        self._loop = _new_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="kvstore-client", daemon=True)
-        self._thread.start()
-        self._async = self._run(_make_async(config))
-        self._pool = ThreadPoolExecutor(max_workers=len(self._async.shards), thread_name_prefix="kvstore-get")
-
-    @property
-    def stats(self) -> ClientStats:
-        return self._async.stats
-
-    def _run(self, coro: Awaitable[T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
-
-    def lookup(self, blocks: Sequence[Block]) -> int:
-        return self._run(self._async.lookup(blocks))
-
-    def get(self, blocks: Sequence[Block], layer_begin: int = 0, layer_end: int | None = None,
-            layer_major: bool = False, into: Sequence[Buffer] | None = None) -> list[BlockData]:
-        """As AsyncKVClient.get. When every daemon involved has a known data channel, the sockets are
-        driven from this thread (and a pool thread per extra daemon), skipping two thread hops."""
-        client = self._async
-        plans = client._plan_get(blocks, layer_begin, layer_end, layer_major, into)
-        channels = [plan.shard.known_data_channel() for plan in plans]
-        if not plans or any(channel is None for channel in channels):
-            return self._run(client.get(blocks, layer_begin, layer_end, layer_major, into))
-
-        def run(plan, channel) -> None:
-            try:
-                client._get_over_channel(channel, plan)
-            except (TransportError, CorruptRecord) as exc:
-                client._get_failed(plan, exc)
-            else:
-                plan.shard.succeeded()
-
-        extra = [self._pool.submit(run, plan, channel) for plan, channel in zip(plans[1:], channels[1:])]
-        run(plans[0], channels[0])
-        for future in extra:
-            future.result()
-        return client._finish_get(plans)
-
-    def put(self, items: Sequence[tuple[Block, bytes]], num_layers: int, traffic_class: str = "chat") -> PutSummary:
-        return self._run(self._async.put(items, num_layers, traffic_class))
-
-    def touch(self, blocks: Sequence[Block], traffic_class: str = "") -> int:
-        return self._run(self._async.touch(blocks, traffic_class))
-
-    def delete(self, blocks: Sequence[Block]) -> int:
-        return self._run(self._async.delete(blocks))
-
-    def server_stats(self) -> dict[str, dict[str, float] | None]:
-        return self._run(self._async.server_stats())
-
-    def last_errors(self) -> dict[str, str]:
-        return self._async.last_errors()
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)
-        if self._loop.is_running():
-            self._run(self._async.close())
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join()
-            self._loop.close()
-
-    def __enter__(self) -> "KVClient":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-async def _make_async(config) -> AsyncKVClient:
-    return AsyncKVClient(config)  # created on the loop thread, where its channels live
-
-
-def _new_loop() -> asyncio.AbstractEventLoop:
-    try:
-        import uvloop
-        return uvloop.new_event_loop()
-    except ImportError:  # pragma: no cover
-        return asyncio.new_event_loop()

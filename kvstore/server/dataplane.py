@@ -13,14 +13,13 @@ import logging
 import socket
 import time
 
-from google.protobuf.message import DecodeError
-
 from kvstore import wire
 from kvstore.proto import pb
 from kvstore.record import FIXED_HEADER_BYTES
 from kvstore.server.config import ServerConfig
 from kvstore.server.reads import get_parts
-from kvstore.server.requests import RequestError, check_get, check_payload, check_put_head, parse_record_header
+from kvstore.server.requests import (RequestError, check_get, check_payload, check_put_head, parse,
+                                     parse_record_header)
 from kvstore.server.service import ByteBudget
 from kvstore.server.store import BlockStore, DiskFull
 
@@ -76,7 +75,6 @@ class DataPlaneServer:
             task.add_done_callback(self._connections.discard)
 
     async def _serve(self, sock: socket.socket) -> None:
-        loop = asyncio.get_running_loop()
         try:
             while True:
                 try:
@@ -87,9 +85,9 @@ class DataPlaneServer:
                     kind, head_len = wire.parse_prefix(prefix)
                     head = await self._read(sock, head_len)
                     if kind == wire.GET:
-                        await self._get(sock, self._parse(pb.GetRequest, head))
+                        await self._get(sock, parse(pb.GetRequest, head))
                     elif kind == wire.PUT:
-                        await self._puts(sock, self._parse(pb.PutHead, head))
+                        await self._puts(sock, parse(pb.PutHead, head))
                     else:
                         raise RequestError(f"unexpected frame kind {kind}")
                 except (RequestError, wire.FrameError) as exc:
@@ -100,14 +98,10 @@ class DataPlaneServer:
                     self.metrics.rpc_errors.labels(method="data.Put", code="RESOURCE_EXHAUSTED").inc()
                     await self._error(sock, "RESOURCE_EXHAUSTED", f"disk full: {exc}")
                     return
-        except (_Closed, ConnectionError, asyncio.TimeoutError, OSError):
+        except (_Closed, asyncio.TimeoutError, OSError):  # the peer went away, stalled, or an I/O error
             return
         finally:
-            try:
-                sock.close()
-            except OSError:
-                pass
-            del loop
+            sock.close()
 
     # -- Get ----------------------------------------------------------------------------------------
 
@@ -134,7 +128,7 @@ class DataPlaneServer:
                 kind, head_len = wire.parse_prefix(await self._read(sock, wire.PREFIX.size))
                 head = await self._read(sock, head_len)
                 if kind == wire.PUT:
-                    put_head = self._parse(pb.PutHead, head)
+                    put_head = parse(pb.PutHead, head)
                 elif kind == wire.PUT_END:
                     put_head = None
                 else:
@@ -197,10 +191,3 @@ class DataPlaneServer:
                 sock, wire.frame(wire.ERROR, pb.DataError(code=code, message=message).SerializeToString())), 5)
         except (OSError, asyncio.TimeoutError):
             pass
-
-    @staticmethod
-    def _parse(message_type, raw: bytes):
-        try:
-            return message_type.FromString(raw)
-        except DecodeError:
-            raise RequestError(f"frame head is not a valid {message_type.DESCRIPTOR.name}") from None

@@ -29,6 +29,8 @@ log = logging.getLogger(__name__)
 
 # segment id, offset, header length, payload length, expiry (ms), last access (ms), class id
 _ENTRY = struct.Struct("<IQIIQQH")
+_EXPIRY = struct.Struct("<Q")
+_EXPIRY_AT = 20  # offset of the expiry in a packed entry
 _BATCH_MAX = 1024
 
 
@@ -87,15 +89,22 @@ class Index:
             raw = txn.get(key)
         return None if raw is None else Entry.unpack(raw)
 
-    def get_many(self, keys: Sequence[bytes], stop_at_missing: bool = False) -> list[Entry | None]:
-        out: list[Entry | None] = []
+    def get_many(self, keys: Sequence[bytes]) -> list[Entry | None]:
         with self._read_lock, self._env.begin(db=self._blocks, buffers=False) as txn:
-            for key in keys:
-                raw = txn.get(key)
-                out.append(None if raw is None else Entry.unpack(raw))
-                if raw is None and stop_at_missing:
-                    break
-        return out
+            return [None if raw is None else Entry.unpack(raw) for raw in map(txn.get, keys)]
+
+    def live_prefix(self, keys: Sequence[bytes], now_ms: int, extended: dict[bytes, tuple[int, int, int]]) -> int:
+        """How many leading keys exist and expire after `now_ms` (or were extended past it)."""
+        expiry = _EXPIRY.unpack_from
+        with self._read_lock, self._env.begin(db=self._blocks, buffers=True) as txn:
+            get = txn.get
+            for i, key in enumerate(keys):
+                raw = get(key)
+                if raw is None:
+                    return i
+                if expiry(raw, _EXPIRY_AT)[0] <= now_ms and extended.get(key, (0, 0))[1] <= now_ms:
+                    return i
+        return len(keys)
 
     def items(self) -> Iterator[tuple[bytes, Entry]]:
         """Every entry, in key order (start-up and tools; holds a read transaction while iterating)."""
@@ -151,6 +160,20 @@ class Index:
                 txn.delete(key, db=db)
                 removed.append((key, entry))
             return removed
+        return op
+
+    def move_op(self, key: bytes, old_at: tuple[int, int], new_at: tuple[int, int], expires_ms: int) -> Op:
+        """Point `key` at its copy in `new_at`, if it still points at `old_at`; True if it moved."""
+        def op(txn: lmdb.Transaction, db: Any) -> bool:
+            raw = txn.get(key, db=db)
+            if raw is None:
+                return False
+            e = Entry.unpack(raw)
+            if (e.segment, e.offset) != old_at:
+                return False
+            txn.put(key, Entry(*new_at, e.header_len, e.payload_len, max(e.expires_ms, expires_ms),
+                               e.access_ms, e.class_id).pack(), db=db)
+            return True
         return op
 
     def class_id(self, name: str) -> int:

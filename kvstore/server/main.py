@@ -85,7 +85,7 @@ async def serve(config: ServerConfig, stop: asyncio.Event | None = None) -> None
             loop.add_signal_handler(sig, stop.set)
         except (NotImplementedError, RuntimeError):  # not the main thread (tests)
             pass
-    maintenance = asyncio.create_task(store.run_maintenance())
+    maintenance = asyncio.create_task(store.retention.run())
     try:
         await stop.wait()
     finally:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from google.protobuf.message import DecodeError
+
 from kvstore.block import KEY_BYTES
 from kvstore.proto import pb
 from kvstore.record import CorruptRecord, RecordHeader, decode_header, payload_layer_sums
@@ -18,6 +20,14 @@ class RequestError(Exception):
     def __init__(self, message: str, exhausted: bool = False) -> None:
         super().__init__(message)
         self.exhausted = exhausted
+
+
+def parse(message_type, raw: bytes):
+    """A protobuf message from bytes a client sent, or a RequestError saying it is not one."""
+    try:
+        return message_type.FromString(raw)
+    except DecodeError:
+        raise RequestError(f"expected a valid {message_type.DESCRIPTOR.name} message") from None
 
 
 def check_keys(keys: Sequence[bytes], config: ServerConfig) -> None:

@@ -11,13 +11,11 @@ import time
 from typing import AsyncIterator, Awaitable, Callable
 
 import grpc
-from google.protobuf.message import DecodeError
-
 import kvstore
 from kvstore.proto import SERVICE, pb
 from kvstore.server.config import ServerConfig
 from kvstore.server.reads import get_parts
-from kvstore.server.requests import (RequestError, check_get, check_keys, check_payload, check_put_head,
+from kvstore.server.requests import (RequestError, check_get, check_keys, check_payload, check_put_head, parse,
                                      parse_record_header)
 from kvstore.server.store import BlockStore, DiskFull
 
@@ -115,10 +113,7 @@ class KVStoreService:
                     raw = await messages.__anext__()
                 except StopAsyncIteration:
                     break
-                try:
-                    declared = pb.PutHead.FromString(raw).record_bytes
-                except DecodeError:
-                    raise RequestError("expected a PutHead message") from None
+                declared = parse(pb.PutHead, raw).record_bytes
                 check_put_head(declared, self.config)
                 await self.put_budget.acquire(declared)
                 held += declared
@@ -165,7 +160,7 @@ class KVStoreService:
             async def call(raw: bytes, context):
                 started = time.perf_counter()
                 try:
-                    return (await fn(self._parse(message_type, raw), context)).SerializeToString()
+                    return (await fn(parse(message_type, raw), context)).SerializeToString()
                 except RequestError as exc:
                     await self._reject(context, method, exc)
                 finally:
@@ -175,7 +170,7 @@ class KVStoreService:
         async def get(raw: bytes, context):
             started = time.perf_counter()
             try:
-                async for message in self.get(self._parse(pb.GetRequest, raw), context):
+                async for message in self.get(parse(pb.GetRequest, raw), context):
                     yield message
             except RequestError as exc:
                 await self._reject(context, "Get", exc)
@@ -198,10 +193,3 @@ class KVStoreService:
             "Stats": unary("Stats", pb.StatsRequest, self.stats),
             "Info": unary("Info", pb.InfoRequest, self.info),
         })
-
-    @staticmethod
-    def _parse(message_type, raw: bytes):
-        try:
-            return message_type.FromString(raw)
-        except DecodeError:
-            raise RequestError(f"request is not a valid {message_type.DESCRIPTOR.name}") from None

@@ -27,6 +27,7 @@ from kvstore.server.config import ServerConfig
 from kvstore.server.hot_tier import HotEntry, HotTier
 from kvstore.server.index import Entry, Index, IndexFull
 from kvstore.server.metrics import Metrics
+from kvstore.server.retention import Retention
 from kvstore.server.segments import Segment, SegmentSet
 
 log = logging.getLogger(__name__)
@@ -80,8 +81,7 @@ class BlockStore:
         self._dirty: dict[bytes, tuple[int, int, int]] = {}  # key -> (access_ms, expires_ms, class_id)
         self._pending: set[bytes] = set()
         self._disk_limit = config.capacity_bytes  # lowered when the file system turns out smaller
-        self._wake = asyncio.Event()
-        self._maintenance_lock = asyncio.Lock()
+        self.retention = Retention(self)
         self._executor = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvstore-io")
         self._lock_fd: int | None = None
         self.closed = False
@@ -150,40 +150,35 @@ class BlockStore:
 
     # -- helpers ----------------------------------------------------------------------------------
 
-    def _now_ms(self) -> int:
+    def now_ms(self) -> int:
         return int(self.clock() * 1000)
 
     def _ttl_ms(self, class_id: int) -> int:
         name = self._class_names.get(class_id, self.config.default_class)
         return int(self.config.classes.get(name, self.config.classes[self.config.default_class]) * 1000)
 
-    def _bucket_end(self, expires_ms: int) -> int:
+    def bucket_end(self, expires_ms: int) -> int:
         bucket = self.config.expiry_bucket_s
         return int(math.ceil(expires_ms / 1000 / bucket) * bucket)
 
-    def _effective_expiry(self, key: bytes, entry: Entry) -> int:
+    def effective_expiry(self, key: bytes, entry: Entry) -> int:
         dirty = self._dirty.get(key)
         return max(entry.expires_ms, dirty[1]) if dirty else entry.expires_ms
 
     def class_known(self, name: str) -> bool:
         return name in self._class_ids
 
-    async def _io(self, fn: Callable, *args):
+    async def run_io(self, fn: Callable, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
-    async def _commit(self, op, sync: Sequence[Segment] = ()):
+    async def commit(self, op, sync: Sequence[Segment] = ()):
         return await asyncio.wrap_future(self.index.submit(op, sync))
 
     # -- reads ------------------------------------------------------------------------------------
 
     def lookup(self, keys: Sequence[bytes]) -> int:
         """How many leading keys exist and have not expired."""
-        now_ms = self._now_ms()
-        hits = 0
-        for key, entry in zip(keys, self.index.get_many(keys, stop_at_missing=True)):
-            if entry is None or self._effective_expiry(key, entry) <= now_ms:
-                break
-            hits += 1
+        hits = self.index.live_prefix(keys, self.now_ms(), self._dirty)
         self.metrics.lookup_keys.inc(len(keys))
         self.metrics.lookup_hits.inc(hits)
         return hits
@@ -193,7 +188,7 @@ class BlockStore:
         entry = self.index.get(key)
         if entry is None:
             return self._miss(pb.MISSING, "missing")
-        if self._effective_expiry(key, entry) <= self._now_ms():
+        if self.effective_expiry(key, entry) <= self.now_ms():
             return self._miss(pb.EXPIRED, "expired")
         cached = self.hot.pin(key)
         if cached is not None:
@@ -202,7 +197,7 @@ class BlockStore:
         if segment is None:
             return self._miss(pb.UNAVAILABLE, "segment_gone")
         try:
-            header_bytes = await self._io(SegmentSet.read, segment, entry.offset, entry.header_len)
+            header_bytes = await self.run_io(SegmentSet.read, segment, entry.offset, entry.header_len)
             header = decode_header(header_bytes)
             if header.key != key or header.payload_len != entry.payload_len:
                 raise CorruptRecord("key_mismatch", "record at the indexed place belongs to another key")
@@ -226,7 +221,7 @@ class BlockStore:
         whole = begin == 0 and end == header.n_layers
         nbytes = (end - begin) * header.layer_bytes
         data = self.hot.buffer(nbytes) if whole else bytearray(nbytes)
-        await self._io(SegmentSet.read_into, block.segment, block.entry.offset + header.layer_offset(begin),
+        await self.run_io(SegmentSet.read_into, block.segment, block.entry.offset + header.layer_offset(begin),
                        memoryview(data))
         try:
             header.check_layers(data, begin)
@@ -248,7 +243,7 @@ class BlockStore:
 
     def record_hits(self, blocks: Sequence[OpenBlock], served_bytes: int) -> None:
         """Count and retain what was served; leaf first, so parents stay at least as recent as children."""
-        now_ms = self._now_ms()
+        now_ms = self.now_ms()
         for block in reversed(blocks):
             self.metrics.hits.labels(tier=block.tier).inc()
             self.policy.access(block.key)
@@ -269,7 +264,7 @@ class BlockStore:
 
     async def drop_corrupt(self, key: bytes, entry: Entry) -> None:
         log.warning("dropping corrupt block %s in segment %d at %d", key.hex(), entry.segment, entry.offset)
-        await self._remove([key], only_at={key: (entry.segment, entry.offset)})
+        await self.remove([key], only_at={key: (entry.segment, entry.offset)})
 
     # -- writes -----------------------------------------------------------------------------------
 
@@ -277,9 +272,9 @@ class BlockStore:
         """Store one verified record; returns pb.STORED or pb.EXISTS. Raises DiskFull."""
         key = header.key
         class_id = self._class_ids[header.traffic_class]
-        now_ms = self._now_ms()
+        now_ms = self.now_ms()
         entry = self.index.get(key)
-        if entry is not None and self._effective_expiry(key, entry) > now_ms:
+        if entry is not None and self.effective_expiry(key, entry) > now_ms:
             self._extend(key, entry, now_ms, class_id)
             self.metrics.puts.labels(result="exists").inc()
             return pb.EXISTS
@@ -290,20 +285,20 @@ class BlockStore:
         try:
             expires_ms = now_ms + self._ttl_ms(class_id)
             try:
-                segment, offset = await self._io(self.segments.append, self._bucket_end(expires_ms),
+                segment, offset = await self.run_io(self.segments.append, self.bucket_end(expires_ms),
                                                  [header_bytes, *chunks])
             except OSError as exc:
                 if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
                     self.metrics.disk_full.inc()
                     self._disk_limit = min(self._disk_limit, self.segments.disk_bytes)
-                    self._wake.set()
+                    self.retention.wake.set()
                     raise DiskFull(f"no space left for a {header.record_len}-byte record") from exc
                 raise
             new = Entry(segment.id, offset, len(header_bytes), header.payload_len, expires_ms, now_ms, class_id)
             sync = [segment] if self.config.durability == "fsync" else []
             if self.index.fill_ratio() > INDEX_HIGH_FILL:
-                await self.evict_bytes(self.policy.tracked_bytes * 0.05)
-            old = await self._commit(self.index.put_op(key, new), sync)
+                await self.retention.evict_bytes(self.policy.tracked_bytes * 0.05)
+            old = await self.commit(self.index.put_op(key, new), sync)
             if old is not None:
                 self._account_removed(key, old)
             self._account_added(key, new)
@@ -311,8 +306,8 @@ class BlockStore:
             self.hot.put(key, header_bytes, payload)
             self.metrics.puts.labels(result="stored").inc()
             self.metrics.bytes_written.inc(new.record_len)
-            if self.segments.disk_bytes > self._limit() * self.config.high_watermark:
-                self._wake.set()
+            if self.segments.disk_bytes > self.limit() * self.config.high_watermark:
+                self.retention.wake.set()
             return pb.STORED
         finally:
             self._pending.discard(key)
@@ -332,13 +327,13 @@ class BlockStore:
         self.live_bytes -= entry.record_len
         self._class_blocks[entry.class_id] = self._class_blocks.get(entry.class_id, 0) - 1
 
-    async def _remove(self, keys: Sequence[bytes], only_at: dict[bytes, tuple[int, int]] | None = None) -> list[tuple[bytes, Entry]]:
+    async def remove(self, keys: Sequence[bytes], only_at: dict[bytes, tuple[int, int]] | None = None) -> list[tuple[bytes, Entry]]:
         # Hashed keys are spread over every leaf page and a delete copies each page it touches, so in a
         # nearly full map one big delete would need a free copy of the tree: use small transactions.
         batch = 8 if len(keys) > 8 and self.index.fill_ratio() > INDEX_HIGH_FILL * 0.8 else 256
         removed = []
         for start in range(0, len(keys), batch):
-            removed += await self._commit(self.index.remove_op(keys[start : start + batch], only_at))
+            removed += await self.commit(self.index.remove_op(keys[start : start + batch], only_at))
         for key, entry in removed:
             self._account_removed(key, entry)
             self.policy.remove(key)
@@ -347,10 +342,10 @@ class BlockStore:
         return removed
 
     async def touch(self, keys: Sequence[bytes], class_name: str = "") -> int:
-        now_ms = self._now_ms()
+        now_ms = self.now_ms()
         touched = 0
         for key, entry in zip(keys, self.index.get_many(keys)):
-            if entry is None or self._effective_expiry(key, entry) <= now_ms:
+            if entry is None or self.effective_expiry(key, entry) <= now_ms:
                 continue
             class_id = self._class_ids[class_name] if class_name else entry.class_id
             self._extend(key, entry, now_ms, class_id)
@@ -359,7 +354,7 @@ class BlockStore:
         return touched
 
     async def delete(self, keys: Sequence[bytes]) -> int:
-        return len(await self._remove(keys))
+        return len(await self.remove(keys))
 
     async def flush_access(self) -> None:
         """Persist access times and extended expiries (a crash loses at most one flush interval)."""
@@ -373,123 +368,14 @@ class BlockStore:
                 if raw is not None:
                     txn.put(key, Entry.unpack(raw).with_access(access_ms, expires_ms, class_id).pack(), db=db)
         try:
-            await self._commit(op)
+            await self.commit(op)
         except IndexFull:
             for key, value in dirty.items():
                 self._dirty.setdefault(key, value)
 
-    # -- retention and capacity -------------------------------------------------------------------
-
-    def _limit(self) -> int:
+    def limit(self) -> int:
+        """The byte budget in force: the configured one, or the file system's size if that proved smaller."""
         return min(self.config.capacity_bytes, self._disk_limit)
-
-    async def run_maintenance(self) -> None:
-        """Background loop: flush access times, expire, evict and compact."""
-        last_flush = 0.0
-        while True:
-            try:
-                await asyncio.wait_for(self._wake.wait(), timeout=self.config.sweep_interval_s)
-            except asyncio.TimeoutError:
-                pass
-            self._wake.clear()
-            try:
-                if time.monotonic() - last_flush >= self.config.access_flush_interval_s:
-                    await self.flush_access()
-                    last_flush = time.monotonic()
-                await self.maintain()
-            except Exception:  # maintenance must never take the daemon down
-                log.exception("maintenance pass failed; retrying at the next interval")
-
-    async def maintain(self) -> None:
-        async with self._maintenance_lock:
-            await self._expire_segments()
-            limit = self._limit()
-            if self.segments.disk_bytes > limit * self.config.high_watermark or self.live_bytes > limit * self.config.high_watermark:
-                await self.evict_bytes(self.live_bytes - limit * self.config.low_watermark)
-            await self._compact(limit * self.config.low_watermark)
-            self.refresh_gauges()
-
-    async def evict_bytes(self, nbytes: float) -> int:
-        """Evict the policy's victims until at least `nbytes` of records are gone."""
-        victims = []
-        tracked = self.policy.tracked_bytes
-        while tracked - self.policy.tracked_bytes < nbytes:
-            key = self.policy.pop_victim()
-            if key is None:
-                break
-            victims.append(key)
-        removed = await self._remove(victims)
-        self.metrics.evictions.inc(len(removed))
-        return len(removed)
-
-    async def _expire_segments(self) -> None:
-        now_s = self.clock()
-        for segment in [s for s in self.segments.segments.values() if s.bucket_end <= now_s]:
-            await self._empty_segment(segment, "expiry")
-
-    async def _compact(self, target_disk_bytes: float) -> None:
-        candidates = sorted((s for s in self.segments.segments.values() if s.sealed),
-                            key=lambda s: s.garbage_ratio, reverse=True)
-        for segment in candidates:
-            under_pressure = self.segments.disk_bytes > target_disk_bytes
-            if segment.garbage_ratio >= self.config.compaction_min_garbage or (under_pressure and segment.garbage_ratio > 0):
-                await self._empty_segment(segment, "garbage")
-        if self.segments.disk_bytes > target_disk_bytes:
-            # Garbage in the open segments is reachable only once they are sealed.
-            for segment in [s for s in self.segments.segments.values() if not s.sealed and s.garbage_ratio > 0]:
-                await self._io(self.segments.seal, segment)
-
-    async def _empty_segment(self, segment: Segment, reason: str) -> None:
-        """Move the segment's live blocks forward (dropping expired ones), then delete the file."""
-        if not segment.sealed:
-            await self._io(self.segments.seal, segment)
-        if segment.live_bytes > 0:
-            records = await self._io(lambda: list(self.segments.scan(segment)))
-            now_ms = self._now_ms()
-            expired: dict[bytes, tuple[int, int]] = {}
-            for offset, header in records:
-                entry = self.index.get(header.key)
-                if entry is None or (entry.segment, entry.offset) != (segment.id, offset):
-                    continue
-                if self._effective_expiry(header.key, entry) <= now_ms:
-                    expired[header.key] = (segment.id, offset)
-                    continue
-                try:
-                    await self._copy_forward(header.key, entry, segment)
-                except OSError as exc:
-                    log.warning("compaction of segment %d stopped, will retry: %s", segment.id, exc)
-                    return
-            if expired:
-                removed = await self._remove(list(expired), only_at=expired)
-                self.metrics.expiries.inc(len(removed))
-        if segment.live_bytes > 0:
-            return  # something was written meanwhile; try again at the next pass
-        self.segments.delete(segment)
-        self.metrics.compactions.labels(reason=reason).inc()
-
-    async def _copy_forward(self, key: bytes, entry: Entry, segment: Segment) -> None:
-        data = await self._io(SegmentSet.read, segment, entry.offset, entry.record_len)
-        expires_ms = self._effective_expiry(key, entry)
-        new_segment, new_offset = await self._io(self.segments.append, self._bucket_end(expires_ms), [data])
-        moved_to = Entry(new_segment.id, new_offset, entry.header_len, entry.payload_len,
-                         expires_ms, entry.access_ms, entry.class_id)
-
-        def op(txn, db) -> bool:
-            raw = txn.get(key, db=db)
-            if raw is None:
-                return False
-            current = Entry.unpack(raw)
-            if (current.segment, current.offset) != (segment.id, entry.offset):
-                return False
-            txn.put(key, Entry(moved_to.segment, moved_to.offset, current.header_len, current.payload_len,
-                               max(current.expires_ms, moved_to.expires_ms), current.access_ms,
-                               current.class_id).pack(), db=db)
-            return True
-        sync = [new_segment] if self.config.durability == "fsync" else []
-        if await self._commit(op, sync):
-            segment.live_bytes -= entry.record_len
-            new_segment.live_bytes += entry.record_len
-            self.metrics.copied_forward.inc(entry.record_len)
 
     # -- observability ----------------------------------------------------------------------------
 
@@ -499,7 +385,7 @@ class BlockStore:
             m.blocks.labels(traffic_class=self._class_names.get(class_id, f"class{class_id}")).set(count)
         m.live_bytes.set(self.live_bytes)
         m.disk_bytes.set(self.segments.disk_bytes)
-        m.capacity_bytes.set(self._limit())
+        m.capacity_bytes.set(self.limit())
         m.hot_bytes.set(self.hot.bytes)
         m.segments.set(len(self.segments.segments))
         stat = self.index.stat()

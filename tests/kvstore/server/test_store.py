@@ -85,7 +85,7 @@ async def test_expired_segments_are_deleted_and_hot_blocks_copied_forward(open_s
     clock.advance(3 * DAY - 600)
     assert await store.touch([recs[0][0].key]) == 1  # hot: extended to ~6 days
     clock.advance(2 * 3600)
-    await store.maintain()
+    await store.retention.maintain()
     assert store.lookup([recs[0][0].key]) == 1
     assert await read_all(store, recs[0][0].key) == recs[0][3]
     assert [isinstance(await store.open_block(r[0].key), Miss) for r in recs[1:]] == [True] * 5
@@ -102,7 +102,7 @@ async def test_capacity_evicts_lru_down_to_the_low_watermark(open_store):
     await put_all(store, recs[:18])
     await store.touch([recs[0][0].key])  # recently used: must survive
     await put_all(store, recs[18:])
-    await store.maintain()
+    await store.retention.maintain()
     assert store.live_bytes <= 0.5 * 20 * record_bytes
     assert store.segments.disk_bytes <= 0.9 * 20 * record_bytes
     assert [store.lookup([r[0].key]) for r in recs[:14]] == [1] + [0] * 12 + [1], "least recently used go first"
@@ -119,7 +119,7 @@ async def test_compaction_reclaims_deleted_space(open_store):
     await put_all(store, recs)
     disk_before = store.segments.disk_bytes
     assert await store.delete([r[0].key for r in recs[::2]]) == 6
-    await store.maintain()
+    await store.retention.maintain()
     assert store.segments.disk_bytes <= disk_before - 5 * record_bytes
     assert store.metrics.copied_forward._value.get() > 0
     for block, _, _, payload in recs[1::2]:
@@ -162,7 +162,7 @@ async def test_eviction_and_compaction_landing_inside_a_read_leave_the_read_inta
     await put_all(store, recs)
     found = await store.open_block(recs[0][0].key)
     await store.delete([recs[0][0].key, recs[1][0].key])
-    await store.maintain()  # the segment holding block 0 is now all garbage and deleted
+    await store.retention.maintain()  # the segment holding block 0 is now all garbage and deleted
     assert found.segment.deleted
     assert await store.read_layers(found, 0, NS.num_layers) == recs[0][3]
     store.close_block(found)

@@ -1,0 +1,147 @@
+"""One daemon's share of a Get: checks every part that arrives and gathers the verified blocks.
+
+Transport-agnostic: the data channel hands it payload chunks as they land in their destination
+buffers (`sink`, `received`), gRPC hands it whole messages (`received_message`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+from kvstore.block import Block
+from kvstore.proto import pb
+from kvstore.record import CorruptRecord, RecordHeader, decode_header
+
+if TYPE_CHECKING:
+    from kvstore.client.shard import Shard
+
+VERIFY_CHUNK_BYTES = 256 * 1024  # verify a part in chunks of about this size while the rest arrives
+Buffer = bytes | bytearray | memoryview
+
+
+@dataclass(slots=True)
+class BlockData:
+    """A verified block as read: layers [layer_begin, layer_end) of its layer-major payload."""
+
+    block: Block
+    header: RecordHeader
+    layer_begin: int
+    layer_end: int
+    payload: Buffer  # (layer_end - layer_begin) * header.layer_bytes bytes, layer-major
+
+    def layer(self, layer: int) -> memoryview:
+        size = self.header.layer_bytes
+        start = (layer - self.layer_begin) * size
+        return memoryview(self.payload)[start : start + size]
+
+
+@dataclass(slots=True)
+class ShardGet:
+    shard: "Shard"
+    request: pb.GetRequest
+    assembly: "GetAssembly"
+
+
+class GetAssembly:
+    """One shard's share of a Get: checks every part and gathers verified blocks.
+
+    Runs on the data channel's worker thread or on the event loop, never on both at once.
+    """
+
+    def __init__(self, blocks: Sequence[Block], positions: list[int], layer_begin: int, layer_end: int | None,
+                 into: Sequence[Buffer] | None, miss_causes: Counter) -> None:
+        self.blocks, self.positions = blocks, positions
+        self.layer_begin, self.layer_end = layer_begin, layer_end
+        self.into, self.miss_causes = into, miss_causes
+        self.headers: dict[int, RecordHeader] = {}
+        self.payloads: dict[int, Buffer] = {}
+        self.received_bytes: dict[int, int] = {}
+        self.broken: set[int] = set()
+
+    def _miss(self, local: int, cause: str) -> None:
+        self.miss_causes[cause] += 1
+        self.broken.add(local)
+
+    def accept(self, head: pb.GetPartHead) -> bool:
+        """Check a part's head; True when its payload is wanted."""
+        if head.index >= len(self.positions):
+            raise CorruptRecord("protocol", f"part index {head.index} out of range")
+        local = head.index
+        if head.status != pb.OK:
+            self._miss(local, head.cause or pb.PartStatus.Name(head.status).lower())
+            return False
+        if head.header:
+            try:
+                header = decode_header(head.header)
+                header.check_expected(self.blocks[self.positions[local]])
+                self.headers[local] = header
+            except CorruptRecord as exc:  # a collision or a substituted block: a miss
+                self._miss(local, exc.cause)
+        return bool(head.payload_bytes) and local not in self.broken and local in self.headers
+
+    def destination(self, head: pb.GetPartHead) -> memoryview:
+        """Where this part's payload belongs in its block's buffer."""
+        local = head.index
+        header = self.headers[local]
+        end = self.layer_end or header.n_layers
+        size = (end - self.layer_begin) * header.layer_bytes
+        if local not in self.payloads:
+            if self.into is not None:
+                target = memoryview(self.into[self.positions[local]]).cast("B")
+                if len(target) < size:
+                    raise ValueError(f"into[{self.positions[local]}] has {len(target)} bytes; the block needs {size}")
+                self.payloads[local] = target[:size]
+            else:
+                self.payloads[local] = memoryview(bytearray(size))
+        start = (head.layer_begin - self.layer_begin) * header.layer_bytes
+        if head.layer_begin < self.layer_begin or start + head.payload_bytes > size:
+            raise CorruptRecord("protocol", "part outside the requested layer range")
+        return self.payloads[local][start : start + head.payload_bytes]
+
+    def sink(self, head: pb.GetPartHead) -> tuple[memoryview, int] | None:
+        if not self.accept(head):
+            return None
+        layer_bytes = self.headers[head.index].layer_bytes
+        return self.destination(head), layer_bytes * max(1, VERIFY_CHUNK_BYTES // layer_bytes)
+
+    def received(self, head: pb.GetPartHead, offset: int, data: memoryview | bytes) -> None:
+        """Layers [offset, offset + len(data)) of a part have arrived: verify them."""
+        local = head.index
+        if local in self.broken:
+            return
+        header = self.headers[local]
+        try:
+            header.check_layers(data, head.layer_begin + offset // header.layer_bytes)
+        except CorruptRecord as exc:
+            self._miss(local, exc.cause)
+            return
+        self.received_bytes[local] = self.received_bytes.get(local, 0) + len(data)
+
+    def received_message(self, head: pb.GetPartHead, message: bytes) -> None:
+        """A gRPC payload, which arrives as its own bytes: keep it when it is the whole block."""
+        local = head.index
+        if local in self.broken or local not in self.headers:
+            return
+        header = self.headers[local]
+        whole = (head.layer_begin == self.layer_begin
+                 and head.layer_end == (self.layer_end or header.n_layers))
+        if whole and self.into is None:
+            self.payloads[local] = message
+            self.received(head, 0, message)
+            return
+        target = self.destination(head)
+        target[:] = message
+        self.received(head, 0, target)
+
+    def results(self) -> dict[int, BlockData]:
+        out = {}
+        for local, header in self.headers.items():
+            payload = self.payloads.get(local)
+            if local in self.broken or payload is None or self.received_bytes.get(local, 0) != len(payload):
+                continue  # missed, or the stream ended before all its layers arrived
+            end = self.layer_end or header.n_layers
+            out[self.positions[local]] = BlockData(self.blocks[self.positions[local]], header,
+                                                   self.layer_begin, end, payload)
+        return out

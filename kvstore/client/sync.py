@@ -1,0 +1,103 @@
+"""The blocking face of AsyncKVClient, for scripts and engine worker threads."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Awaitable, Sequence, TypeVar
+
+from kvstore.block import Block
+from kvstore.client.assembly import BlockData, Buffer
+from kvstore.client.client import AsyncKVClient, ClientStats, PutSummary
+from kvstore.client.config import ClientConfig
+from kvstore.client.dataplane import TransportError
+from kvstore.record import CorruptRecord
+
+T = TypeVar("T")
+
+
+class KVClient:
+    """Runs an AsyncKVClient on its own event loop thread; every method blocks until done."""
+
+    def __init__(self, config: ClientConfig | Sequence[str] | str) -> None:
+        self._loop = _new_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kvstore-client", daemon=True)
+        self._thread.start()
+        self._async = self._run(_make_async(config))
+        self._pool = ThreadPoolExecutor(max_workers=len(self._async.shards), thread_name_prefix="kvstore-get")
+
+    @property
+    def stats(self) -> ClientStats:
+        return self._async.stats
+
+    def _run(self, coro: Awaitable[T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def lookup(self, blocks: Sequence[Block]) -> int:
+        return self._run(self._async.lookup(blocks))
+
+    def get(self, blocks: Sequence[Block], layer_begin: int = 0, layer_end: int | None = None,
+            layer_major: bool = False, into: Sequence[Buffer] | None = None) -> list[BlockData]:
+        """As AsyncKVClient.get. When every daemon involved has a known data channel, the sockets are
+        driven from this thread (and a pool thread per extra daemon), skipping two thread hops."""
+        client = self._async
+        plans = client._plan_get(blocks, layer_begin, layer_end, layer_major, into)
+        channels = [plan.shard.known_data_channel() for plan in plans]
+        if not plans or any(channel is None for channel in channels):
+            return self._run(client.get(blocks, layer_begin, layer_end, layer_major, into))
+
+        def run(plan, channel) -> None:
+            try:
+                client._get_over_channel(channel, plan)
+            except (TransportError, CorruptRecord) as exc:
+                client._get_failed(plan, exc)
+            else:
+                plan.shard.succeeded()
+
+        extra = [self._pool.submit(run, plan, channel) for plan, channel in zip(plans[1:], channels[1:])]
+        run(plans[0], channels[0])
+        for future in extra:
+            future.result()
+        return client._finish_get(plans)
+
+    def put(self, items: Sequence[tuple[Block, bytes]], num_layers: int, traffic_class: str = "chat") -> PutSummary:
+        return self._run(self._async.put(items, num_layers, traffic_class))
+
+    def touch(self, blocks: Sequence[Block], traffic_class: str = "") -> int:
+        return self._run(self._async.touch(blocks, traffic_class))
+
+    def delete(self, blocks: Sequence[Block]) -> int:
+        return self._run(self._async.delete(blocks))
+
+    def server_stats(self) -> dict[str, dict[str, float] | None]:
+        return self._run(self._async.server_stats())
+
+    def last_errors(self) -> dict[str, str]:
+        return self._async.last_errors()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        if self._loop.is_running():
+            self._run(self._async.close())
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+            self._loop.close()
+
+    def __enter__(self) -> "KVClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+async def _make_async(config) -> AsyncKVClient:
+    return AsyncKVClient(config)  # created on the loop thread, where its channels live
+
+
+def _new_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+        return uvloop.new_event_loop()
+    except ImportError:  # pragma: no cover
+        return asyncio.new_event_loop()
