@@ -5,8 +5,8 @@
 The index is built directly in the daemon's own format (LMDB entries pointing into one sparse, sealed
 segment file, so no payload bytes are written), then a real kvstore-server is started on it and
 timed through the Lookup RPC. Beside it, the limit: the same 1,000 reads straight from LMDB in this
-process. Reported: p50/p99 of both, their ratio, the daemon's start-up (recovery) time and the index
-bytes per block.
+process. Reported: p50/p99 of both, their ratio, the daemon's start-up (recovery) time, the index's
+live bytes per block, and its file's bytes per block (which also count free pages).
 """
 
 from __future__ import annotations
@@ -64,11 +64,16 @@ def grow_index(data_dir: Path, total: int, have: int, rng: np.random.Generator) 
     return sample
 
 
-def index_bytes_per_block(data_dir: Path, entries: int) -> float:
+def index_bytes_per_block(data_dir: Path, entries: int) -> tuple[float, float]:
+    """Live LMDB pages per block, and the data file's size per block (which also holds free pages)."""
     env = lmdb.open(str(data_dir / "index"), readonly=True, lock=False, max_dbs=4)
-    info, stat = env.info(), env.stat()
+    with env.begin() as txn:
+        stats = [txn.stat(env.open_db(name, txn=txn, create=False)) for name in (b"blocks", b"meta")] + [env.stat()]
+    page = env.stat()["psize"]
+    live = sum(s["branch_pages"] + s["leaf_pages"] + s["overflow_pages"] for s in stats) * page
+    file_bytes = (env.info()["last_pgno"] + 1) * page
     env.close()
-    return (info["last_pgno"] + 1) * stat["psize"] / entries
+    return live / entries, file_bytes / entries
 
 
 def raw_lmdb_ms(data_dir: Path, prefixes: list[list[bytes]]) -> list[float]:
@@ -125,7 +130,7 @@ def main() -> None:
         sample: list[bytes] = []
         have = 0
         print(f"\n{'blocks':>12} {'rpc p50 ms':>11} {'rpc p99 ms':>11} {'lmdb p50 ms':>12} {'lmdb p99 ms':>12} "
-              f"{'rpc/lmdb p50':>13} {'start-up s':>11} {'index B/block':>14}")
+              f"{'rpc/lmdb p50':>13} {'start-up s':>11} {'index B/block':>14} {'file B/block':>13}")
         for size in sizes:
             sample += grow_index(daemon.data_dir, size, have, rng)
             have = size
@@ -137,15 +142,16 @@ def main() -> None:
             rpc = rpc_ms(daemon.address, prefixes)
             daemon.stop(timeout_s=600)
             raw = raw_lmdb_ms(daemon.data_dir, prefixes)
-            bytes_per_block = index_bytes_per_block(daemon.data_dir, size)
+            bytes_per_block, file_bytes_per_block = index_bytes_per_block(daemon.data_dir, size)
             row = {"rpc_p50_ms": pct(rpc, 0.5), "rpc_p99_ms": pct(rpc, 0.99), "lmdb_p50_ms": pct(raw, 0.5),
                    "lmdb_p99_ms": pct(raw, 0.99), "rpc_over_lmdb_p50": pct(rpc, 0.5) / pct(raw, 0.5),
                    "startup_s": startup_s, "index_bytes_per_block": bytes_per_block,
+                   "index_file_bytes_per_block": file_bytes_per_block,
                    "rpc_mean_ms": statistics.fmean(rpc)}
             report["sizes"][str(size)] = row
             print(f"{size:>12,} {row['rpc_p50_ms']:>11.2f} {row['rpc_p99_ms']:>11.2f} {row['lmdb_p50_ms']:>12.2f} "
                   f"{row['lmdb_p99_ms']:>12.2f} {row['rpc_over_lmdb_p50']:>13.2f} {startup_s:>11.1f} "
-                  f"{bytes_per_block:>14.1f}")
+                  f"{bytes_per_block:>14.1f} {file_bytes_per_block:>13.1f}")
     finally:
         daemon.kill()
         shutil.rmtree(workdir, ignore_errors=True)

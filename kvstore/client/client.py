@@ -165,7 +165,8 @@ class AsyncKVClient:
         async for message in shard.get(request):
             if pending is None:
                 head = pb.GetPartHead.FromString(message)
-                if assembly.accept(head) or (head.status == pb.OK and head.payload_bytes):
+                assembly.accept(head)
+                if head.status == pb.OK and head.payload_bytes:
                     pending = head  # its payload is the next message, wanted or not
                 continue
             head, pending = pending, None

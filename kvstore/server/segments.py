@@ -192,20 +192,19 @@ class SegmentSet:
 
     @staticmethod
     def read_into(segment: Segment, offset: int, view: memoryview) -> None:
+        """Fill `view` from `offset`; a file that ends first holds a truncated record."""
         faults.hit("segment.read")
         while len(view):
             received = os.preadv(segment.fd, [view], offset)
             if received == 0:
-                raise OSError(f"segment {segment.id} ends before offset {offset}")
+                raise CorruptRecord("truncated", f"segment {segment.id} ends before offset {offset}")
             view, offset = view[received:], offset + received
 
     @staticmethod
     def read(segment: Segment, offset: int, length: int) -> bytes:
-        faults.hit("segment.read")
-        data = os.pread(segment.fd, length, offset)
-        if len(data) != length:
-            raise OSError(f"short read of segment {segment.id}: {len(data)} of {length} bytes at {offset}")
-        return data
+        buffer = bytearray(length)
+        SegmentSet.read_into(segment, offset, memoryview(buffer))
+        return bytes(buffer)
 
     # -- removal and accounting ---------------------------------------------------------------
 

@@ -221,9 +221,9 @@ class BlockStore:
         whole = begin == 0 and end == header.n_layers
         nbytes = (end - begin) * header.layer_bytes
         data = self.hot.buffer(nbytes) if whole else bytearray(nbytes)
-        await self.run_io(SegmentSet.read_into, block.segment, block.entry.offset + header.layer_offset(begin),
-                       memoryview(data))
         try:
+            await self.run_io(SegmentSet.read_into, block.segment, block.entry.offset + header.layer_offset(begin),
+                              memoryview(data))
             header.check_layers(data, begin)
         except CorruptRecord:
             await self.drop_corrupt(block.key, block.entry)

@@ -57,3 +57,10 @@ def test_unknown_toml_key_and_missing_file(tmp_path):
 def test_parsers():
     assert parse_size("1.5KiB") == 1536 and parse_size(10) == 10 and parse_size("2 GB") == 2 * 10**9
     assert parse_duration("3d") == 259200 and parse_duration("90s") == 90 and parse_duration(5) == 5
+
+
+def test_the_shipped_example_config_is_valid():
+    from pathlib import Path
+    example = Path(__file__).resolve().parents[3] / "deploy" / "kvstore.toml"
+    config = load_config(["--config", str(example)], environ={})
+    assert config.classes == {"agent": 3 * 86400.0, "chat": 7 * 86400.0} and config.data_port == 50052

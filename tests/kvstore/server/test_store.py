@@ -237,3 +237,18 @@ async def test_ssd_reads_fill_the_dram_tier_and_count_their_tier(open_store):
     assert again.tier == "dram"
     store.close_block(again)
     assert store.metrics.hits.labels(tier="ssd")._value.get() == 1
+
+
+async def test_a_segment_truncated_under_a_running_daemon_is_a_counted_miss(open_store):
+    store = await open_store(hot_tier_bytes=0)
+    recs = records(3)
+    await put_all(store, recs)
+    last = store.index.get(recs[2][0].key)
+    os.ftruncate(store.segments.segments[last.segment].fd, last.offset + last.header_len + NS.layer_bytes)
+    found = await store.open_block(recs[2][0].key)
+    assert bytes(await store.read_layers(found, 0, 1)) == recs[2][3][: NS.layer_bytes]  # what is left is fine
+    with pytest.raises(CorruptRecord, match="truncated"):
+        await store.read_layers(found, 0, NS.num_layers)
+    store.close_block(found)
+    assert store.lookup([recs[2][0].key]) == 0, "the truncated block is dropped"
+    assert await read_all(store, recs[1][0].key) == recs[1][3]
