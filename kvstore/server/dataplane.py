@@ -119,25 +119,25 @@ class DataPlaneServer:
     # -- Put ----------------------------------------------------------------------------------------
 
     async def _puts(self, sock: socket.socket, first: pb.PutHead) -> None:
+        """Receive records until PUT_END, then answer with each one's status.
+
+        A record is stored as soon as it has arrived and verified; if a later frame breaks the protocol,
+        the records before it are still stored (unacknowledged, as after a crash), never cut off half-way.
+        """
         started = time.perf_counter()
         tasks: list[asyncio.Task] = []
         put_head: pb.PutHead | None = first
-        try:
-            while put_head is not None:
-                tasks.append(await self._receive_record(sock, put_head.record_bytes))
-                kind, head_len = wire.parse_prefix(await self._read(sock, wire.PREFIX.size))
-                head = await self._read(sock, head_len)
-                if kind == wire.PUT:
-                    put_head = parse(pb.PutHead, head)
-                elif kind == wire.PUT_END:
-                    put_head = None
-                else:
-                    raise RequestError(f"expected PUT or PUT_END, got frame kind {kind}")
-            results = await asyncio.gather(*tasks)
-        finally:
-            for task in tasks:
-                if not task.done():
-                    task.cancel()
+        while put_head is not None:
+            tasks.append(await self._receive_record(sock, put_head.record_bytes))
+            kind, head_len = wire.parse_prefix(await self._read(sock, wire.PREFIX.size))
+            head = await self._read(sock, head_len)
+            if kind == wire.PUT:
+                put_head = parse(pb.PutHead, head)
+            elif kind == wire.PUT_END:
+                put_head = None
+            else:
+                raise RequestError(f"expected PUT or PUT_END, got frame kind {kind}")
+        results = await asyncio.gather(*tasks)
         response = pb.PutResponse(results=results).SerializeToString()
         await asyncio.get_running_loop().sock_sendall(sock, wire.frame(wire.PUT_RESULT, response))
         self.metrics.rpc_latency.labels(method="data.Put").observe(time.perf_counter() - started)

@@ -199,17 +199,24 @@ class Index:
                     batch.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
-            if any(item is None for item in batch):
-                self._commit([item for item in batch if item is not None])
+            stopping = any(item is None for item in batch)
+            # An op whose caller gave up before it ran is skipped; one that runs is seen through.
+            live = [item for item in batch if item is not None and item[2].set_running_or_notify_cancel()]
+            try:
+                self._commit(live)
+            except BaseException as exc:  # the writer must outlive any one batch
+                log.exception("index commit failed")
+                for _, _, future in live:
+                    if not future.done():
+                        future.set_exception(exc)
+            if stopping:
                 return
-            self._commit(batch)
 
     def _commit(self, batch: list) -> None:
         if not batch:
             return
         try:
-            synced = {id(s): s for _, sync, _ in batch for s in sync}
-            for segment in synced.values():
+            for segment in {id(s): s for _, sync, _ in batch for s in sync}.values():
                 if not segment.deleted:
                     os.fdatasync(segment.fd)
         except OSError as exc:
@@ -234,10 +241,6 @@ class Index:
                     continue
                 for _, _, future in batch:
                     future.set_exception(IndexFull("LMDB map is full at lmdb_max_map_bytes"))
-                return
-            except Exception as exc:
-                for _, _, future in batch:
-                    future.set_exception(exc)
                 return
             for future, ok, value in results:
                 future.set_result(value) if ok else future.set_exception(value)

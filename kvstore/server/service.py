@@ -138,11 +138,9 @@ class KVStoreService:
         except OSError as exc:
             await self._abort(context, "Put", grpc.StatusCode.UNAVAILABLE, f"I/O error storing a record: {exc}")
         finally:
+            # Records already verified are stored even if the stream broke later (see the data channel).
             if held:
                 await self.put_budget.release(held)
-            for task in tasks:
-                if not task.done():
-                    task.cancel()
         return pb.PutResponse(results=results)
 
     async def _store_one(self, header, header_bytes: bytes, chunks: list[bytes], declared: int) -> int:

@@ -295,22 +295,27 @@ class BlockStore:
                     raise DiskFull(f"no space left for a {header.record_len}-byte record") from exc
                 raise
             new = Entry(segment.id, offset, len(header_bytes), header.payload_len, expires_ms, now_ms, class_id)
-            sync = [segment] if self.config.durability == "fsync" else []
             if self.index.fill_ratio() > INDEX_HIGH_FILL:
                 await self.retention.evict_bytes(self.policy.tracked_bytes * 0.05)
-            old = await self.commit(self.index.put_op(key, new), sync)
-            if old is not None:
-                self._account_removed(key, old)
-            self._account_added(key, new)
             payload = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-            self.hot.put(key, header_bytes, payload)
-            self.metrics.puts.labels(result="stored").inc()
-            self.metrics.bytes_written.inc(new.record_len)
-            if self.segments.disk_bytes > self.limit() * self.config.high_watermark:
-                self.retention.wake.set()
+            # Shielded: a caller that goes away must not leave the index committed and the accounting not.
+            await asyncio.shield(self._commit_put(key, new, segment, header_bytes, payload))
             return pb.STORED
         finally:
             self._pending.discard(key)
+
+    async def _commit_put(self, key: bytes, new: Entry, segment: Segment, header_bytes: bytes,
+                          payload: bytes | bytearray) -> None:
+        sync = [segment] if self.config.durability == "fsync" else []
+        old = await self.commit(self.index.put_op(key, new), sync)
+        if old is not None:
+            self._account_removed(key, old)
+        self._account_added(key, new)
+        self.hot.put(key, header_bytes, payload)
+        self.metrics.puts.labels(result="stored").inc()
+        self.metrics.bytes_written.inc(new.record_len)
+        if self.segments.disk_bytes > self.limit() * self.config.high_watermark:
+            self.retention.wake.set()
 
     def _account_added(self, key: bytes, entry: Entry) -> None:
         segment = self.segments.segments.get(entry.segment)

@@ -252,3 +252,29 @@ async def test_a_segment_truncated_under_a_running_daemon_is_a_counted_miss(open
     store.close_block(found)
     assert store.lookup([recs[2][0].key]) == 0, "the truncated block is dropped"
     assert await read_all(store, recs[1][0].key) == recs[1][3]
+
+
+async def test_a_put_cancelled_during_its_commit_keeps_index_and_accounting_in_step(open_store):
+    # Regression: a cancelled caller used to cancel the index op queued for the writer thread, which
+    # then died on set_result, and every later commit hung. A barrier holds the writer so the put's
+    # commit is queued when the cancellation lands.
+    import asyncio
+    import threading
+    store = await open_store()
+    recs = records(3)
+    block, header_bytes, header, payload = recs[0]
+    gate, holding = threading.Event(), threading.Event()
+    store.index.submit(lambda txn, db: (holding.set(), gate.wait(10)))
+    while not holding.is_set():
+        await asyncio.sleep(0.001)
+    task = asyncio.ensure_future(store.put(header, header_bytes, [payload]))
+    while store.index._queue.qsize() < 1:
+        await asyncio.sleep(0.001)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    gate.set()
+    assert await asyncio.wait_for(put_all(store, recs[1:]), 10) == [pb.STORED] * 2, "the writer is alive"
+    indexed = store.index.get(block.key) is not None
+    assert (block.key in store.policy) == indexed
+    assert store.live_bytes == sum(len(r[1]) + len(r[3]) for r in recs[1:]) + (
+        len(header_bytes) + len(payload) if indexed else 0)
