@@ -21,7 +21,8 @@ from kvstore.client.placement import place
 from kvstore.client.shard import Shard
 from kvstore.proto import pb
 from kvstore.client.assembly import BlockData, Buffer, GetAssembly, ShardGet
-from kvstore.record import CorruptRecord, build_record
+from kvstore.client.host_tier import HostTier
+from kvstore.record import CorruptRecord, build_record, decode_header
 
 
 @dataclass(slots=True)
@@ -36,6 +37,7 @@ class ClientStats:
     lookups: int = 0
     hit_blocks: int = 0
     miss_causes: Counter = field(default_factory=Counter)  # verified-miss and error causes
+    tier_hits: Counter = field(default_factory=Counter)  # blocks served by "host" (this process) or "daemon"
     shard_errors: Counter = field(default_factory=Counter)  # address -> failed calls
     bytes_read: int = 0
     bytes_written: int = 0
@@ -47,6 +49,8 @@ class AsyncKVClient:
             config.split(",") if isinstance(config, str) else config))
         self.shards = {address: Shard(address, self.config) for address in self.config.servers}
         self.stats = ClientStats()
+        self.host = HostTier(self.config.host_tier_bytes, self.config.host_block_bytes,
+                             self.config.host_tier_pinned) if self.config.host_tier_bytes else None
 
     async def close(self) -> None:
         await asyncio.gather(*(shard.close() for shard in self.shards.values()))
@@ -80,8 +84,12 @@ class AsyncKVClient:
         """How many leading blocks of a prefix are stored (one round, all shards in parallel)."""
         same_namespace(blocks)
         self.stats.lookups += 1
-        if not blocks:
-            return 0
+        in_host = self.host.leading_hits([b.key for b in blocks]) if self.host is not None else 0
+        if in_host == len(blocks):
+            return in_host
+        return in_host + await self._lookup_daemons(blocks[in_host:])
+
+    async def _lookup_daemons(self, blocks: Sequence[Block]) -> int:
         groups = self._group(blocks)
 
         async def first_missing(shard: Shard | None, positions: list[int]) -> int:
@@ -107,7 +115,11 @@ class AsyncKVClient:
         With `into`, block i's layers land in into[i] (layer-major, at least (end - begin) * layer_bytes
         long) and BlockData.payload is a view of it; reused, pre-touched buffers avoid page faults.
         """
-        plans = self._plan_get(blocks, layer_begin, layer_end, layer_major, into)
+        from_host = self._get_from_host(blocks, layer_begin, layer_end, into)
+        if len(from_host) == len(blocks):
+            return from_host
+        rest = len(from_host)
+        plans = self._plan_get(blocks[rest:], layer_begin, layer_end, layer_major, into[rest:] if into else None)
 
         async def run(plan: ShardGet) -> None:
             try:
@@ -122,7 +134,37 @@ class AsyncKVClient:
                 plan.shard.succeeded()
 
         await asyncio.gather(*(run(plan) for plan in plans))
-        return self._finish_get(plans)
+        return from_host + self._finish_get(plans)
+
+    def _get_from_host(self, blocks: Sequence[Block], layer_begin: int, layer_end: int | None,
+                       into: Sequence[Buffer] | None) -> list[BlockData]:
+        """The leading blocks held in the host tier, copied out (into `into` when given)."""
+        same_namespace(blocks)
+        if self.host is None or not blocks:
+            return []
+        pinned = self.host.pin([b.key for b in blocks])
+        try:
+            out = []
+            for i, held in enumerate(pinned):
+                header = held.header
+                end = layer_end or header.n_layers
+                if end > header.n_layers:
+                    break
+                source = self.host.slot_view(held.slot, header.payload_len)[
+                    layer_begin * header.layer_bytes : end * header.layer_bytes]
+                if into is not None:
+                    target = memoryview(into[i]).cast("B")[: len(source)]
+                    if len(target) < len(source):
+                        raise ValueError(f"into[{i}] has {len(target)} bytes; the block needs {len(source)}")
+                    target[:] = source
+                    payload: Buffer = target
+                else:
+                    payload = bytes(source)
+                out.append(BlockData(blocks[i], header, layer_begin, end, payload))
+        finally:
+            self.host.unpin(pinned)
+        self.stats.tier_hits["host"] += len(out)
+        return out
 
     def _plan_get(self, blocks: Sequence[Block], layer_begin: int, layer_end: int | None, layer_major: bool,
                   into: Sequence[Buffer] | None) -> list[ShardGet]:
@@ -156,7 +198,12 @@ class AsyncKVClient:
         while len(prefix) in results:
             prefix.append(results[len(prefix)])
         self.stats.hit_blocks += len(prefix)
+        self.stats.tier_hits["daemon"] += len(prefix)
         self.stats.bytes_read += sum(len(d.payload) for d in prefix)
+        if self.host is not None:
+            for data in reversed(prefix):  # leaf first, so parents stay the most recent
+                if data.layer_begin == 0 and data.layer_end == data.header.n_layers:
+                    self.host.put(data.header, data.payload)
         return prefix
 
     @staticmethod
@@ -179,6 +226,9 @@ class AsyncKVClient:
         same_namespace([block for block, _ in items])
         records = [build_record(block, payload, num_layers, traffic_class) for block, payload in items]
         summary = PutSummary()
+        if self.host is not None:  # the next turn of this session is likely to want them; leaf first
+            for header, payload in reversed(records):
+                self.host.put(decode_header(header), payload)
 
         async def put_to(shard: Shard | None, positions: list[int]) -> None:
             if shard is None:

@@ -15,6 +15,9 @@ class ClientConfig:
     down_backoff_s: float = 0.5  # a failed daemon is skipped this long, doubling per failure ...
     max_down_backoff_s: float = 5.0  # ... up to this
     transport: str = "auto"  # "auto": the daemon's raw-TCP data channel when it has one; "grpc": gRPC only
+    host_tier_bytes: int = 0  # the client's host-DRAM tier; 0: none
+    host_block_bytes: int = 0  # payload bytes of one slot of the host tier (the engine's block size)
+    host_tier_pinned: bool = False  # allocate the host tier in pinned memory (CUDA engines; needs torch)
 
     def __post_init__(self) -> None:
         if isinstance(self.servers, str):
@@ -32,5 +35,8 @@ class ClientConfig:
                 raise ValueError(f"ClientConfig.{name} must be positive")
         if self.transport not in ("auto", "grpc"):
             raise ValueError(f"ClientConfig.transport must be 'auto' or 'grpc', got {self.transport!r}")
+        if self.host_tier_bytes and not 0 < self.host_block_bytes <= self.host_tier_bytes:
+            raise ValueError("a host tier needs host_block_bytes, the engine's block payload size, "
+                             "between 1 and host_tier_bytes")
         if self.put_chunk_bytes < 1 or self.max_message_bytes < 1:
             raise ValueError("ClientConfig.put_chunk_bytes and max_message_bytes must be positive")

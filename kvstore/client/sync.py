@@ -12,6 +12,8 @@ from kvstore.client.assembly import BlockData, Buffer
 from kvstore.client.client import AsyncKVClient, ClientStats, PutSummary
 from kvstore.client.config import ClientConfig
 from kvstore.client.dataplane import TransportError
+from kvstore.client.loader import Loader
+from kvstore.client.loading import KVDestination, LoadHandle
 from kvstore.record import CorruptRecord
 
 T = TypeVar("T")
@@ -26,10 +28,15 @@ class KVClient:
         self._thread.start()
         self._async = self._run(_make_async(config))
         self._pool = ThreadPoolExecutor(max_workers=len(self._async.shards), thread_name_prefix="kvstore-get")
+        self._loader = Loader(self._async, self._loop)
 
     @property
     def stats(self) -> ClientStats:
         return self._async.stats
+
+    @property
+    def host(self):
+        return self._async.host
 
     def _run(self, coro: Awaitable[T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
@@ -42,10 +49,15 @@ class KVClient:
         """As AsyncKVClient.get. When every daemon involved has a known data channel, the sockets are
         driven from this thread (and a pool thread per extra daemon), skipping two thread hops."""
         client = self._async
-        plans = client._plan_get(blocks, layer_begin, layer_end, layer_major, into)
+        from_host = client._get_from_host(blocks, layer_begin, layer_end, into)
+        rest = len(from_host)
+        if rest == len(blocks):
+            return from_host
+        plans = client._plan_get(blocks[rest:], layer_begin, layer_end, layer_major, into[rest:] if into else None)
         channels = [plan.shard.known_data_channel() for plan in plans]
         if not plans or any(channel is None for channel in channels):
-            return self._run(client.get(blocks, layer_begin, layer_end, layer_major, into))
+            return from_host + self._run(client.get(blocks[rest:], layer_begin, layer_end, layer_major,
+                                                    into[rest:] if into else None))
 
         def run(plan, channel) -> None:
             try:
@@ -59,7 +71,18 @@ class KVClient:
         run(plans[0], channels[0])
         for future in extra:
             future.result()
-        return client._finish_get(plans)
+        return from_host + client._finish_get(plans)
+
+    def load(self, blocks: Sequence[Block], destination: KVDestination, hit_blocks: int | None = None) -> LoadHandle:
+        """Start loading the cached prefix of `blocks` into `destination`, layer 0 of every block first.
+
+        Returns at once (after a lookup, unless `hit_blocks` says how many blocks to load). The engine
+        calls `handle.wait_layer(l)` before attention layer l and recomputes from `handle.hit_tokens`.
+        """
+        if not blocks:
+            raise ValueError("load needs at least one block")
+        hit = self.lookup(blocks) if hit_blocks is None else hit_blocks
+        return self._loader.start(blocks, destination, hit, len(blocks[0].tokens))
 
     def put(self, items: Sequence[tuple[Block, bytes]], num_layers: int, traffic_class: str = "chat") -> PutSummary:
         return self._run(self._async.put(items, num_layers, traffic_class))
