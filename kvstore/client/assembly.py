@@ -57,8 +57,12 @@ class GetAssembly:
         self.into, self.miss_causes = into, miss_causes
         self.headers: dict[int, RecordHeader] = {}
         self.payloads: dict[int, Buffer] = {}
-        self.received_bytes: dict[int, int] = {}
+        self.received_bytes: dict[int, int] = {}  # local -> verified payload bytes so far
         self.broken: set[int] = set()
+
+    @property
+    def bytes_received(self) -> int:
+        return sum(self.received_bytes.values())
 
     def _miss(self, local: int, cause: str) -> None:
         self.miss_causes[cause] += 1

@@ -8,6 +8,7 @@ mistake (mixed namespaces, a payload that does not fit the layout) raises ValueE
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
@@ -21,6 +22,7 @@ from kvstore.client.placement import place
 from kvstore.client.shard import Shard
 from kvstore.proto import pb
 from kvstore.client.assembly import BlockData, Buffer, GetAssembly, ShardGet
+from kvstore.client.cost import BandwidthMeter
 from kvstore.client.host_tier import HostTier
 from kvstore.record import CorruptRecord, build_record, decode_header
 
@@ -51,6 +53,7 @@ class AsyncKVClient:
         self.stats = ClientStats()
         self.host = HostTier(self.config.host_tier_bytes, self.config.host_block_bytes,
                              self.config.host_tier_pinned) if self.config.host_tier_bytes else None
+        self.bandwidth = BandwidthMeter()
 
     async def close(self) -> None:
         await asyncio.gather(*(shard.close() for shard in self.shards.values()))
@@ -122,6 +125,7 @@ class AsyncKVClient:
         plans = self._plan_get(blocks[rest:], layer_begin, layer_end, layer_major, into[rest:] if into else None)
 
         async def run(plan: ShardGet) -> None:
+            started = time.perf_counter()
             try:
                 channel = await plan.shard.data_channel()
                 if channel is not None:
@@ -132,6 +136,7 @@ class AsyncKVClient:
                 self._get_failed(plan, exc)
             else:
                 plan.shard.succeeded()
+                self._measured(plan, time.perf_counter() - started)
 
         await asyncio.gather(*(run(plan) for plan in plans))
         return from_host + self._finish_get(plans)
@@ -142,6 +147,7 @@ class AsyncKVClient:
         same_namespace(blocks)
         if self.host is None or not blocks:
             return []
+        started = time.perf_counter()
         pinned = self.host.pin([b.key for b in blocks])
         try:
             out = []
@@ -164,7 +170,14 @@ class AsyncKVClient:
         finally:
             self.host.unpin(pinned)
         self.stats.tier_hits["host"] += len(out)
+        self.bandwidth.record("host", sum(len(d.payload) for d in out), time.perf_counter() - started)
         return out
+
+    def block_sources(self, blocks: Sequence[Block]) -> list[str]:
+        """Where each block would be read from now: "host", or the owning daemon's address."""
+        in_host = self.host.leading_hits([b.key for b in blocks]) if self.host is not None else 0
+        owners = [self.owner(b.key) for b in blocks[in_host:]]
+        return ["host"] * in_host + [owner.address if owner else "none" for owner in owners]
 
     def _plan_get(self, blocks: Sequence[Block], layer_begin: int, layer_end: int | None, layer_major: bool,
                   into: Sequence[Buffer] | None) -> list[ShardGet]:
@@ -184,6 +197,9 @@ class AsyncKVClient:
 
     def _get_over_channel(self, channel: DataChannel, plan: ShardGet) -> None:
         channel.get(plan.request, plan.assembly.sink, plan.assembly.received, self.config.timeout_s)
+
+    def _measured(self, plan: ShardGet, seconds: float) -> None:
+        self.bandwidth.record(plan.shard.address, plan.assembly.bytes_received, seconds)
 
     def _get_failed(self, plan: ShardGet, exc: Exception) -> None:
         if isinstance(exc, CorruptRecord):  # a daemon that breaks the protocol

@@ -18,6 +18,7 @@ class ClientConfig:
     host_tier_bytes: int = 0  # the client's host-DRAM tier; 0: none
     host_block_bytes: int = 0  # payload bytes of one slot of the host tier (the engine's block size)
     host_tier_pinned: bool = False  # allocate the host tier in pinned memory (CUDA engines; needs torch)
+    write_behind_bytes: int = 256 * 2**20  # bound of the queue of saves not yet stored
 
     def __post_init__(self) -> None:
         if isinstance(self.servers, str):
@@ -38,5 +39,5 @@ class ClientConfig:
         if self.host_tier_bytes and not 0 < self.host_block_bytes <= self.host_tier_bytes:
             raise ValueError("a host tier needs host_block_bytes, the engine's block payload size, "
                              "between 1 and host_tier_bytes")
-        if self.put_chunk_bytes < 1 or self.max_message_bytes < 1:
-            raise ValueError("ClientConfig.put_chunk_bytes and max_message_bytes must be positive")
+        if self.put_chunk_bytes < 1 or self.max_message_bytes < 1 or self.write_behind_bytes < 1:
+            raise ValueError("ClientConfig.put_chunk_bytes, max_message_bytes, write_behind_bytes must be positive")

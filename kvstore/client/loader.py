@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from typing import TYPE_CHECKING, Sequence
 
 import grpc
@@ -90,6 +91,7 @@ class Loader:
 
     def _from_host(self, pinned, progress: LoadProgress, destination: KVDestination) -> None:
         host = self.client.host
+        started = time.perf_counter()
         try:
             for position, block in enumerate(pinned):
                 header = block.header
@@ -106,6 +108,8 @@ class Loader:
                     destination.layer_written(layer, position)
                     progress.mark(layer, position)
             self.client.stats.tier_hits["host"] += len(pinned)
+            self.client.bandwidth.record("host", sum(b.header.payload_len for b in pinned),
+                                         time.perf_counter() - started)
         except LoadCancelled:
             return
         finally:
@@ -120,6 +124,7 @@ class Loader:
         assembly = LoadAssembly(blocks, positions, progress, destination, self.client.stats.miss_causes)
         request = pb.GetRequest(keys=[blocks[p].key for p in positions], layer_begin=0,
                                 layer_end=destination.num_layers, order=pb.LAYER_MAJOR, stop_at_miss=True)
+        started = time.perf_counter()
         try:
             channel = asyncio.run_coroutine_threadsafe(shard.data_channel(), self.loop).result()
             if channel is not None:
@@ -138,6 +143,7 @@ class Loader:
             progress.shrink(incomplete[0], "incomplete")
         else:
             self.client.stats.tier_hits["daemon"] += len(positions)
+            self.client.bandwidth.record(shard.address, assembly.bytes_received, time.perf_counter() - started)
 
     @staticmethod
     def _finish(workers: Sequence[threading.Thread], progress: LoadProgress) -> None:

@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Awaitable, Sequence, TypeVar
+from typing import Awaitable, Callable, Sequence, TypeVar
 
 from kvstore.block import Block
 from kvstore.client.assembly import BlockData, Buffer
 from kvstore.client.client import AsyncKVClient, ClientStats, PutSummary
 from kvstore.client.config import ClientConfig
+from kvstore.client.cost import blocks_worth_loading
 from kvstore.client.dataplane import TransportError
 from kvstore.client.loader import Loader
 from kvstore.client.loading import KVDestination, LoadHandle
+from kvstore.client.write_behind import WriteBehind
 from kvstore.record import CorruptRecord
 
 T = TypeVar("T")
@@ -29,6 +32,7 @@ class KVClient:
         self._async = self._run(_make_async(config))
         self._pool = ThreadPoolExecutor(max_workers=len(self._async.shards), thread_name_prefix="kvstore-get")
         self._loader = Loader(self._async, self._loop)
+        self._write_behind: WriteBehind | None = None
 
     @property
     def stats(self) -> ClientStats:
@@ -60,18 +64,46 @@ class KVClient:
                                                     into[rest:] if into else None))
 
         def run(plan, channel) -> None:
+            started = time.perf_counter()
             try:
                 client._get_over_channel(channel, plan)
             except (TransportError, CorruptRecord) as exc:
                 client._get_failed(plan, exc)
             else:
                 plan.shard.succeeded()
+                client._measured(plan, time.perf_counter() - started)
 
         extra = [self._pool.submit(run, plan, channel) for plan, channel in zip(plans[1:], channels[1:])]
         run(plans[0], channels[0])
         for future in extra:
             future.result()
         return from_host + client._finish_get(plans)
+
+    def tokens_worth_loading(self, blocks: Sequence[Block], hit_blocks: int, block_bytes: int, total_tokens: int,
+                             compute_s: Callable[[int, int], float], pipelined: bool = True) -> int:
+        """Of a hit of `hit_blocks` leading blocks, how many tokens are faster loaded than recomputed.
+
+        `compute_s(a, b)` is the engine's estimate of computing tokens [a, b) with [0, a) cached;
+        bandwidth comes from what each source (host tier, each daemon) delivered so far.
+        """
+        sources = self._async.block_sources(blocks[:hit_blocks])
+        block_tokens = len(blocks[0].tokens) if blocks else 0
+        worth = blocks_worth_loading(sources, block_bytes, block_tokens, total_tokens, compute_s,
+                                     self._async.bandwidth, pipelined)
+        return worth * block_tokens
+
+    def save(self, items: Sequence[tuple[Block, bytes]], num_layers: int, traffic_class: str = "chat") -> bool:
+        """Queue newly computed blocks to be stored in the background; never blocks on the store.
+
+        False when the bounded queue has no room: the blocks are dropped and counted.
+        """
+        return self.write_behind.save(items, num_layers, traffic_class)
+
+    @property
+    def write_behind(self) -> WriteBehind:
+        if self._write_behind is None:
+            self._write_behind = WriteBehind(self, self._async.config.write_behind_bytes)
+        return self._write_behind
 
     def load(self, blocks: Sequence[Block], destination: KVDestination, hit_blocks: int | None = None) -> LoadHandle:
         """Start loading the cached prefix of `blocks` into `destination`, layer 0 of every block first.
@@ -100,6 +132,8 @@ class KVClient:
         return self._async.last_errors()
 
     def close(self) -> None:
+        if self._write_behind is not None:
+            self._write_behind.close()  # shutdown flushes what is queued
         self._pool.shutdown(wait=True)
         if self._loop.is_running():
             self._run(self._async.close())

@@ -1,0 +1,50 @@
+import os
+import threading
+
+import pytest
+
+from kvstore.block import KVLayout, Namespace
+from kvstore.client import KVClient
+from kvstore.client.write_behind import WriteBehind
+
+pytestmark = pytest.mark.integration
+NS = Namespace("wb", KVLayout(2, 1, 32, "float16"), 16)
+
+
+def items(n, seed=0):
+    return [(b, os.urandom(NS.block_bytes)) for b in NS.blocks(range(seed * 10**5, seed * 10**5 + 16 * n))]
+
+
+def test_saves_are_stored_in_the_background_and_flushed_on_close(daemons):
+    daemon, = daemons(1)
+    saved = items(6)
+    with KVClient([daemon.address]) as client:
+        assert client.save(saved[:3], NS.num_layers) and client.save(saved[3:], NS.num_layers, "agent")
+    with KVClient([daemon.address]) as client:  # close() flushed the queue
+        assert client.lookup([b for b, _ in saved]) == 6
+
+
+class GatedClient:
+    """Holds every put until released, so the queue fills up deterministically."""
+
+    def __init__(self, client):
+        self.client, self.gate = client, threading.Event()
+
+    def put(self, *args, **kwargs):
+        self.gate.wait(10)
+        return self.client.put(*args, **kwargs)
+
+
+def test_a_full_queue_drops_and_counts_and_never_blocks(daemons):
+    daemon, = daemons(1)
+    with KVClient([daemon.address]) as client:
+        gated = GatedClient(client)
+        queue = WriteBehind(gated, max_bytes=3 * NS.block_bytes)
+        batches = [items(1, seed=s) for s in range(6)]
+        accepted = [queue.save(batch, NS.num_layers) for batch in batches]  # returns at once
+        assert accepted.count(True) in (3, 4) and queue.counters["dropped"] == accepted.count(False)
+        gated.gate.set()
+        assert queue.flush(timeout=10)
+        queue.close()
+        assert queue.counters["stored"] == accepted.count(True)
+        assert client.lookup([batches[0][0][0]]) == 1
