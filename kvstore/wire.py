@@ -23,6 +23,8 @@ PUT = 4  # client: head PutHead, then record_bytes raw bytes (header, then paylo
 PUT_END = 5  # client: no more records; daemon answers PUT_RESULT
 PUT_RESULT = 6  # daemon: head PutResponse
 ERROR = 7  # daemon: head DataError; the daemon closes the connection after it
+REGISTER = 8  # client: head RegisterRegion; daemon answers REGISTERED (same host only)
+REGISTERED = 9  # daemon: head RegionRegistered
 
 SOCKET_BUFFER_BYTES = 4 * 2**20
 

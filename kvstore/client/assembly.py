@@ -42,6 +42,7 @@ class ShardGet:
     shard: "Shard"
     request: pb.GetRequest
     assembly: "GetAssembly"
+    stride: int = 0  # bytes one block may need (allows the shared-memory path); 0: unknown
 
 
 class GetAssembly:

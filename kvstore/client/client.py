@@ -191,12 +191,13 @@ class AsyncKVClient:
             request = pb.GetRequest(keys=[blocks[i].key for i in positions], layer_begin=layer_begin,
                                     layer_end=layer_end or 0, stop_at_miss=True,
                                     order=pb.LAYER_MAJOR if layer_major else pb.BLOCK_MAJOR)
-            plans.append(ShardGet(shard, request,
-                                   GetAssembly(blocks, positions, layer_begin, layer_end, into, self.stats.miss_causes)))
+            stride = min(len(memoryview(into[i]).cast("B")) for i in positions) if into else self.config.host_block_bytes
+            plans.append(ShardGet(shard, request, GetAssembly(blocks, positions, layer_begin, layer_end, into,
+                                                              self.stats.miss_causes), stride))
         return plans
 
     def _get_over_channel(self, channel: DataChannel, plan: ShardGet) -> None:
-        channel.get(plan.request, plan.assembly.sink, plan.assembly.received, self.config.timeout_s)
+        channel.get(plan.request, plan.assembly.sink, plan.assembly.received, self.config.timeout_s, plan.stride)
 
     def _measured(self, plan: ShardGet, seconds: float) -> None:
         self.bandwidth.record(plan.shard.address, plan.assembly.bytes_received, seconds)

@@ -19,6 +19,8 @@ class ClientConfig:
     host_block_bytes: int = 0  # payload bytes of one slot of the host tier (the engine's block size)
     host_tier_pinned: bool = False  # allocate the host tier in pinned memory (CUDA engines; needs torch)
     write_behind_bytes: int = 256 * 2**20  # bound of the queue of saves not yet stored
+    shared_memory: str = "auto"  # "auto": with daemons on this host; "on": always try; "off": never
+    shm_region_bytes: int = 256 * 2**20  # the region each data connection lends a same-host daemon
 
     def __post_init__(self) -> None:
         if isinstance(self.servers, str):
@@ -34,6 +36,10 @@ class ClientConfig:
         for name in ("timeout_s", "lookup_timeout_s", "down_backoff_s", "max_down_backoff_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ClientConfig.{name} must be positive")
+        if self.shared_memory not in ("auto", "on", "off"):
+            raise ValueError(f"ClientConfig.shared_memory must be 'auto', 'on' or 'off', got {self.shared_memory!r}")
+        if self.shm_region_bytes < 1:
+            raise ValueError("ClientConfig.shm_region_bytes must be positive")
         if self.transport not in ("auto", "grpc"):
             raise ValueError(f"ClientConfig.transport must be 'auto' or 'grpc', got {self.transport!r}")
         if self.host_tier_bytes and not 0 < self.host_block_bytes <= self.host_tier_bytes:

@@ -2,10 +2,19 @@
 
 Calls run on worker threads (the socket calls release the GIL), so shards are read in parallel and
 each payload is received with recv_into straight into its destination buffer.
+
+On the daemon's own host, each connection can lend the daemon a shared-memory region: a Get that fits
+in it is answered by the daemon writing the payloads straight into the region (from its DRAM tier or
+its segment files), and only part heads cross the socket. The region's name is unlinked as soon as the
+daemon has mapped it, and the daemon drops its mapping when the connection closes, so nothing outlives
+a client that dies.
 """
 
 from __future__ import annotations
 
+import mmap
+import os
+import secrets
 import socket
 import threading
 import time
@@ -13,6 +22,8 @@ from typing import Callable, Sequence
 
 from kvstore import wire
 from kvstore.proto import pb
+
+SHM_DIR = "/dev/shm"
 
 
 class TransportError(Exception):
@@ -32,19 +43,28 @@ ChunkDone = Callable[[pb.GetPartHead, int, memoryview], None]
 
 
 class DataChannel:
-    def __init__(self, host: str, port: int, pool_size: int = 8) -> None:
+    """Connections to one daemon's data port. With `region_bytes`, each lends a region of that size."""
+
+    def __init__(self, host: str, port: int, pool_size: int = 8, region_bytes: int = 0) -> None:
         self.host, self.port = host, port
-        self._idle: list[socket.socket] = []
+        self.region_bytes = region_bytes
+        self._idle: list[_Connection] = []
         self._pool_size = pool_size
         self._lock = threading.Lock()
 
-    def get(self, request: pb.GetRequest, sink: PartSink, done: ChunkDone, timeout_s: float) -> None:
+    def get(self, request: pb.GetRequest, sink: PartSink, done: ChunkDone, timeout_s: float,
+            stride: int = 0) -> None:
+        """Stream a Get; `stride` (the bytes one key may need) allows the shared-memory path if it fits."""
         deadline = time.monotonic() + timeout_s
-        with self._connection(deadline) as sock:
+        with self._connection(deadline) as connection:
+            sock = connection.sock
+            if connection.region_id and stride and len(request.keys) * stride <= self.region_bytes:
+                request = _copy(request)
+                request.region_id, request.region_stride = connection.region_id, stride
             _send(sock, wire.frame(wire.GET, request.SerializeToString()), deadline)
             scratch = bytearray(0)
             while True:
-                kind, head = self._read_frame(sock, deadline)
+                kind, head = read_frame(sock, deadline)
                 if kind == wire.DONE:
                     return
                 if kind != wire.PART:
@@ -52,6 +72,9 @@ class DataChannel:
                 part = pb.GetPartHead.FromString(head)
                 if part.status != pb.OK or not part.payload_bytes:
                     sink(part)
+                    continue
+                if part.in_region:
+                    connection.from_region(part, sink, done)
                     continue
                 wanted = sink(part)
                 if wanted is None:  # nobody wants it: read it anyway to keep the stream in step
@@ -69,7 +92,8 @@ class DataChannel:
 
     def put(self, records: Sequence[tuple[bytes, bytes]], timeout_s: float) -> list[int]:
         deadline = time.monotonic() + timeout_s
-        with self._connection(deadline) as sock:
+        with self._connection(deadline) as connection:
+            sock = connection.sock
             try:
                 for header, payload in records:
                     head = pb.PutHead(record_bytes=len(header) + len(payload)).SerializeToString()
@@ -78,71 +102,134 @@ class DataChannel:
                 _send(sock, wire.frame(wire.PUT_END), deadline)
             except OSError as exc:  # the daemon may have refused and closed: its ERROR frame says why
                 try:
-                    self._read_frame(sock, deadline)
+                    read_frame(sock, deadline)
                 except TransportError:
                     raise
-                except Exception:
+                except Exception:  # noqa: BLE001 - no ERROR frame to read: report the send failure
                     pass
                 raise TransportError("UNAVAILABLE", f"sending to {self.host}:{self.port} failed: {exc}") from exc
-            kind, head = self._read_frame(sock, deadline)
+            kind, head = read_frame(sock, deadline)
             if kind != wire.PUT_RESULT:
                 raise TransportError("INTERNAL", f"unexpected frame kind {kind} after a Put")
             return list(pb.PutResponse.FromString(head).results)
 
-    # -- plumbing -----------------------------------------------------------------------------------
-
-    def _read_frame(self, sock: socket.socket, deadline: float) -> tuple[int, bytes]:
-        prefix = bytearray(wire.PREFIX.size)
-        _recv_exact(sock, memoryview(prefix), deadline)
-        try:
-            kind, head_len = wire.parse_prefix(prefix)
-        except wire.FrameError as exc:
-            raise TransportError("INTERNAL", str(exc)) from None
-        head = bytearray(head_len)
-        _recv_exact(sock, memoryview(head), deadline)
-        if kind == wire.ERROR:
-            error = pb.DataError.FromString(bytes(head))
-            raise TransportError(error.code or "UNKNOWN", error.message)
-        return kind, bytes(head)
-
     def _connection(self, deadline: float) -> "_Lease":
         with self._lock:
-            sock = self._idle.pop() if self._idle else None
-        if sock is None:
+            connection = self._idle.pop() if self._idle else None
+        if connection is None:
             try:
                 sock = socket.create_connection((self.host, self.port), timeout=max(deadline - time.monotonic(), 0.01))
             except OSError as exc:
                 raise TransportError("UNAVAILABLE", f"cannot connect to {self.host}:{self.port}: {exc}") from exc
             wire.tune(sock)
-        return _Lease(self, sock)
+            connection = _Connection(sock)
+            if self.region_bytes:
+                try:
+                    connection.lend_region(self.region_bytes, deadline)
+                except BaseException:
+                    connection.close()
+                    raise
+        return _Lease(self, connection)
 
-    def _release(self, sock: socket.socket, reusable: bool) -> None:
+    def _release(self, connection: "_Connection", reusable: bool) -> None:
         with self._lock:
             if reusable and len(self._idle) < self._pool_size:
-                self._idle.append(sock)
+                self._idle.append(connection)
                 return
-        sock.close()
+        connection.close()
 
     def close(self) -> None:
         with self._lock:
             idle, self._idle = self._idle, []
-        for sock in idle:
-            sock.close()
+        for connection in idle:
+            connection.close()
+
+
+class _Connection:
+    """A socket to the daemon's data port, and the shared-memory region it lends, if any."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.region: mmap.mmap | None = None
+        self.region_view: memoryview | None = None
+        self.region_id = 0
+
+    def lend_region(self, nbytes: int, deadline: float) -> None:
+        name = f"kvstore-{os.getpid()}-{secrets.token_hex(8)}"
+        path = os.path.join(SHM_DIR, name)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+            self.region = mmap.mmap(fd, nbytes)
+            self.region_view = memoryview(self.region)
+            self.region_view[:: mmap.PAGESIZE] = bytes(len(range(0, nbytes, mmap.PAGESIZE)))  # fault it in now
+            head = pb.RegisterRegion(name=name, size=nbytes).SerializeToString()
+            _send(self.sock, wire.frame(wire.REGISTER, head), deadline)
+            kind, answer = read_frame(self.sock, deadline)
+            if kind != wire.REGISTERED:
+                raise TransportError("INTERNAL", f"unexpected frame kind {kind} after REGISTER")
+            self.region_id = pb.RegionRegistered.FromString(answer).region_id
+        finally:
+            os.close(fd)
+            try:
+                os.unlink(path)  # the daemon has it mapped (or never will): nothing may outlive us
+            except FileNotFoundError:
+                pass
+
+    def from_region(self, part: pb.GetPartHead, sink: PartSink, done: ChunkDone) -> None:
+        """A part the daemon wrote into our region: hand it over from there, chunk by chunk."""
+        if self.region_view is None or part.region_offset + part.payload_bytes > len(self.region_view):
+            raise TransportError("INTERNAL", "the daemon named bytes outside our region")
+        wanted = sink(part)
+        if wanted is None:
+            return
+        target, step = wanted
+        with self.region_view[part.region_offset : part.region_offset + part.payload_bytes] as source:
+            for start in range(0, len(target), step):
+                chunk = target[start : start + step]
+                chunk[:] = source[start : start + len(chunk)]
+                done(part, start, chunk)
+
+    def close(self) -> None:
+        self.sock.close()
+        if self.region is not None:
+            region, view = self.region, self.region_view
+            self.region = self.region_view = None
+            view.release()
+            try:
+                region.close()
+            except BufferError:  # a view of it is still referenced somewhere: unmapped when that goes
+                pass
 
 
 class _Lease:
     """A pooled connection for one call; returned to the pool only if the call ended cleanly."""
 
-    def __init__(self, channel: DataChannel, sock: socket.socket) -> None:
-        self.channel, self.sock = channel, sock
+    def __init__(self, channel: DataChannel, connection: _Connection) -> None:
+        self.channel, self.connection = channel, connection
 
-    def __enter__(self) -> socket.socket:
-        return self.sock
+    def __enter__(self) -> _Connection:
+        return self.connection
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        self.channel._release(self.sock, reusable=exc_type is None)
+        self.channel._release(self.connection, reusable=exc_type is None)
         if isinstance(exc, (OSError, EOFError)) and not isinstance(exc, TransportError):
             raise TransportError("UNAVAILABLE", f"{self.channel.host}:{self.channel.port}: {exc}") from exc
+
+
+def read_frame(sock: socket.socket, deadline: float) -> tuple[int, bytes]:
+    prefix = bytearray(wire.PREFIX.size)
+    _recv_exact(sock, memoryview(prefix), deadline)
+    try:
+        kind, head_len = wire.parse_prefix(prefix)
+    except wire.FrameError as exc:
+        raise TransportError("INTERNAL", str(exc)) from None
+    head = bytearray(head_len)
+    _recv_exact(sock, memoryview(head), deadline)
+    if kind == wire.ERROR:
+        error = pb.DataError.FromString(bytes(head))
+        raise TransportError(error.code or "UNKNOWN", error.message)
+    return kind, bytes(head)
 
 
 def _recv_exact(sock: socket.socket, view: memoryview, deadline: float) -> None:
@@ -169,3 +256,9 @@ def _send(sock: socket.socket, data: bytes | memoryview, deadline: float) -> Non
         sock.sendall(data)
     except socket.timeout:
         raise TransportError("DEADLINE_EXCEEDED", "data channel call passed its deadline") from None
+
+
+def _copy(request: pb.GetRequest) -> pb.GetRequest:
+    copied = pb.GetRequest()
+    copied.CopyFrom(request)
+    return copied

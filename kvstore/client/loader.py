@@ -128,7 +128,8 @@ class Loader:
         try:
             channel = asyncio.run_coroutine_threadsafe(shard.data_channel(), self.loop).result()
             if channel is not None:
-                channel.get(request, assembly.sink, assembly.received, self.client.config.timeout_s)
+                channel.get(request, assembly.sink, assembly.received, self.client.config.timeout_s,
+                            stride=destination.num_layers * destination.layer_bytes)
             else:
                 asyncio.run_coroutine_threadsafe(
                     self.client._get_grpc(shard, request, assembly), self.loop).result()

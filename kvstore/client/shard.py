@@ -14,6 +14,7 @@ import grpc
 
 from kvstore.client.config import ClientConfig
 from kvstore.client.dataplane import DataChannel, TransportError
+from kvstore.hostid import host_id
 from kvstore.proto import method, pb
 
 # Codes that say "this daemon cannot serve now", as opposed to "this request is wrong".
@@ -82,7 +83,10 @@ class Shard:
         if not self._data_checked:
             info = await self._info(pb.InfoRequest(), timeout=self.config.lookup_timeout_s)
             host = self.address.rpartition(":")[0].strip("[]")
-            self._data = DataChannel(host, info.data_port) if info.data_port else None
+            mode = self.config.shared_memory
+            same_host = mode == "on" or (mode == "auto" and info.host_id != "" and info.host_id == host_id())
+            region = self.config.shm_region_bytes if same_host else 0
+            self._data = DataChannel(host, info.data_port, region_bytes=region) if info.data_port else None
             self._data_checked = True
         return self._data
 

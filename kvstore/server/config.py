@@ -74,6 +74,7 @@ class ServerConfig:
     max_inflight_put_bytes: int = 512 * 2**20
     max_keys_per_request: int = 65536
     max_concurrent_rpcs: int = 256
+    max_region_bytes: int = 4 * 2**30  # largest shared-memory region a same-host client may lend
     io_threads: int = 8
     grace_s: float = 5.0
     data_frame_timeout_s: float = 30.0  # a data-channel client stalled inside a frame this long is dropped
@@ -114,7 +115,7 @@ class ServerConfig:
         if self.default_class not in self.classes:
             raise ValueError(f"default_class {self.default_class!r} is not one of the classes {sorted(self.classes)}")
         for name in ("capacity_bytes", "segment_bytes", "max_block_bytes", "max_message_bytes",
-                     "max_inflight_put_bytes", "lmdb_map_bytes", "max_keys_per_request",
+                     "max_inflight_put_bytes", "lmdb_map_bytes", "max_keys_per_request", "max_region_bytes",
                      "max_concurrent_rpcs", "io_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -135,7 +136,7 @@ class ServerConfig:
 
 
 _SIZE_FIELDS = {"capacity_bytes", "segment_bytes", "hot_tier_bytes", "lmdb_map_bytes", "lmdb_max_map_bytes",
-                "max_block_bytes", "max_message_bytes", "max_inflight_put_bytes"}
+                "max_block_bytes", "max_message_bytes", "max_inflight_put_bytes", "max_region_bytes"}
 _TIME_FIELDS = {"expiry_bucket_s", "sweep_interval_s", "access_flush_interval_s", "grace_s", "data_frame_timeout_s"}
 _FIELDS = {f.name: f for f in dataclasses.fields(ServerConfig)}
 

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import mmap
+import os
 import socket
 import time
 
 from kvstore import wire
+from kvstore.hostid import host_id
 from kvstore.proto import pb
 from kvstore.record import FIXED_HEADER_BYTES
 from kvstore.server.config import ServerConfig
@@ -26,8 +29,41 @@ from kvstore.server.store import BlockStore, DiskFull
 log = logging.getLogger(__name__)
 
 
+MAX_REGIONS_PER_CONNECTION = 4
+SHM_DIR = "/dev/shm"
+
+
 class _Closed(Exception):
     pass
+
+
+class Region:
+    """A client's shared-memory object, mapped for one connection; its name is unlinked at once, so
+    nothing is left behind when either side dies."""
+
+    def __init__(self, mapping: mmap.mmap, size: int) -> None:
+        self.mapping, self.size = mapping, size
+        self.view = memoryview(mapping)
+
+    @staticmethod
+    def open(name: str, size: int) -> "Region":
+        path = os.path.join(SHM_DIR, name)
+        fd = os.open(path, os.O_RDWR)
+        try:
+            if os.fstat(fd).st_size < size:
+                raise OSError(f"object is smaller than {size} bytes")
+            mapping = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        return Region(mapping, size)
+
+    def close(self) -> None:
+        self.view.release()
+        self.mapping.close()
 
 
 class DataPlaneServer:
@@ -75,6 +111,7 @@ class DataPlaneServer:
             task.add_done_callback(self._connections.discard)
 
     async def _serve(self, sock: socket.socket) -> None:
+        regions: dict[int, Region] = {}  # lent by this connection's client; gone with the connection
         try:
             while True:
                 try:
@@ -85,7 +122,9 @@ class DataPlaneServer:
                     kind, head_len = wire.parse_prefix(prefix)
                     head = await self._read(sock, head_len)
                     if kind == wire.GET:
-                        await self._get(sock, parse(pb.GetRequest, head))
+                        await self._get(sock, parse(pb.GetRequest, head), regions)
+                    elif kind == wire.REGISTER:
+                        await self._register(sock, parse(pb.RegisterRegion, head), regions)
                     elif kind == wire.PUT:
                         await self._puts(sock, parse(pb.PutHead, head))
                     else:
@@ -102,19 +141,67 @@ class DataPlaneServer:
             return
         finally:
             sock.close()
+            for region in regions.values():
+                region.close()
 
     # -- Get ----------------------------------------------------------------------------------------
 
-    async def _get(self, sock: socket.socket, request: pb.GetRequest) -> None:
+    async def _get(self, sock: socket.socket, request: pb.GetRequest, regions: dict[int, Region]) -> None:
         check_get(request, self.config)
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
-        async for head, payload in get_parts(self.store, request):
-            await loop.sock_sendall(sock, wire.frame(wire.PART, head))
-            if payload is not None:
+        region = self._region_of(request, regions)
+        target = None
+        if region is not None:
+            def target(index: int, layer_begin: int, nbytes: int) -> memoryview | None:
+                within = (layer_begin - request.layer_begin) * nbytes  # one layer per part when layer-major
+                if within + nbytes > request.region_stride:
+                    return None  # does not fit the client's stride: this part travels over the socket
+                offset = index * request.region_stride + within
+                return region.view[offset : offset + nbytes]
+        async for head, payload in get_parts(self.store, request, target):
+            in_region = region is not None and payload is not None and isinstance(payload, memoryview) \
+                and payload.obj is region.mapping
+            if in_region:  # the bytes are already in the client's memory: only the head travels
+                self.metrics.region_bytes.inc(head.payload_bytes)
+                head.in_region = True
+                head.region_offset = head.index * request.region_stride + (
+                    (head.layer_begin - request.layer_begin) * head.payload_bytes)
+            await loop.sock_sendall(sock, wire.frame(wire.PART, head.SerializeToString()))
+            if payload is not None and not in_region:
                 await loop.sock_sendall(sock, payload)
         await loop.sock_sendall(sock, wire.frame(wire.DONE))
         self.metrics.rpc_latency.labels(method="data.Get").observe(time.perf_counter() - started)
+
+    def _region_of(self, request: pb.GetRequest, regions: dict[int, Region]) -> Region | None:
+        if not request.region_id:
+            return None
+        region = regions.get(request.region_id)
+        if region is None:
+            raise RequestError(f"region {request.region_id} is not registered on this connection")
+        if request.region_stride == 0 or len(request.keys) * request.region_stride > region.size:
+            raise RequestError(f"{len(request.keys)} keys x region_stride {request.region_stride} reach outside "
+                               f"the {region.size}-byte region")
+        return region
+
+    async def _register(self, sock: socket.socket, request: pb.RegisterRegion, regions: dict[int, Region]) -> None:
+        if not host_id():
+            raise RequestError("this daemon does not offer shared memory")
+        if len(regions) >= MAX_REGIONS_PER_CONNECTION:
+            raise RequestError(f"at most {MAX_REGIONS_PER_CONNECTION} regions per connection", exhausted=True)
+        if not request.name or "/" in request.name or request.name.startswith("."):
+            raise RequestError(f"bad shared-memory name {request.name!r}")
+        if not 0 < request.size <= self.config.max_region_bytes:
+            raise RequestError(f"region of {request.size} bytes; the limit is {self.config.max_region_bytes}",
+                               exhausted=request.size > 0)
+        try:
+            region = Region.open(request.name, request.size)
+        except OSError as exc:
+            raise RequestError(f"cannot map shared memory {request.name!r}: {exc}") from None
+        region_id = max(regions, default=0) + 1
+        regions[region_id] = region
+        response = pb.RegionRegistered(region_id=region_id).SerializeToString()
+        await asyncio.get_running_loop().sock_sendall(sock, wire.frame(wire.REGISTERED, response))
 
     # -- Put ----------------------------------------------------------------------------------------
 

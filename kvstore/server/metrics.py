@@ -15,6 +15,8 @@ class Metrics:
         self.hits = Counter("kvstore_hits", "Blocks served by Get, by tier", ["tier"], registry=r)
         self.misses = Counter("kvstore_misses", "Blocks not served by Get, by cause", ["cause"], registry=r)
         self.bytes_read = Counter("kvstore_read_bytes", "Payload bytes served by Get", registry=r)
+        self.region_bytes = Counter("kvstore_region_read_bytes", "Payload bytes written into clients' shared memory",
+                                    registry=r)
         self.bytes_written = Counter("kvstore_written_bytes", "Record bytes written by Put", registry=r)
         self.puts = Counter("kvstore_puts", "Put records, by result", ["result"], registry=r)
         self.evictions = Counter("kvstore_evictions", "Blocks evicted for capacity", registry=r)

@@ -1,22 +1,25 @@
 """The parts of a Get, in the order they are sent; shared by the gRPC service and the data channel.
 
-Each part is (GetPartHead bytes, payload or None). Block-major sends all requested layers of a block
+Each part is (GetPartHead, payload or None). With a `target`, payloads are read straight into the
+buffer it names for each part (a client's shared-memory region) instead of a buffer of their own. Block-major sends all requested layers of a block
 as one part; layer-major sends every block's header first, then layer l of every block before layer
 l+1 of any, so that a loader can start on layer 0 while later layers are in flight.
 """
 
 from __future__ import annotations
 
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from kvstore.proto import pb
 from kvstore.record import CorruptRecord
 from kvstore.server.store import BlockStore, Miss, OpenBlock
 
-Part = tuple[bytes, "bytes | memoryview | None"]
+Part = tuple[pb.GetPartHead, "bytes | bytearray | memoryview | None"]
+# (index of the key, first layer of the part, payload bytes) -> where to put the payload
+Target = Callable[[int, int, int], "memoryview | None"]
 
 
-async def get_parts(store: BlockStore, request: pb.GetRequest) -> AsyncIterator[Part]:
+async def get_parts(store: BlockStore, request: pb.GetRequest, target: Target | None = None) -> AsyncIterator[Part]:
     opened: list[tuple[int, OpenBlock, int, int]] = []
     served: list[OpenBlock] = []
     served_bytes = 0
@@ -24,7 +27,7 @@ async def get_parts(store: BlockStore, request: pb.GetRequest) -> AsyncIterator[
         if request.order == pb.LAYER_MAJOR:
             for index, key in enumerate(request.keys):
                 found = await _open(store, request, index, key)
-                if isinstance(found, bytes):
+                if isinstance(found, pb.GetPartHead):
                     yield found, None
                     if request.stop_at_miss:
                         break
@@ -39,7 +42,7 @@ async def get_parts(store: BlockStore, request: pb.GetRequest) -> AsyncIterator[
                     if layer >= end:
                         survivors.append(opened_block)
                         continue
-                    part = await _read(store, block, layer, layer + 1, index, with_header=False)
+                    part = await _read(store, block, layer, layer + 1, index, False, target)
                     yield part
                     if part[1] is None:
                         if request.stop_at_miss:
@@ -52,14 +55,14 @@ async def get_parts(store: BlockStore, request: pb.GetRequest) -> AsyncIterator[
         else:
             for index, key in enumerate(request.keys):
                 found = await _open(store, request, index, key)
-                if isinstance(found, bytes):
+                if isinstance(found, pb.GetPartHead):
                     yield found, None
                     if request.stop_at_miss:
                         break
                     continue
                 opened.append(found)
                 _, block, begin, end = found
-                part = await _read(store, block, begin, end, index, with_header=True)
+                part = await _read(store, block, begin, end, index, True, target)
                 yield part
                 if part[1] is None:
                     if request.stop_at_miss:
@@ -73,7 +76,8 @@ async def get_parts(store: BlockStore, request: pb.GetRequest) -> AsyncIterator[
         store.record_hits(served, served_bytes)
 
 
-async def _open(store: BlockStore, request: pb.GetRequest, index: int, key: bytes) -> tuple[int, OpenBlock, int, int] | bytes:
+async def _open(store: BlockStore, request: pb.GetRequest, index: int,
+                key: bytes) -> tuple[int, OpenBlock, int, int] | pb.GetPartHead:
     found = await store.open_block(key)
     if isinstance(found, Miss):
         return head(index, found.status, 0, 0, b"", 0, found.cause)
@@ -85,10 +89,12 @@ async def _open(store: BlockStore, request: pb.GetRequest, index: int, key: byte
     return index, found, begin, end
 
 
-async def _read(store: BlockStore, block: OpenBlock, begin: int, end: int, index: int, with_header: bool) -> Part:
+async def _read(store: BlockStore, block: OpenBlock, begin: int, end: int, index: int, with_header: bool,
+                target: Target | None) -> Part:
     header_bytes = block.header_bytes if with_header else b""
     try:
-        data = await store.read_layers(block, begin, end)
+        into = target(index, begin, (end - begin) * block.header.layer_bytes) if target else None
+        data = await store.read_layers(block, begin, end, into)
     except CorruptRecord as exc:
         store.metrics.misses.labels(cause=exc.cause).inc()
         return head(index, pb.CORRUPT, begin, end, header_bytes, 0, exc.cause), None
@@ -98,6 +104,6 @@ async def _read(store: BlockStore, block: OpenBlock, begin: int, end: int, index
     return head(index, pb.OK, begin, end, header_bytes, len(data)), data
 
 
-def head(index: int, status: int, begin: int, end: int, header: bytes, nbytes: int, cause: str = "") -> bytes:
+def head(index: int, status: int, begin: int, end: int, header: bytes, nbytes: int, cause: str = "") -> pb.GetPartHead:
     return pb.GetPartHead(index=index, status=status, layer_begin=begin, layer_end=end, header=header,
-                          payload_bytes=nbytes, cause=cause).SerializeToString()
+                          payload_bytes=nbytes, cause=cause)

@@ -12,6 +12,7 @@ from typing import AsyncIterator, Awaitable, Callable
 
 import grpc
 import kvstore
+from kvstore.hostid import host_id
 from kvstore.proto import SERVICE, pb
 from kvstore.server.config import ServerConfig
 from kvstore.server.reads import get_parts
@@ -82,14 +83,17 @@ class KVStoreService:
     async def info(self, request: pb.InfoRequest, context) -> pb.InfoResponse:
         return pb.InfoResponse(data_port=self.data_port, max_block_bytes=self.config.max_block_bytes,
                                max_keys_per_request=self.config.max_keys_per_request,
-                               traffic_classes=sorted(self.config.classes), version=kvstore.__version__)
+                               traffic_classes=sorted(self.config.classes), version=kvstore.__version__,
+                               host_id=host_id() if self.data_port else "")
 
     # -- Get: server-streamed: per part a GetPartHead, then the payload if the part is OK -------------
 
     async def get(self, request: pb.GetRequest, context) -> AsyncIterator[bytes]:
         check_get(request, self.config)
+        if request.region_id:
+            raise RequestError("shared-memory regions are only served on the data channel")
         async for head, payload in get_parts(self.store, request):
-            yield head
+            yield head.SerializeToString()
             if payload is not None:
                 yield payload if isinstance(payload, bytes) else bytes(payload)
 

@@ -210,17 +210,23 @@ class BlockStore:
             return self._miss(pb.UNAVAILABLE, "io_error")
         return OpenBlock(key, entry, header, header_bytes, segment, None, "ssd")
 
-    async def read_layers(self, block: OpenBlock, begin: int, end: int) -> bytes:
-        """Payload bytes of layers [begin, end), verified. Raises CorruptRecord or OSError."""
+    async def read_layers(self, block: OpenBlock, begin: int, end: int,
+                          into: memoryview | None = None) -> bytes | bytearray | memoryview:
+        """Payload bytes of layers [begin, end), verified; written into `into` when given.
+
+        Raises CorruptRecord or OSError."""
         header = block.header
         if block.payload is not None:
+            if into is not None:
+                into[:] = memoryview(block.payload)[begin * header.layer_bytes : end * header.layer_bytes]
+                return into
             if begin == 0 and end == header.n_layers:
                 return block.payload
             return block.payload[begin * header.layer_bytes : end * header.layer_bytes]
         assert block.segment is not None
-        whole = begin == 0 and end == header.n_layers
+        whole = begin == 0 and end == header.n_layers and into is None
         nbytes = (end - begin) * header.layer_bytes
-        data = self.hot.buffer(nbytes) if whole else bytearray(nbytes)
+        data = into if into is not None else self.hot.buffer(nbytes) if whole else bytearray(nbytes)
         try:
             await self.run_io(SegmentSet.read_into, block.segment, block.entry.offset + header.layer_offset(begin),
                               memoryview(data))

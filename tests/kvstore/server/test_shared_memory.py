@@ -1,0 +1,137 @@
+"""The same-host data plane: the daemon writes payloads straight into a client's shared memory."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from kvstore import wire
+from kvstore.block import KVLayout, Namespace
+from kvstore.client import ClientConfig, KVClient
+from kvstore.proto import pb
+
+pytestmark = pytest.mark.integration
+
+NS = Namespace("shm-test", KVLayout(num_layers=4, kv_heads=2, head_dim=32, dtype="float16"), block_tokens=16)
+
+
+def prompt(n: int, seed: int = 0):
+    return [(b, os.urandom(NS.block_bytes)) for b in NS.blocks(range(seed * 10**5, seed * 10**5 + 16 * n))]
+
+
+def region_bytes(client: KVClient, address: str) -> float:
+    return client.server_stats()[address].get("kvstore_region_read_bytes_total", 0)
+
+
+@pytest.mark.parametrize("mode, used", [("auto", True), ("off", False)])
+def test_same_host_gets_go_through_shared_memory(daemons, mode, used):
+    daemon, = daemons(1)
+    items = prompt(5)
+    with KVClient(ClientConfig((daemon.address,), shared_memory=mode)) as client:
+        client.put(items, NS.num_layers)
+        buffers = [bytearray(NS.block_bytes) for _ in items]
+        got = client.get([b for b, _ in items], into=buffers)
+        assert [bytes(b) for b in buffers] == [p for _, p in items] and len(got) == 5
+        layered = client.get([b for b, _ in items], 1, 3, layer_major=True, into=buffers)
+        assert [bytes(g.payload) for g in layered] == [p[NS.layer_bytes : 3 * NS.layer_bytes] for _, p in items]
+        assert (region_bytes(client, daemon.address) > 0) == used
+    assert not [name for name in os.listdir("/dev/shm") if name.startswith("kvstore-")]
+
+
+def lend(sock, size: int, name: str) -> int:
+    with open(f"/dev/shm/{name}", "wb") as f:
+        f.truncate(size)
+    sock.sendall(wire.frame(wire.REGISTER, pb.RegisterRegion(name=name, size=size).SerializeToString()))
+    kind, head = wire.parse_prefix(_recv(sock, wire.PREFIX.size))
+    assert kind == wire.REGISTERED, kind
+    assert not os.path.exists(f"/dev/shm/{name}"), "the daemon unlinks the name once mapped"
+    return pb.RegionRegistered.FromString(_recv(sock, head)).region_id
+
+
+def _recv(sock, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        assert chunk, "connection closed"
+        data += chunk
+    return data
+
+
+def error_code(sock) -> str:
+    kind, head_len = wire.parse_prefix(_recv(sock, wire.PREFIX.size))
+    assert kind == wire.ERROR, kind
+    return pb.DataError.FromString(_recv(sock, head_len)).code
+
+
+@pytest.mark.parametrize("case", ["outside the region", "another connection's region", "no stride"])
+def test_offsets_outside_a_registered_region_are_rejected(daemon_with_block, case):
+    daemon, key = daemon_with_block
+    with socket.create_connection(("127.0.0.1", daemon.data_port)) as sock, \
+            socket.create_connection(("127.0.0.1", daemon.data_port)) as other:
+        region_id = lend(sock, 64 * 1024, f"kvstore-test-{os.getpid()}-a")
+        other_id = lend(other, 64 * 1024, f"kvstore-test-{os.getpid()}-b")
+        request = {
+            "outside the region": pb.GetRequest(keys=[key] * 4, region_id=region_id, region_stride=20_000),
+            "another connection's region": pb.GetRequest(keys=[key], region_id=other_id + 7, region_stride=4096),
+            "no stride": pb.GetRequest(keys=[key], region_id=region_id),
+        }[case]
+        sock.sendall(wire.frame(wire.GET, request.SerializeToString()))
+        assert error_code(sock) == "INVALID_ARGUMENT"
+
+
+def test_oversized_or_missing_regions_are_refused(daemons):
+    daemon, = daemons(1, "--max-region-bytes", "1MiB")
+    with socket.create_connection(("127.0.0.1", daemon.data_port)) as sock:
+        sock.sendall(wire.frame(wire.REGISTER, pb.RegisterRegion(name="kvstore-big", size=2**21).SerializeToString()))
+        assert error_code(sock) == "RESOURCE_EXHAUSTED"
+    with socket.create_connection(("127.0.0.1", daemon.data_port)) as sock:
+        sock.sendall(wire.frame(wire.REGISTER, pb.RegisterRegion(name="no-such-object", size=4096)
+                                .SerializeToString()))
+        assert error_code(sock) == "INVALID_ARGUMENT"
+
+
+@pytest.fixture
+def daemon_with_block(daemons):
+    daemon, = daemons(1)
+    items = prompt(1, seed=9)
+    with KVClient([daemon.address]) as client:
+        client.put(items, NS.num_layers)
+    return daemon, items[0][0].key
+
+
+def mapped_regions(pid: int) -> list[str]:
+    with open(f"/proc/{pid}/maps") as f:
+        return [line for line in f if "/dev/shm/kvstore-" in line]
+
+
+def test_a_client_that_dies_leaves_no_region_behind(daemon_with_block, tmp_path):
+    daemon, _ = daemon_with_block
+    script = textwrap.dedent(f"""
+        import os, sys, time
+        from kvstore.block import KVLayout, Namespace
+        from kvstore.client import KVClient
+        ns = Namespace("shm-test", KVLayout(4, 2, 32, "float16"), 16)
+        with KVClient(["{daemon.address}"]) as client:
+            blocks = ns.blocks(range(9 * 10**5, 9 * 10**5 + 16))
+            assert client.get(blocks, into=[bytearray(ns.block_bytes)])
+            print("ready", flush=True)
+            time.sleep(60)
+    """)
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        assert [m for m in mapped_regions(daemon.proc.pid) if f"kvstore-{child.pid}-" in m]
+        assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"kvstore-{child.pid}-")]
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        deadline = time.monotonic() + 10
+        while [m for m in mapped_regions(daemon.proc.pid) if f"kvstore-{child.pid}-" in m]:
+            assert time.monotonic() < deadline, "the daemon kept the dead client's region"
+            time.sleep(0.05)
+    finally:
+        child.kill()
