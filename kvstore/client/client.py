@@ -17,7 +17,7 @@ import grpc
 
 from kvstore.block import Block, same_namespace
 from kvstore.client.config import ClientConfig
-from kvstore.client.dataplane import DataChannel, TransportError
+from kvstore.client.dataplane import DataChannel, SharedBuffer, TransportError
 from kvstore.client.placement import place
 from kvstore.client.shard import Shard
 from kvstore.proto import pb
@@ -54,9 +54,12 @@ class AsyncKVClient:
         self.host = HostTier(self.config.host_tier_bytes, self.config.host_block_bytes,
                              self.config.host_tier_pinned) if self.config.host_tier_bytes else None
         self.bandwidth = BandwidthMeter()
+        self._shared: list[SharedBuffer] = []
 
     async def close(self) -> None:
         await asyncio.gather(*(shard.close() for shard in self.shards.values()))
+        for shared in self._shared:
+            shared.close()
 
     async def __aenter__(self) -> "AsyncKVClient":
         return self
@@ -193,11 +196,40 @@ class AsyncKVClient:
                                     order=pb.LAYER_MAJOR if layer_major else pb.BLOCK_MAJOR)
             stride = min(len(memoryview(into[i]).cast("B")) for i in positions) if into else self.config.host_block_bytes
             plans.append(ShardGet(shard, request, GetAssembly(blocks, positions, layer_begin, layer_end, into,
-                                                              self.stats.miss_causes), stride))
+                                                              self.stats.miss_causes), stride,
+                                  self._in_shared_buffer([into[i] for i in positions]) if into else None))
         return plans
 
+    def _in_shared_buffer(self, buffers: Sequence[Buffer]) -> tuple[SharedBuffer, list[int]] | None:
+        """The shared buffer holding all of `buffers`, and their offsets in it; None if there is none."""
+        for shared in self._shared:
+            offsets = [shared.offset_of(b) for b in buffers]
+            if all(offset is not None for offset in offsets):
+                return shared, offsets
+        return None
+
+    async def shared_buffer(self, nbytes: int) -> memoryview:
+        """Memory the daemons on this host write into directly: Get into views of it costs no copy here.
+
+        Lent to every same-host daemon (on each pooled data connection); elsewhere it is plain memory.
+        """
+        shared = SharedBuffer(nbytes)
+        try:
+            for shard in self.shards.values():
+                try:
+                    channel = await shard.data_channel()
+                    if channel is not None and channel.region_bytes:
+                        await asyncio.to_thread(channel.adopt, shared, self.config.timeout_s)
+                except (grpc.RpcError, TransportError) as exc:
+                    self._failed(shard, exc)
+        finally:
+            shared.unlink()
+        self._shared.append(shared)
+        return shared.view
+
     def _get_over_channel(self, channel: DataChannel, plan: ShardGet) -> None:
-        channel.get(plan.request, plan.assembly.sink, plan.assembly.received, self.config.timeout_s, plan.stride)
+        channel.get(plan.request, plan.assembly.sink, plan.assembly.received, self.config.timeout_s, plan.stride,
+                    plan.shared)
 
     def _measured(self, plan: ShardGet, seconds: float) -> None:
         self.bandwidth.record(plan.shard.address, plan.assembly.bytes_received, seconds)

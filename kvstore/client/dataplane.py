@@ -20,6 +20,8 @@ import threading
 import time
 from typing import Callable, Sequence
 
+import numpy as np
+
 from kvstore import wire
 from kvstore.proto import pb
 
@@ -53,14 +55,23 @@ class DataChannel:
         self._lock = threading.Lock()
 
     def get(self, request: pb.GetRequest, sink: PartSink, done: ChunkDone, timeout_s: float,
-            stride: int = 0) -> None:
-        """Stream a Get; `stride` (the bytes one key may need) allows the shared-memory path if it fits."""
+            stride: int = 0, shared: tuple[SharedBuffer, list[int]] | None = None) -> None:
+        """Stream a Get. Shared memory is used when possible: with `shared` (a buffer and each key's
+        offset in it) the daemon writes straight into the caller's memory; else, with `stride` (the bytes
+        one key may need), into this connection's region, from where it is copied."""
         deadline = time.monotonic() + timeout_s
         with self._connection(deadline) as connection:
             sock = connection.sock
-            if connection.region_id and stride and len(request.keys) * stride <= self.region_bytes:
+            lent = connection.lent.get(id(shared[0])) if shared else None
+            if lent is not None:
+                request = _copy(request)
+                request.region_id = lent
+                request.region_offsets.extend(shared[1])
+                connection.reading = shared[0].view
+            elif connection.region_id and stride and len(request.keys) * stride <= self.region_bytes:
                 request = _copy(request)
                 request.region_id, request.region_stride = connection.region_id, stride
+                connection.reading = connection.region_view
             _send(sock, wire.frame(wire.GET, request.SerializeToString()), deadline)
             scratch = bytearray(0)
             while True:
@@ -138,6 +149,21 @@ class DataChannel:
                 return
         connection.close()
 
+    def adopt(self, buffer: SharedBuffer, timeout_s: float) -> None:
+        """Lend `buffer` to the daemon on every pooled connection (opening the pool now)."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            idle, self._idle = self._idle, []
+        try:
+            while len(idle) < self._pool_size:
+                idle.append(self._connection(deadline).connection)
+            for connection in idle:
+                if id(buffer) not in connection.lent:
+                    connection.lent[id(buffer)] = connection.register(buffer.name, buffer.size, deadline)
+        finally:
+            for connection in idle:
+                self._release(connection, reusable=True)
+
     def close(self) -> None:
         with self._lock:
             idle, self._idle = self._idle, []
@@ -145,61 +171,102 @@ class DataChannel:
             connection.close()
 
 
+class SharedBuffer:
+    """Memory of this client that daemons on its host write into directly (3FS's USRBIO idea).
+
+    Get into views of it (`KVClient.shared_buffer`) and the payloads land there with no copy on this
+    side. Its name is unlinked once every daemon has mapped it, so nothing outlives the process.
+    """
+
+    def __init__(self, nbytes: int) -> None:
+        self.name = f"kvstore-{os.getpid()}-{secrets.token_hex(8)}"
+        self.size = nbytes
+        path = os.path.join(SHM_DIR, self.name)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+            self.mapping = mmap.mmap(fd, nbytes)
+        except BaseException:
+            os.unlink(path)
+            raise
+        finally:
+            os.close(fd)
+        self.view = memoryview(self.mapping)
+        self.view[:: mmap.PAGESIZE] = bytes(len(range(0, nbytes, mmap.PAGESIZE)))  # fault it in now
+        self.base = np.frombuffer(self.view, dtype=np.uint8).ctypes.data
+
+    def offset_of(self, buffer) -> int | None:
+        """Where `buffer` lies in this shared buffer, or None if it lies elsewhere."""
+        view = memoryview(buffer).cast("B")
+        if not len(view):
+            return None
+        offset = np.frombuffer(view, dtype=np.uint8).ctypes.data - self.base
+        return offset if 0 <= offset and offset + len(view) <= self.size else None
+
+    def unlink(self) -> None:
+        try:
+            os.unlink(os.path.join(SHM_DIR, self.name))
+        except FileNotFoundError:
+            pass
+
+    def close(self) -> None:
+        self.view.release()
+        try:
+            self.mapping.close()
+        except BufferError:  # a view of it is still referenced somewhere: unmapped when that goes
+            pass
+
+
 class _Connection:
     """A socket to the daemon's data port, and the shared-memory region it lends, if any."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
-        self.region: mmap.mmap | None = None
+        self.region: SharedBuffer | None = None  # this connection's own staging region
         self.region_view: memoryview | None = None
         self.region_id = 0
+        self.lent: dict[int, int] = {}  # id(SharedBuffer) -> its region id on this connection
+        self.reading: memoryview | None = None  # the region the current Get writes into
 
     def lend_region(self, nbytes: int, deadline: float) -> None:
-        name = f"kvstore-{os.getpid()}-{secrets.token_hex(8)}"
-        path = os.path.join(SHM_DIR, name)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        self.region = SharedBuffer(nbytes)
+        self.region_view = self.region.view
         try:
-            os.ftruncate(fd, nbytes)
-            self.region = mmap.mmap(fd, nbytes)
-            self.region_view = memoryview(self.region)
-            self.region_view[:: mmap.PAGESIZE] = bytes(len(range(0, nbytes, mmap.PAGESIZE)))  # fault it in now
-            head = pb.RegisterRegion(name=name, size=nbytes).SerializeToString()
-            _send(self.sock, wire.frame(wire.REGISTER, head), deadline)
-            kind, answer = read_frame(self.sock, deadline)
-            if kind != wire.REGISTERED:
-                raise TransportError("INTERNAL", f"unexpected frame kind {kind} after REGISTER")
-            self.region_id = pb.RegionRegistered.FromString(answer).region_id
+            self.region_id = self.register(self.region.name, nbytes, deadline, unlink=True)
         finally:
-            os.close(fd)
-            try:
-                os.unlink(path)  # the daemon has it mapped (or never will): nothing may outlive us
-            except FileNotFoundError:
-                pass
+            self.region.unlink()  # the daemon has it mapped (or never will): nothing may outlive us
+
+    def register(self, name: str, nbytes: int, deadline: float, unlink: bool = False) -> int:
+        head = pb.RegisterRegion(name=name, size=nbytes, unlink=unlink).SerializeToString()
+        _send(self.sock, wire.frame(wire.REGISTER, head), deadline)
+        kind, answer = read_frame(self.sock, deadline)
+        if kind != wire.REGISTERED:
+            raise TransportError("INTERNAL", f"unexpected frame kind {kind} after REGISTER")
+        return pb.RegionRegistered.FromString(answer).region_id
 
     def from_region(self, part: pb.GetPartHead, sink: PartSink, done: ChunkDone) -> None:
-        """A part the daemon wrote into our region: hand it over from there, chunk by chunk."""
-        if self.region_view is None or part.region_offset + part.payload_bytes > len(self.region_view):
-            raise TransportError("INTERNAL", "the daemon named bytes outside our region")
+        """A part the daemon wrote into shared memory: hand it over from there, chunk by chunk."""
+        region = self.reading
+        if region is None or part.region_offset + part.payload_bytes > len(region):
+            raise TransportError("INTERNAL", "the daemon named bytes outside the region")
         wanted = sink(part)
         if wanted is None:
             return
         target, step = wanted
-        with self.region_view[part.region_offset : part.region_offset + part.payload_bytes] as source:
+        with region[part.region_offset : part.region_offset + part.payload_bytes] as source:
+            in_place = _address(source) == _address(target)  # written straight into its destination
             for start in range(0, len(target), step):
                 chunk = target[start : start + step]
-                chunk[:] = source[start : start + len(chunk)]
+                if not in_place:
+                    chunk[:] = source[start : start + len(chunk)]
                 done(part, start, chunk)
 
     def close(self) -> None:
         self.sock.close()
         if self.region is not None:
-            region, view = self.region, self.region_view
-            self.region = self.region_view = None
-            view.release()
-            try:
-                region.close()
-            except BufferError:  # a view of it is still referenced somewhere: unmapped when that goes
-                pass
+            region = self.region
+            self.region = self.region_view = self.reading = None
+            region.close()
 
 
 class _Lease:
@@ -256,6 +323,10 @@ def _send(sock: socket.socket, data: bytes | memoryview, deadline: float) -> Non
         sock.sendall(data)
     except socket.timeout:
         raise TransportError("DEADLINE_EXCEEDED", "data channel call passed its deadline") from None
+
+
+def _address(view: memoryview) -> int:
+    return np.frombuffer(view, dtype=np.uint8).ctypes.data if len(view) else 0
 
 
 def _copy(request: pb.GetRequest) -> pb.GetRequest:

@@ -125,6 +125,10 @@ class KVClient:
     def delete(self, blocks: Sequence[Block]) -> int:
         return self._run(self._async.delete(blocks))
 
+    def shared_buffer(self, nbytes: int) -> memoryview:
+        """See AsyncKVClient.shared_buffer: memory same-host daemons write into directly."""
+        return self._run(self._async.shared_buffer(nbytes))
+
     def server_stats(self) -> dict[str, dict[str, float] | None]:
         return self._run(self._async.server_stats())
 

@@ -38,15 +38,15 @@ class _Closed(Exception):
 
 
 class Region:
-    """A client's shared-memory object, mapped for one connection; its name is unlinked at once, so
-    nothing is left behind when either side dies."""
+    """A client's shared-memory object, mapped for one connection. The client asks for its name to be
+    unlinked with its last registration, so nothing is left behind when either side dies."""
 
     def __init__(self, mapping: mmap.mmap, size: int) -> None:
         self.mapping, self.size = mapping, size
         self.view = memoryview(mapping)
 
     @staticmethod
-    def open(name: str, size: int) -> "Region":
+    def open(name: str, size: int, unlink: bool) -> "Region":
         path = os.path.join(SHM_DIR, name)
         fd = os.open(path, os.O_RDWR)
         try:
@@ -55,10 +55,11 @@ class Region:
             mapping = mmap.mmap(fd, size)
         finally:
             os.close(fd)
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+        if unlink:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
         return Region(mapping, size)
 
     def close(self) -> None:
@@ -155,17 +156,17 @@ class DataPlaneServer:
         if region is not None:
             def target(index: int, layer_begin: int, nbytes: int) -> memoryview | None:
                 within = (layer_begin - request.layer_begin) * nbytes  # one layer per part when layer-major
-                if within + nbytes > request.region_stride:
-                    return None  # does not fit the client's stride: this part travels over the socket
-                offset = index * request.region_stride + within
-                return region.view[offset : offset + nbytes]
+                base, room = self._slot(request, region, index)
+                if within + nbytes > room:
+                    return None  # does not fit what the client set aside: this part travels over the socket
+                return region.view[base + within : base + within + nbytes]
         async for head, payload in get_parts(self.store, request, target):
             in_region = region is not None and payload is not None and isinstance(payload, memoryview) \
                 and payload.obj is region.mapping
             if in_region:  # the bytes are already in the client's memory: only the head travels
                 self.metrics.region_bytes.inc(head.payload_bytes)
                 head.in_region = True
-                head.region_offset = head.index * request.region_stride + (
+                head.region_offset = self._slot(request, region, head.index)[0] + (
                     (head.layer_begin - request.layer_begin) * head.payload_bytes)
             await loop.sock_sendall(sock, wire.frame(wire.PART, head.SerializeToString()))
             if payload is not None and not in_region:
@@ -173,13 +174,24 @@ class DataPlaneServer:
         await loop.sock_sendall(sock, wire.frame(wire.DONE))
         self.metrics.rpc_latency.labels(method="data.Get").observe(time.perf_counter() - started)
 
+    @staticmethod
+    def _slot(request: pb.GetRequest, region: Region, index: int) -> tuple[int, int]:
+        """Where key `index`'s bytes go in the region, and how many fit there."""
+        if request.region_offsets:
+            base = request.region_offsets[index]
+            return base, region.size - base
+        return index * request.region_stride, request.region_stride
+
     def _region_of(self, request: pb.GetRequest, regions: dict[int, Region]) -> Region | None:
         if not request.region_id:
             return None
         region = regions.get(request.region_id)
         if region is None:
             raise RequestError(f"region {request.region_id} is not registered on this connection")
-        if request.region_stride == 0 or len(request.keys) * request.region_stride > region.size:
+        if request.region_offsets:
+            if len(request.region_offsets) != len(request.keys) or max(request.region_offsets) >= region.size:
+                raise RequestError(f"region_offsets must give one offset per key inside the {region.size}-byte region")
+        elif request.region_stride == 0 or len(request.keys) * request.region_stride > region.size:
             raise RequestError(f"{len(request.keys)} keys x region_stride {request.region_stride} reach outside "
                                f"the {region.size}-byte region")
         return region
@@ -195,7 +207,7 @@ class DataPlaneServer:
             raise RequestError(f"region of {request.size} bytes; the limit is {self.config.max_region_bytes}",
                                exhausted=request.size > 0)
         try:
-            region = Region.open(request.name, request.size)
+            region = Region.open(request.name, request.size, request.unlink)
         except OSError as exc:
             raise RequestError(f"cannot map shared memory {request.name!r}: {exc}") from None
         region_id = max(regions, default=0) + 1

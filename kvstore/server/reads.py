@@ -8,12 +8,15 @@ l+1 of any, so that a loader can start on layer 0 while later layers are in flig
 
 from __future__ import annotations
 
+import asyncio
+import collections
 from typing import AsyncIterator, Callable
 
 from kvstore.proto import pb
 from kvstore.record import CorruptRecord
 from kvstore.server.store import BlockStore, Miss, OpenBlock
 
+READ_AHEAD = 3  # blocks of a block-major Get read ahead of the one being sent
 Part = tuple[pb.GetPartHead, "bytes | bytearray | memoryview | None"]
 # (index of the key, first layer of the part, payload bytes) -> where to put the payload
 Target = Callable[[int, int, int], "memoryview | None"]
@@ -53,23 +56,34 @@ async def get_parts(store: BlockStore, request: pb.GetRequest, target: Target | 
                 alive = survivors
             served = [block for _, block, *_ in alive]
         else:
-            for index, key in enumerate(request.keys):
-                found = await _open(store, request, index, key)
+            async def fetch(index: int) -> tuple[OpenBlock | None, Part]:
+                found = await _open(store, request, index, request.keys[index])
                 if isinstance(found, pb.GetPartHead):
-                    yield found, None
-                    if request.stop_at_miss:
-                        break
-                    continue
+                    return None, (found, None)
                 opened.append(found)
                 _, block, begin, end = found
-                part = await _read(store, block, begin, end, index, True, target)
-                yield part
-                if part[1] is None:
-                    if request.stop_at_miss:
-                        break
-                    continue
-                served_bytes += len(part[1])
-                served.append(block)
+                return block, await _read(store, block, begin, end, index, True, target)
+
+            # The next blocks are read (on I/O threads, which release the GIL) while block i is checked
+            # and sent, so reads overlap checksums, sends and each other.
+            ahead = collections.deque(asyncio.ensure_future(fetch(i))
+                                      for i in range(min(READ_AHEAD, len(request.keys))))
+            try:
+                for index in range(len(request.keys)):
+                    block, part = await ahead.popleft()
+                    if index + READ_AHEAD < len(request.keys):
+                        ahead.append(asyncio.ensure_future(fetch(index + READ_AHEAD)))
+                    yield part
+                    if part[1] is None:
+                        if request.stop_at_miss:
+                            break
+                        continue
+                    served_bytes += len(part[1])
+                    served.append(block)
+            finally:
+                for task in ahead:  # read ahead but not wanted: let them end, so their blocks can be closed
+                    task.cancel()
+                await asyncio.gather(*ahead, return_exceptions=True)
     finally:
         for _, block, *_ in opened:
             store.close_block(block)

@@ -46,7 +46,7 @@ def test_same_host_gets_go_through_shared_memory(daemons, mode, used):
 def lend(sock, size: int, name: str) -> int:
     with open(f"/dev/shm/{name}", "wb") as f:
         f.truncate(size)
-    sock.sendall(wire.frame(wire.REGISTER, pb.RegisterRegion(name=name, size=size).SerializeToString()))
+    sock.sendall(wire.frame(wire.REGISTER, pb.RegisterRegion(name=name, size=size, unlink=True).SerializeToString()))
     kind, head = wire.parse_prefix(_recv(sock, wire.PREFIX.size))
     assert kind == wire.REGISTERED, kind
     assert not os.path.exists(f"/dev/shm/{name}"), "the daemon unlinks the name once mapped"
@@ -135,3 +135,21 @@ def test_a_client_that_dies_leaves_no_region_behind(daemon_with_block, tmp_path)
             time.sleep(0.05)
     finally:
         child.kill()
+
+
+def test_gets_into_a_shared_buffer_land_in_place(daemons):
+    daemon, = daemons(1)
+    items = prompt(4, seed=5)
+    with KVClient([daemon.address]) as client:
+        client.put(items, NS.num_layers)
+        shared = client.shared_buffer(4 * NS.block_bytes)
+        assert not [n for n in os.listdir("/dev/shm") if n.startswith("kvstore-")], "named only while lent"
+        views = [shared[i * NS.block_bytes : (i + 1) * NS.block_bytes] for i in range(4)]
+        before = region_bytes(client, daemon.address)
+        got = client.get([b for b, _ in items], into=views)
+        assert [bytes(g.payload) for g in got] == [p for _, p in items]
+        assert bytes(shared) == b"".join(p for _, p in items), "written by the daemon, straight into place"
+        assert region_bytes(client, daemon.address) - before == 4 * NS.block_bytes
+        views[1][5] ^= 0xFF  # a reader that scribbles on its buffer only hurts itself: the next get heals it
+        assert [bytes(g.payload) for g in client.get([b for b, _ in items], into=views)] == [p for _, p in items]
+        del views, got

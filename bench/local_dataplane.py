@@ -1,0 +1,129 @@
+"""Same-host Get through shared memory beside raw pread of the same segment bytes and a plain memcpy.
+
+    python bench/local_dataplane.py [--block-mib 4] [--blocks 64] [--repeats 7] [--json out.json]
+
+One daemon with its DRAM tier off, so every Get reads the segment files (from the page cache, where a
+fresh put leaves them) straight into the destination buffers, which the client has lent the daemon
+(`KVClient.shared_buffer`); the client verifies every layer in place. The limits, in the same run: `pread`
+of exactly the same payload ranges from the same segment files into the same buffers (no daemon, no
+checks), and a memcpy of the same bytes from memory. Also the same Get over the loopback socket.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kvstore.block import KVLayout, Namespace  # noqa: E402
+from kvstore.client import ClientConfig, KVClient  # noqa: E402
+from kvstore.server.process import DaemonProcess  # noqa: E402
+from kvstore.server.segments import SegmentSet  # noqa: E402
+
+
+def record_ranges(data_dir: Path, keys: set[bytes]) -> list[tuple[Path, int, int]]:
+    """(segment file, payload offset, payload length) of each stored block, read from the segments."""
+    segments = SegmentSet(data_dir / "segments", 1 << 40, fsync=False)
+    segments.open_existing()
+    ranges = []
+    try:
+        for segment in segments.segments.values():
+            for offset, header in segments.scan(segment):
+                if header.key in keys:
+                    ranges.append((segment.path, offset + header.header_len, header.payload_len))
+    finally:
+        for segment in segments.segments.values():
+            os.close(segment.fd)
+    return ranges
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--block-mib", type=int, default=4)
+    parser.add_argument("--blocks", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=16, help="blocks per Get")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    layers = 32
+    tokens = args.block_mib * 2**20 // (layers * 2 * 8 * 128 * 2)
+    namespace = Namespace("bench-local", KVLayout(layers, 8, 128, "bfloat16"), tokens)
+    size = namespace.block_bytes
+    blocks = namespace.blocks(range(args.blocks * tokens))
+    payload = os.urandom(size)
+    source = bytearray(payload)
+    workdir = Path(tempfile.mkdtemp(prefix="kvstore-local-bench-"))
+    daemon = DaemonProcess(workdir / "data", workdir, ["--hot-tier-bytes", "0", "--max-block-bytes", "64MiB"])
+    region = (args.batch + 1) * size
+    rates: dict[str, list[float]] = {"shm_get": [], "socket_get": [], "pread": [], "memcpy": []}
+    buffers: list[memoryview] = []
+    try:
+        daemon.start()
+        with KVClient(ClientConfig((daemon.address,), shm_region_bytes=region, timeout_s=60)) as shm_client, \
+                KVClient(ClientConfig((daemon.address,), shared_memory="off", timeout_s=60)) as socket_client:
+            assert shm_client.put([(b, payload) for b in blocks], layers).stored == len(blocks)
+            # Pre-touched destinations, the same for every contender: memory lent to the daemon, so that
+            # it can write into them (for the others it is ordinary memory).
+            shared = shm_client.shared_buffer(len(blocks) * size)
+            buffers = [shared[i * size : (i + 1) * size] for i in range(len(blocks))]
+            ranges = record_ranges(daemon.data_dir, {b.key for b in blocks})
+            files = {path: os.open(path, os.O_RDONLY) for path, _, _ in ranges}
+            total = len(blocks) * size
+
+            def get(client: KVClient) -> None:
+                for start in range(0, len(blocks), args.batch):
+                    got = client.get(blocks[start : start + args.batch], into=buffers[start : start + args.batch])
+                    assert len(got) == len(blocks[start : start + args.batch])
+
+            def pread() -> None:
+                for (path, offset, length), buffer in zip(ranges, buffers):
+                    assert os.preadv(files[path], [buffer], offset) == length
+
+            def memcpy() -> None:
+                for buffer in buffers:
+                    buffer[:] = source
+
+            contenders = {"shm_get": lambda: get(shm_client), "socket_get": lambda: get(socket_client),
+                          "pread": pread, "memcpy": memcpy}
+            for fn in contenders.values():  # warm-up: connections, regions, page cache
+                fn()
+            for _ in range(args.repeats):  # interleaved, so drift in the machine's speed hits all alike
+                for name, fn in contenders.items():
+                    started = time.perf_counter()
+                    fn()
+                    rates[name].append(total / (time.perf_counter() - started) / 1e9)
+            assert all(bytes(b) == payload for b in buffers)
+            del buffers[:]
+            region_bytes = shm_client.server_stats()[daemon.address].get("kvstore_region_read_bytes_total", 0)
+            assert region_bytes >= total, "the shared-memory path was not used"
+            for fd in files.values():
+                os.close(fd)
+    finally:
+        daemon.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+    medians = {name: statistics.median(values) for name, values in rates.items()}
+    print(f"\n{args.blocks} blocks of {args.block_mib} MiB, Gets of {args.batch}, {args.repeats} interleaved repeats")
+    print(f"{'path':>12} {'GB/s median':>12} {'[min - max]':>16}")
+    for name, values in rates.items():
+        print(f"{name:>12} {medians[name]:>12.2f} {f'[{min(values):.2f} - {max(values):.2f}]':>16}")
+    report = {"GBps": medians, "all_GBps": rates,
+              "shm_get_vs_pread": medians["shm_get"] / medians["pread"],
+              "shm_get_vs_memcpy": medians["shm_get"] / medians["memcpy"],
+              "shm_get_vs_socket_get": medians["shm_get"] / medians["socket_get"]}
+    print(f"\nshm_get_vs_pread = {report['shm_get_vs_pread']:.2f}   shm_get_vs_memcpy = "
+          f"{report['shm_get_vs_memcpy']:.2f}   shm_get_vs_socket_get = {report['shm_get_vs_socket_get']:.2f}")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
