@@ -15,7 +15,7 @@ from kvstore.proto import pb
 from kvstore.record import CorruptRecord, RecordHeader, decode_header
 
 if TYPE_CHECKING:
-    from kvstore.client.dataplane import SharedBuffer
+    from kvstore.client.dataplane import SharedPlacement
     from kvstore.client.shard import Shard
 
 VERIFY_CHUNK_BYTES = 256 * 1024  # verify a part in chunks of about this size while the rest arrives
@@ -44,7 +44,7 @@ class ShardGet:
     request: pb.GetRequest
     assembly: "GetAssembly"
     stride: int = 0  # bytes one block may need (allows the shared-memory path); 0: unknown
-    shared: "tuple[SharedBuffer, list[int]] | None" = None  # destinations in a shared buffer: their offsets
+    shared: "SharedPlacement | None" = None  # where the destinations lie in a shared buffer
 
 
 class GetAssembly:

@@ -17,7 +17,7 @@ import grpc
 
 from kvstore.block import Block, same_namespace
 from kvstore.client.config import ClientConfig
-from kvstore.client.dataplane import DataChannel, SharedBuffer, TransportError
+from kvstore.client.dataplane import DataChannel, SharedBuffer, SharedPlacement, TransportError
 from kvstore.client.placement import place
 from kvstore.client.shard import Shard
 from kvstore.proto import pb
@@ -200,12 +200,12 @@ class AsyncKVClient:
                                   self._in_shared_buffer([into[i] for i in positions]) if into else None))
         return plans
 
-    def _in_shared_buffer(self, buffers: Sequence[Buffer]) -> tuple[SharedBuffer, list[int]] | None:
-        """The shared buffer holding all of `buffers`, and their offsets in it; None if there is none."""
+    def _in_shared_buffer(self, buffers: Sequence[Buffer], layer_stride: int = 0) -> SharedPlacement | None:
+        """Where `buffers` lie in one of our shared buffers; None if they do not all lie in one."""
         for shared in self._shared:
             offsets = [shared.offset_of(b) for b in buffers]
             if all(offset is not None for offset in offsets):
-                return shared, offsets
+                return SharedPlacement(shared, offsets, layer_stride)
         return None
 
     async def shared_buffer(self, nbytes: int) -> memoryview:

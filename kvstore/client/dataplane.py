@@ -18,6 +18,7 @@ import secrets
 import socket
 import threading
 import time
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
@@ -55,19 +56,20 @@ class DataChannel:
         self._lock = threading.Lock()
 
     def get(self, request: pb.GetRequest, sink: PartSink, done: ChunkDone, timeout_s: float,
-            stride: int = 0, shared: tuple[SharedBuffer, list[int]] | None = None) -> None:
-        """Stream a Get. Shared memory is used when possible: with `shared` (a buffer and each key's
-        offset in it) the daemon writes straight into the caller's memory; else, with `stride` (the bytes
-        one key may need), into this connection's region, from where it is copied."""
+            stride: int = 0, shared: SharedPlacement | None = None) -> None:
+        """Stream a Get. Shared memory is used when possible: with `shared` (where each key's layers lie
+        in a shared buffer) the daemon writes straight into the caller's memory; else, with `stride`
+        (the bytes one key may need), into this connection's region, from where it is copied."""
         deadline = time.monotonic() + timeout_s
         with self._connection(deadline) as connection:
             sock = connection.sock
-            lent = connection.lent.get(id(shared[0])) if shared else None
+            lent = connection.lent.get(id(shared.buffer)) if shared else None
             if lent is not None:
                 request = _copy(request)
                 request.region_id = lent
-                request.region_offsets.extend(shared[1])
-                connection.reading = shared[0].view
+                request.region_offsets.extend(shared.offsets)
+                request.region_layer_stride = shared.layer_stride
+                connection.reading = shared.buffer.view
             elif connection.region_id and stride and len(request.keys) * stride <= self.region_bytes:
                 request = _copy(request)
                 request.region_id, request.region_stride = connection.region_id, stride
@@ -217,6 +219,15 @@ class SharedBuffer:
             pass
 
 
+@dataclass(frozen=True, slots=True)
+class SharedPlacement:
+    """Where a Get's keys go in a shared buffer: each key's first layer, and the step between layers."""
+
+    buffer: SharedBuffer
+    offsets: list[int]
+    layer_stride: int = 0  # 0: a key's layers are packed one after the other
+
+
 class _Connection:
     """A socket to the daemon's data port, and the shared-memory region it lends, if any."""
 
@@ -254,7 +265,7 @@ class _Connection:
             return
         target, step = wanted
         with region[part.region_offset : part.region_offset + part.payload_bytes] as source:
-            in_place = _address(source) == _address(target)  # written straight into its destination
+            in_place = address_of(source) == address_of(target)  # written straight into its destination
             for start in range(0, len(target), step):
                 chunk = target[start : start + step]
                 if not in_place:
@@ -325,7 +336,7 @@ def _send(sock: socket.socket, data: bytes | memoryview, deadline: float) -> Non
         raise TransportError("DEADLINE_EXCEEDED", "data channel call passed its deadline") from None
 
 
-def _address(view: memoryview) -> int:
+def address_of(view: memoryview) -> int:
     return np.frombuffer(view, dtype=np.uint8).ctypes.data if len(view) else 0
 
 

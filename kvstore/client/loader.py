@@ -11,7 +11,7 @@ import grpc
 
 from kvstore.block import Block, same_namespace
 from kvstore.client.assembly import GetAssembly
-from kvstore.client.dataplane import TransportError
+from kvstore.client.dataplane import SharedPlacement, TransportError, address_of
 from kvstore.client.loading import KVDestination, LoadCancelled, LoadHandle, LoadProgress
 from kvstore.proto import pb
 from kvstore.record import CorruptRecord
@@ -129,7 +129,8 @@ class Loader:
             channel = asyncio.run_coroutine_threadsafe(shard.data_channel(), self.loop).result()
             if channel is not None:
                 channel.get(request, assembly.sink, assembly.received, self.client.config.timeout_s,
-                            stride=destination.num_layers * destination.layer_bytes)
+                            stride=destination.num_layers * destination.layer_bytes,
+                            shared=self._placement(destination, positions))
             else:
                 asyncio.run_coroutine_threadsafe(
                     self.client._get_grpc(shard, request, assembly), self.loop).result()
@@ -145,6 +146,22 @@ class Loader:
         else:
             self.client.stats.tier_hits["daemon"] += len(positions)
             self.client.bandwidth.record(shard.address, assembly.bytes_received, time.perf_counter() - started)
+
+    def _placement(self, destination: KVDestination, positions: list[int]) -> SharedPlacement | None:
+        """If the destination's (layer, block) views lie in a shared buffer at a fixed step between layers
+        (paged KV allocated from `shared_buffer`), the daemon can write every layer straight into place."""
+        if not self.client._shared or destination.num_layers < 2:
+            return self.client._in_shared_buffer([destination.layer_view(0, p) for p in positions])
+        first = [destination.layer_view(0, p) for p in positions]
+        placement = self.client._in_shared_buffer(first)
+        if placement is None:
+            return None
+        step = address_of(destination.layer_view(1, positions[0])) - address_of(first[0])
+        last = destination.num_layers - 1
+        for position, view in zip(positions, first):
+            if address_of(destination.layer_view(last, position)) - address_of(view) != last * step or step < 0:
+                return None
+        return SharedPlacement(placement.buffer, placement.offsets, step)
 
     @staticmethod
     def _finish(workers: Sequence[threading.Thread], progress: LoadProgress) -> None:

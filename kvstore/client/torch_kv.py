@@ -36,6 +36,7 @@ class PagedKV:
         self.num_layers = len(layers)
         self.layer_bytes = layers[0][0].numel() * layers[0].element_size()  # one page: (*page_shape)
         self.device = layers[0].device
+        self._bytes: list[memoryview | None] = [None] * self.num_layers
         if self.device.type == "cuda":
             self._stream = torch.cuda.Stream(device=self.device)
             self._events = [torch.cuda.Event() for _ in range(self.num_layers)]
@@ -54,7 +55,10 @@ class PagedKV:
 
     def layer_view(self, layer: int, block: int) -> memoryview:
         if self.device.type != "cuda":
-            return memoryview(self._page(layer, block).view(-1).view(torch.uint8).numpy()).cast("B")
+            if self._bytes[layer] is None:  # (num_pages * layer_bytes,) bytes of the whole layer tensor
+                self._bytes[layer] = memoryview(self.layers[layer].view(-1).view(torch.uint8).numpy()).cast("B")
+            start = self.block_table[block] * self.layer_bytes
+            return self._bytes[layer][start : start + self.layer_bytes]
         slot = layer % self._ring
         previous = self._copied[slot][block]
         if previous is not None:

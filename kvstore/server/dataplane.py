@@ -155,32 +155,44 @@ class DataPlaneServer:
         target = None
         if region is not None:
             def target(index: int, layer_begin: int, nbytes: int) -> memoryview | None:
-                within = (layer_begin - request.layer_begin) * nbytes  # one layer per part when layer-major
-                base, room = self._slot(request, region, index)
-                if within + nbytes > room:
+                offset, room = self._place(request, region, index, layer_begin, nbytes)
+                if nbytes > room:
                     return None  # does not fit what the client set aside: this part travels over the socket
-                return region.view[base + within : base + within + nbytes]
+                return region.view[offset : offset + nbytes]
+        heads: list[bytes] = []  # heads of parts already in the client's memory, sent a layer at a time
+        layer = request.layer_begin
         async for head, payload in get_parts(self.store, request, target):
             in_region = region is not None and payload is not None and isinstance(payload, memoryview) \
                 and payload.obj is region.mapping
+            if heads and (not in_region or head.layer_begin != layer):
+                await loop.sock_sendall(sock, b"".join(heads))
+                heads.clear()
+            layer = head.layer_begin
             if in_region:  # the bytes are already in the client's memory: only the head travels
                 self.metrics.region_bytes.inc(head.payload_bytes)
                 head.in_region = True
-                head.region_offset = self._slot(request, region, head.index)[0] + (
-                    (head.layer_begin - request.layer_begin) * head.payload_bytes)
+                head.region_offset = self._place(request, region, head.index, head.layer_begin,
+                                                 head.payload_bytes)[0]
+                heads.append(wire.frame(wire.PART, head.SerializeToString()))
+                continue
             await loop.sock_sendall(sock, wire.frame(wire.PART, head.SerializeToString()))
-            if payload is not None and not in_region:
+            if payload is not None:
                 await loop.sock_sendall(sock, payload)
-        await loop.sock_sendall(sock, wire.frame(wire.DONE))
+        heads.append(wire.frame(wire.DONE))
+        await loop.sock_sendall(sock, b"".join(heads))
         self.metrics.rpc_latency.labels(method="data.Get").observe(time.perf_counter() - started)
 
     @staticmethod
-    def _slot(request: pb.GetRequest, region: Region, index: int) -> tuple[int, int]:
-        """Where key `index`'s bytes go in the region, and how many fit there."""
+    def _place(request: pb.GetRequest, region: Region, index: int, layer_begin: int, nbytes: int) -> tuple[int, int]:
+        """Where a part of key `index` starting at `layer_begin` goes in the region, and how much fits there.
+
+        Layer-major parts hold one layer each, block-major parts start at the requested first layer."""
         if request.region_offsets:
-            base = request.region_offsets[index]
-            return base, region.size - base
-        return index * request.region_stride, request.region_stride
+            stride = request.region_layer_stride or nbytes
+            offset = request.region_offsets[index] + (layer_begin - request.layer_begin) * stride
+            return offset, region.size - offset
+        within = (layer_begin - request.layer_begin) * nbytes
+        return index * request.region_stride + within, request.region_stride - within
 
     def _region_of(self, request: pb.GetRequest, regions: dict[int, Region]) -> Region | None:
         if not request.region_id:
