@@ -62,12 +62,11 @@ def main() -> None:
     source = bytearray(payload)
     workdir = Path(tempfile.mkdtemp(prefix="kvstore-local-bench-"))
     daemon = DaemonProcess(workdir / "data", workdir, ["--hot-tier-bytes", "0", "--max-block-bytes", "64MiB"])
-    region = (args.batch + 1) * size
     rates: dict[str, list[float]] = {"shm_get": [], "socket_get": [], "pread": [], "memcpy": []}
     buffers: list[memoryview] = []
     try:
         daemon.start()
-        with KVClient(ClientConfig((daemon.address,), shm_region_bytes=region, timeout_s=60)) as shm_client, \
+        with KVClient(ClientConfig((daemon.address,), timeout_s=60)) as shm_client, \
                 KVClient(ClientConfig((daemon.address,), shared_memory="off", timeout_s=60)) as socket_client:
             assert shm_client.put([(b, payload) for b in blocks], layers).stored == len(blocks)
             # Pre-touched destinations, the same for every contender: memory lent to the daemon, so that

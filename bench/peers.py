@@ -50,6 +50,9 @@ class Contender:
     def stop(self) -> None: ...
     def prepare(self, size: int, names: int) -> None: ...
     def register(self, whole: memoryview) -> None: ...
+    def memory(self, nbytes: int) -> memoryview | None:
+        """Destination memory of its own (shared with its server), or None for ordinary memory."""
+        return None
     def put(self, name: int, data: bytes) -> None: raise NotImplementedError
     def get(self, name: int, buf: memoryview) -> None: raise NotImplementedError
     def get_many(self, names: list[int], bufs: list[memoryview]) -> None:
@@ -137,11 +140,14 @@ class RawTCP(Contender):
 
 
 class KVStoreDaemon(Contender):
-    """One kvstore-server; blocks of a 32-layer layout, every read verified by the client."""
+    """One kvstore-server; blocks of a 32-layer layout, every read verified by the client.
 
-    def __init__(self, transport: str = "auto", hot_tier_bytes: int = 512 * 2**20) -> None:
-        self.transport = transport
-        self.name = "kvstore" if transport == "auto" else f"kvstore ({transport})"
+    "kvstore" reads as a remote client would (the raw-TCP data channel); "kvstore (grpc)" through gRPC
+    only; "kvstore (shm)" into a shared buffer the daemon writes into directly (same host only)."""
+
+    def __init__(self, path: str = "tcp", hot_tier_bytes: int = 512 * 2**20) -> None:
+        self.path = path
+        self.name = "kvstore" if path == "tcp" else f"kvstore ({path})"
         self.hot_tier_bytes = hot_tier_bytes
 
     def start(self) -> None:
@@ -149,8 +155,12 @@ class KVStoreDaemon(Contender):
         self.daemon = DaemonProcess(self.workdir / "data", self.workdir,
                                     ["--hot-tier-bytes", str(self.hot_tier_bytes), "--max-block-bytes", "64MiB",
                                      "--max-message-bytes", "64MiB", "--capacity-bytes", "64GiB"]).start()
-        self.client = KVClient(ClientConfig((self.daemon.address,), transport=self.transport, timeout_s=60,
+        self.client = KVClient(ClientConfig((self.daemon.address,), transport="grpc" if self.path == "grpc" else "auto",
+                                            shared_memory="on" if self.path == "shm" else "off", timeout_s=60,
                                             max_message_bytes=80 * 2**20))
+
+    def memory(self, nbytes: int) -> memoryview | None:
+        return self.client.shared_buffer(nbytes) if self.path == "shm" else None
 
     def stop(self) -> None:
         self.client.close()

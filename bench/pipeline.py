@@ -47,7 +47,7 @@ def main() -> None:
     parser.add_argument("--block-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--private-kv", action="store_true",
-                        help="keep the KV in private memory (bytes are copied in from a staging region)")
+                        help="keep the KV in private memory (bytes come over the socket)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(1)  # one core computes; the load (daemon and client) has the other
@@ -61,8 +61,7 @@ def main() -> None:
     daemon = DaemonProcess(workdir / "data", workdir, ["--hot-tier-bytes", "2GiB"])
     try:
         daemon.start()
-        with KVClient(ClientConfig((daemon.address,), timeout_s=60,
-                                   shm_region_bytes=(args.blocks + 1) * namespace.block_bytes)) as client:
+        with KVClient(ClientConfig((daemon.address,), timeout_s=60)) as client:
             assert client.put([(b, payload) for b in blocks], args.layers).stored == len(blocks)
             if args.private_kv:
                 kv = [torch.zeros((args.blocks, *page), dtype=torch.bfloat16) for _ in range(args.layers)]

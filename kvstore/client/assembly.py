@@ -43,7 +43,6 @@ class ShardGet:
     shard: "Shard"
     request: pb.GetRequest
     assembly: "GetAssembly"
-    stride: int = 0  # bytes one block may need (allows the shared-memory path); 0: unknown
     shared: "SharedPlacement | None" = None  # where the destinations lie in a shared buffer
 
 

@@ -194,9 +194,8 @@ class AsyncKVClient:
             request = pb.GetRequest(keys=[blocks[i].key for i in positions], layer_begin=layer_begin,
                                     layer_end=layer_end or 0, stop_at_miss=True,
                                     order=pb.LAYER_MAJOR if layer_major else pb.BLOCK_MAJOR)
-            stride = min(len(memoryview(into[i]).cast("B")) for i in positions) if into else self.config.host_block_bytes
             plans.append(ShardGet(shard, request, GetAssembly(blocks, positions, layer_begin, layer_end, into,
-                                                              self.stats.miss_causes), stride,
+                                                              self.stats.miss_causes),
                                   self._in_shared_buffer([into[i] for i in positions]) if into else None))
         return plans
 
@@ -218,7 +217,7 @@ class AsyncKVClient:
             for shard in self.shards.values():
                 try:
                     channel = await shard.data_channel()
-                    if channel is not None and channel.region_bytes:
+                    if channel is not None and channel.same_host:
                         await asyncio.to_thread(channel.adopt, shared, self.config.timeout_s)
                 except (grpc.RpcError, TransportError) as exc:
                     self._failed(shard, exc)
@@ -228,8 +227,7 @@ class AsyncKVClient:
         return shared.view
 
     def _get_over_channel(self, channel: DataChannel, plan: ShardGet) -> None:
-        channel.get(plan.request, plan.assembly.sink, plan.assembly.received, self.config.timeout_s, plan.stride,
-                    plan.shared)
+        channel.get(plan.request, plan.assembly.sink, plan.assembly.received, self.config.timeout_s, plan.shared)
 
     def _measured(self, plan: ShardGet, seconds: float) -> None:
         self.bandwidth.record(plan.shard.address, plan.assembly.bytes_received, seconds)

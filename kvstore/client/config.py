@@ -19,8 +19,7 @@ class ClientConfig:
     host_block_bytes: int = 0  # payload bytes of one slot of the host tier (the engine's block size)
     host_tier_pinned: bool = False  # allocate the host tier in pinned memory (CUDA engines; needs torch)
     write_behind_bytes: int = 256 * 2**20  # bound of the queue of saves not yet stored
-    shared_memory: str = "auto"  # "auto": with daemons on this host; "on": always try; "off": never
-    shm_region_bytes: int = 256 * 2**20  # the region each data connection lends a same-host daemon
+    shared_memory: str = "auto"  # lend shared buffers to daemons: "auto": on this host; "on": always; "off"
 
     def __post_init__(self) -> None:
         if isinstance(self.servers, str):
@@ -38,8 +37,6 @@ class ClientConfig:
                 raise ValueError(f"ClientConfig.{name} must be positive")
         if self.shared_memory not in ("auto", "on", "off"):
             raise ValueError(f"ClientConfig.shared_memory must be 'auto', 'on' or 'off', got {self.shared_memory!r}")
-        if self.shm_region_bytes < 1:
-            raise ValueError("ClientConfig.shm_region_bytes must be positive")
         if self.transport not in ("auto", "grpc"):
             raise ValueError(f"ClientConfig.transport must be 'auto' or 'grpc', got {self.transport!r}")
         if self.host_tier_bytes and not 0 < self.host_block_bytes <= self.host_tier_bytes:

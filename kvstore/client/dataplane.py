@@ -3,11 +3,11 @@
 Calls run on worker threads (the socket calls release the GIL), so shards are read in parallel and
 each payload is received with recv_into straight into its destination buffer.
 
-On the daemon's own host, each connection can lend the daemon a shared-memory region: a Get that fits
-in it is answered by the daemon writing the payloads straight into the region (from its DRAM tier or
-its segment files), and only part heads cross the socket. The region's name is unlinked as soon as the
-daemon has mapped it, and the daemon drops its mapping when the connection closes, so nothing outlives
-a client that dies.
+On the daemon's own host, a client can lend the daemon memory (SharedBuffer, registered on every
+pooled connection): a Get whose destinations lie in it is answered by the daemon writing the payloads
+straight into place, from its DRAM tier or its segment files, and only part heads cross the socket.
+The buffer's name is unlinked as soon as the daemons have mapped it, and a daemon drops its mapping
+when the connection closes, so nothing outlives a client that dies.
 """
 
 from __future__ import annotations
@@ -46,20 +46,19 @@ ChunkDone = Callable[[pb.GetPartHead, int, memoryview], None]
 
 
 class DataChannel:
-    """Connections to one daemon's data port. With `region_bytes`, each lends a region of that size."""
+    """Connections to one daemon's data port; `same_host` daemons can be lent shared buffers."""
 
-    def __init__(self, host: str, port: int, pool_size: int = 8, region_bytes: int = 0) -> None:
+    def __init__(self, host: str, port: int, pool_size: int = 8, same_host: bool = False) -> None:
         self.host, self.port = host, port
-        self.region_bytes = region_bytes
+        self.same_host = same_host
         self._idle: list[_Connection] = []
         self._pool_size = pool_size
         self._lock = threading.Lock()
 
     def get(self, request: pb.GetRequest, sink: PartSink, done: ChunkDone, timeout_s: float,
-            stride: int = 0, shared: SharedPlacement | None = None) -> None:
-        """Stream a Get. Shared memory is used when possible: with `shared` (where each key's layers lie
-        in a shared buffer) the daemon writes straight into the caller's memory; else, with `stride`
-        (the bytes one key may need), into this connection's region, from where it is copied."""
+            shared: SharedPlacement | None = None) -> None:
+        """Stream a Get. With `shared` (where each key's layers lie in a buffer lent to this daemon), the
+        daemon writes straight into the caller's memory and only heads come over the socket."""
         deadline = time.monotonic() + timeout_s
         with self._connection(deadline) as connection:
             sock = connection.sock
@@ -70,10 +69,6 @@ class DataChannel:
                 request.region_offsets.extend(shared.offsets)
                 request.region_layer_stride = shared.layer_stride
                 connection.reading = shared.buffer.view
-            elif connection.region_id and stride and len(request.keys) * stride <= self.region_bytes:
-                request = _copy(request)
-                request.region_id, request.region_stride = connection.region_id, stride
-                connection.reading = connection.region_view
             _send(sock, wire.frame(wire.GET, request.SerializeToString()), deadline)
             scratch = bytearray(0)
             while True:
@@ -136,12 +131,6 @@ class DataChannel:
                 raise TransportError("UNAVAILABLE", f"cannot connect to {self.host}:{self.port}: {exc}") from exc
             wire.tune(sock)
             connection = _Connection(sock)
-            if self.region_bytes:
-                try:
-                    connection.lend_region(self.region_bytes, deadline)
-                except BaseException:
-                    connection.close()
-                    raise
         return _Lease(self, connection)
 
     def _release(self, connection: "_Connection", reusable: bool) -> None:
@@ -233,19 +222,8 @@ class _Connection:
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
-        self.region: SharedBuffer | None = None  # this connection's own staging region
-        self.region_view: memoryview | None = None
-        self.region_id = 0
         self.lent: dict[int, int] = {}  # id(SharedBuffer) -> its region id on this connection
-        self.reading: memoryview | None = None  # the region the current Get writes into
-
-    def lend_region(self, nbytes: int, deadline: float) -> None:
-        self.region = SharedBuffer(nbytes)
-        self.region_view = self.region.view
-        try:
-            self.region_id = self.register(self.region.name, nbytes, deadline, unlink=True)
-        finally:
-            self.region.unlink()  # the daemon has it mapped (or never will): nothing may outlive us
+        self.reading: memoryview | None = None  # the shared buffer the current Get writes into
 
     def register(self, name: str, nbytes: int, deadline: float, unlink: bool = False) -> int:
         head = pb.RegisterRegion(name=name, size=nbytes, unlink=unlink).SerializeToString()
@@ -256,7 +234,7 @@ class _Connection:
         return pb.RegionRegistered.FromString(answer).region_id
 
     def from_region(self, part: pb.GetPartHead, sink: PartSink, done: ChunkDone) -> None:
-        """A part the daemon wrote into shared memory: hand it over from there, chunk by chunk."""
+        """A part the daemon wrote into shared memory: verify it in place (or copy it where it is wanted)."""
         region = self.reading
         if region is None or part.region_offset + part.payload_bytes > len(region):
             raise TransportError("INTERNAL", "the daemon named bytes outside the region")
@@ -274,10 +252,7 @@ class _Connection:
 
     def close(self) -> None:
         self.sock.close()
-        if self.region is not None:
-            region = self.region
-            self.region = self.region_view = self.reading = None
-            region.close()
+        self.reading = None
 
 
 class _Lease:

@@ -129,7 +129,6 @@ class Loader:
             channel = asyncio.run_coroutine_threadsafe(shard.data_channel(), self.loop).result()
             if channel is not None:
                 channel.get(request, assembly.sink, assembly.received, self.client.config.timeout_s,
-                            stride=destination.num_layers * destination.layer_bytes,
                             shared=self._placement(destination, positions))
             else:
                 asyncio.run_coroutine_threadsafe(
@@ -146,6 +145,23 @@ class Loader:
         else:
             self.client.stats.tier_hits["daemon"] += len(positions)
             self.client.bandwidth.record(shard.address, assembly.bytes_received, time.perf_counter() - started)
+        self._keep_in_host(destination, assembly, [p for p in positions if p not in incomplete])
+
+    def _keep_in_host(self, destination: KVDestination, assembly: LoadAssembly, positions: list[int]) -> None:
+        """Copy blocks that arrived whole into the host tier, leaf first, when the destination is host
+        memory that stays put (not CUDA staging)."""
+        host = self.client.host
+        if host is None or not getattr(destination, "host_resident", False):
+            return
+        for position in reversed(positions):
+            header = assembly.headers.get(assembly.positions.index(position))
+            if header is None or header.n_layers != destination.num_layers or self._progress_cancelled(assembly):
+                continue
+            host.put(header, b"".join(destination.layer_view(layer, position) for layer in range(header.n_layers)))
+
+    @staticmethod
+    def _progress_cancelled(assembly: LoadAssembly) -> bool:
+        return assembly.progress.cancelled
 
     def _placement(self, destination: KVDestination, positions: list[int]) -> SharedPlacement | None:
         """If the destination's (layer, block) views lie in a shared buffer at a fixed step between layers

@@ -30,6 +30,7 @@ class KVDestination(Protocol):
 
     num_layers: int
     layer_bytes: int
+    host_resident: bool  # True if layer views keep their bytes (so the host tier may copy from them)
 
     def layer_view(self, layer: int, block: int) -> memoryview:
         """A writable host view for layer `layer` of the prefix's block `block`."""
@@ -146,6 +147,8 @@ class LoadHandle:
 
 class BufferDestination:
     """Host buffers, one per block, each layer-major: (num_layers, layer_bytes) bytes."""
+
+    host_resident = True  # its views hold the bytes for good: the host tier may copy them from there
 
     def __init__(self, buffers: Sequence[bytearray | memoryview], num_layers: int, layer_bytes: int) -> None:
         self.num_layers, self.layer_bytes = num_layers, layer_bytes

@@ -85,8 +85,7 @@ class Shard:
             host = self.address.rpartition(":")[0].strip("[]")
             mode = self.config.shared_memory
             same_host = mode == "on" or (mode == "auto" and info.host_id != "" and info.host_id == host_id())
-            region = self.config.shm_region_bytes if same_host else 0
-            self._data = DataChannel(host, info.data_port, region_bytes=region) if info.data_port else None
+            self._data = DataChannel(host, info.data_port, same_host=same_host) if info.data_port else None
             self._data_checked = True
         return self._data
 

@@ -36,6 +36,7 @@ class PagedKV:
         self.num_layers = len(layers)
         self.layer_bytes = layers[0][0].numel() * layers[0].element_size()  # one page: (*page_shape)
         self.device = layers[0].device
+        self.host_resident = self.device.type == "cpu"  # CUDA views are staging, reused as layers pass
         self._bytes: list[memoryview | None] = [None] * self.num_layers
         if self.device.type == "cuda":
             self._stream = torch.cuda.Stream(device=self.device)

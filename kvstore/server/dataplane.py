@@ -187,12 +187,9 @@ class DataPlaneServer:
         """Where a part of key `index` starting at `layer_begin` goes in the region, and how much fits there.
 
         Layer-major parts hold one layer each, block-major parts start at the requested first layer."""
-        if request.region_offsets:
-            stride = request.region_layer_stride or nbytes
-            offset = request.region_offsets[index] + (layer_begin - request.layer_begin) * stride
-            return offset, region.size - offset
-        within = (layer_begin - request.layer_begin) * nbytes
-        return index * request.region_stride + within, request.region_stride - within
+        stride = request.region_layer_stride or nbytes
+        offset = request.region_offsets[index] + (layer_begin - request.layer_begin) * stride
+        return offset, region.size - offset
 
     def _region_of(self, request: pb.GetRequest, regions: dict[int, Region]) -> Region | None:
         if not request.region_id:
@@ -200,12 +197,8 @@ class DataPlaneServer:
         region = regions.get(request.region_id)
         if region is None:
             raise RequestError(f"region {request.region_id} is not registered on this connection")
-        if request.region_offsets:
-            if len(request.region_offsets) != len(request.keys) or max(request.region_offsets) >= region.size:
-                raise RequestError(f"region_offsets must give one offset per key inside the {region.size}-byte region")
-        elif request.region_stride == 0 or len(request.keys) * request.region_stride > region.size:
-            raise RequestError(f"{len(request.keys)} keys x region_stride {request.region_stride} reach outside "
-                               f"the {region.size}-byte region")
+        if len(request.region_offsets) != len(request.keys) or max(request.region_offsets, default=0) >= region.size:
+            raise RequestError(f"region_offsets must give one offset per key inside the {region.size}-byte region")
         return region
 
     async def _register(self, sock: socket.socket, request: pb.RegisterRegion, regions: dict[int, Region]) -> None:

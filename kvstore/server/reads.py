@@ -45,6 +45,8 @@ async def get_parts(store: BlockStore, request: pb.GetRequest, target: Target | 
                     if layer >= end:
                         survivors.append(opened_block)
                         continue
+                    if layer == request.layer_begin:
+                        await store.warm(block)  # one read of the whole block, then layers from DRAM
                     part = await _read(store, block, layer, layer + 1, index, False, target)
                     yield part
                     if part[1] is None:

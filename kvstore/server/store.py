@@ -239,6 +239,17 @@ class BlockStore:
             block.hot = self.hot.pin(block.key)
         return data
 
+    async def warm(self, block: OpenBlock) -> None:
+        """Bring a block read from SSD into the DRAM tier (whole), so its layers are served from memory.
+
+        Layer-by-layer reads would otherwise never fill the tier; a failure is left to the reads that
+        follow, which report it as a miss."""
+        if block.payload is None and 0 < block.entry.record_len <= self.hot.capacity_bytes:
+            try:
+                await self.read_layers(block, 0, block.header.n_layers)
+            except (CorruptRecord, OSError):
+                pass
+
     def close_block(self, block: OpenBlock) -> None:
         if block.segment is not None:
             self.segments.release(block.segment)

@@ -153,3 +153,23 @@ def test_cancel_at_any_point_leaves_no_stray_writes(daemons):
                                                                                      NS.layer_bytes))
         cancelled_before_start.cancel()
         assert client.get([b for b, _ in items[:1]]), "the client still works"
+
+
+def test_loads_fill_the_host_tier_and_the_daemons_dram_tier(daemons):
+    daemon, = daemons(1)
+    items = conversation(4, seed=5)
+    with KVClient(config([daemon])) as client:
+        client.put(items, NS.num_layers)
+    daemon.stop()
+    daemon.start()  # the daemon's DRAM tier is empty: the blocks are on SSD only
+    with KVClient(config([daemon], host_tier_bytes=8 * NS.block_bytes, host_block_bytes=NS.block_bytes)) as client:
+        assert client.host.leading_hits([b.key for b, _ in items]) == 0
+        handle = client.load([b for b, _ in items], BufferDestination(poisoned(4), NS.num_layers, NS.layer_bytes))
+        assert handle.wait(timeout=10) == 4 * 16
+        assert client.host.leading_hits([b.key for b, _ in items]) == 4, "loaded blocks are kept in host memory"
+        stats = client.server_stats()[daemon.address]
+        assert stats["kvstore_hits_total{tier=ssd}"] == 4
+    with KVClient(config([daemon])) as client:  # no host tier: the daemon now serves them from DRAM
+        handle = client.load([b for b, _ in items], BufferDestination(poisoned(4), NS.num_layers, NS.layer_bytes))
+        assert handle.wait(timeout=10) == 4 * 16
+        assert client.server_stats()[daemon.address]["kvstore_hits_total{tier=dram}"] == 4

@@ -29,17 +29,21 @@ def region_bytes(client: KVClient, address: str) -> float:
 
 
 @pytest.mark.parametrize("mode, used", [("auto", True), ("off", False)])
-def test_same_host_gets_go_through_shared_memory(daemons, mode, used):
+def test_same_host_gets_into_shared_buffers_go_through_shared_memory(daemons, mode, used):
     daemon, = daemons(1)
     items = prompt(5)
     with KVClient(ClientConfig((daemon.address,), shared_memory=mode)) as client:
         client.put(items, NS.num_layers)
-        buffers = [bytearray(NS.block_bytes) for _ in items]
+        memory = client.shared_buffer(5 * NS.block_bytes)
+        buffers = [memory[i * NS.block_bytes : (i + 1) * NS.block_bytes] for i in range(5)]
         got = client.get([b for b, _ in items], into=buffers)
         assert [bytes(b) for b in buffers] == [p for _, p in items] and len(got) == 5
         layered = client.get([b for b, _ in items], 1, 3, layer_major=True, into=buffers)
         assert [bytes(g.payload) for g in layered] == [p[NS.layer_bytes : 3 * NS.layer_bytes] for _, p in items]
         assert (region_bytes(client, daemon.address) > 0) == used
+        private = client.get([b for b, _ in items], into=[bytearray(NS.block_bytes) for _ in items])
+        assert [bytes(g.payload) for g in private] == [p for _, p in items], "other memory: over the socket"
+        del buffers, got, layered
     assert not [name for name in os.listdir("/dev/shm") if name.startswith("kvstore-")]
 
 
@@ -68,7 +72,7 @@ def error_code(sock) -> str:
     return pb.DataError.FromString(_recv(sock, head_len)).code
 
 
-@pytest.mark.parametrize("case", ["outside the region", "another connection's region", "no stride"])
+@pytest.mark.parametrize("case", ["outside the region", "another connection's region", "no offsets"])
 def test_offsets_outside_a_registered_region_are_rejected(daemon_with_block, case):
     daemon, key = daemon_with_block
     with socket.create_connection(("127.0.0.1", daemon.data_port)) as sock, \
@@ -76,9 +80,9 @@ def test_offsets_outside_a_registered_region_are_rejected(daemon_with_block, cas
         region_id = lend(sock, 64 * 1024, f"kvstore-test-{os.getpid()}-a")
         other_id = lend(other, 64 * 1024, f"kvstore-test-{os.getpid()}-b")
         request = {
-            "outside the region": pb.GetRequest(keys=[key] * 4, region_id=region_id, region_stride=20_000),
-            "another connection's region": pb.GetRequest(keys=[key], region_id=other_id + 7, region_stride=4096),
-            "no stride": pb.GetRequest(keys=[key], region_id=region_id),
+            "outside the region": pb.GetRequest(keys=[key] * 2, region_id=region_id, region_offsets=[0, 70_000]),
+            "another connection's region": pb.GetRequest(keys=[key], region_id=other_id + 7, region_offsets=[0]),
+            "no offsets": pb.GetRequest(keys=[key], region_id=region_id),
         }[case]
         sock.sendall(wire.frame(wire.GET, request.SerializeToString()))
         assert error_code(sock) == "INVALID_ARGUMENT"
@@ -118,7 +122,8 @@ def test_a_client_that_dies_leaves_no_region_behind(daemon_with_block, tmp_path)
         ns = Namespace("shm-test", KVLayout(4, 2, 32, "float16"), 16)
         with KVClient(["{daemon.address}"]) as client:
             blocks = ns.blocks(range(9 * 10**5, 9 * 10**5 + 16))
-            assert client.get(blocks, into=[bytearray(ns.block_bytes)])
+            memory = client.shared_buffer(ns.block_bytes)
+            assert client.get(blocks, into=[memory])
             print("ready", flush=True)
             time.sleep(60)
     """)
