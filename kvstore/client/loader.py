@@ -153,15 +153,12 @@ class Loader:
         host = self.client.host
         if host is None or not getattr(destination, "host_resident", False):
             return
+        local = {position: i for i, position in enumerate(assembly.positions)}
         for position in reversed(positions):
-            header = assembly.headers.get(assembly.positions.index(position))
-            if header is None or header.n_layers != destination.num_layers or self._progress_cancelled(assembly):
+            header = assembly.headers.get(local[position])
+            if header is None or header.n_layers != destination.num_layers or assembly.progress.cancelled:
                 continue
             host.put(header, b"".join(destination.layer_view(layer, position) for layer in range(header.n_layers)))
-
-    @staticmethod
-    def _progress_cancelled(assembly: LoadAssembly) -> bool:
-        return assembly.progress.cancelled
 
     def _placement(self, destination: KVDestination, positions: list[int]) -> SharedPlacement | None:
         """If the destination's (layer, block) views lie in a shared buffer at a fixed step between layers
