@@ -5,6 +5,7 @@
     kvstore get    --servers ... --text "some prompt" [--layers 0:2] [--out DIR]
     kvstore stats  --servers ... [--json] [--grep hits]
     kvstore fsck   DATA_DIR
+    kvstore analytics replay TRACE.jsonl [--capacity 1%,10%] [--plot PNG] [--json PATH]
 
 Prompts are given as token ids (--tokens 1,2,3 or --tokens-file) or as --text, whose UTF-8 bytes
 stand in for token ids. The namespace flags (--model, --num-layers, ...) must match between put and
@@ -163,6 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     fsck.add_argument("data_dir", type=Path)
     fsck.add_argument("--no-payload", action="store_true", help="check headers only (faster)")
     fsck.set_defaults(run=cmd_fsck)
+    from kvstore.analytics.cli import add_parser as add_analytics
+    add_analytics(sub)
     return parser
 
 

@@ -2,14 +2,24 @@
 
 from kvstore.eviction.base import EvictionPolicy
 from kvstore.eviction.lru import LRU
+from kvstore.eviction.prefix import PrefixLFU
+from kvstore.eviction.s3fifo import S3FIFO
+from kvstore.eviction.sieve import SIEVE
 
-POLICIES = {"lru": LRU}
-
-
-def make_policy(name: str) -> EvictionPolicy:
-    if name not in POLICIES:
-        raise ValueError(f"unknown eviction policy {name!r}; choose one of {sorted(POLICIES)}")
-    return POLICIES[name]()
+POLICIES = ("lru", "s3fifo", "sieve", "prefix-lfu")
 
 
-__all__ = ["EvictionPolicy", "LRU", "POLICIES", "make_policy"]
+def make_policy(name: str, capacity_bytes: int = 0) -> EvictionPolicy:
+    """A policy by name; S3-FIFO sizes its queues from `capacity_bytes`."""
+    if name == "lru":
+        return LRU()
+    if name == "s3fifo":
+        return S3FIFO(max(capacity_bytes, 1))
+    if name == "sieve":
+        return SIEVE()
+    if name == "prefix-lfu":
+        return PrefixLFU()
+    raise ValueError(f"unknown eviction policy {name!r}; choose one of {', '.join(POLICIES)}")
+
+
+__all__ = ["EvictionPolicy", "LRU", "PrefixLFU", "POLICIES", "S3FIFO", "SIEVE", "make_policy"]

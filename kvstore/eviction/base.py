@@ -12,8 +12,10 @@ from abc import ABC, abstractmethod
 
 class EvictionPolicy(ABC):
     @abstractmethod
-    def insert(self, key: bytes, size: int) -> None:
-        """Start tracking `key` of `size` bytes (re-inserting a tracked key counts as an access)."""
+    def insert(self, key, size: int, parent=None) -> None:
+        """Start tracking `key` of `size` bytes, whose prefix parent is `parent` (None for a first block).
+
+        Re-inserting a tracked key counts as an access. Keys are any hashable (bytes in the store)."""
 
     @abstractmethod
     def access(self, key: bytes) -> None:

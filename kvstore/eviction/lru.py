@@ -12,7 +12,7 @@ class LRU(EvictionPolicy):
         self._order: OrderedDict[bytes, int] = OrderedDict()  # oldest first: key -> size
         self._bytes = 0
 
-    def insert(self, key: bytes, size: int) -> None:
+    def insert(self, key, size: int, parent=None) -> None:
         old = self._order.pop(key, None)
         if old is not None:
             self._bytes -= old

@@ -1,0 +1,154 @@
+"""`kvstore analytics replay TRACE.jsonl`: hit rates of every policy against capacity, with the bounds.
+
+    kvstore analytics replay ../shared/data/conversation_trace.jsonl --capacity 1%,5%,10%,20%,50% \\
+        --plot hitrate.png --json hitrate.json
+
+Capacities are a share of the trace's unique full blocks ("10%"), a number of blocks ("20000"), or
+bytes ("64GiB", with --block-bytes). Each row shows the token-weighted hit rate of every policy, of
+Belady's optimum at the same capacity and of the infinite cache. Exit codes: 0 done, 2 bad usage or a
+bad trace line (which names its line; --skip-bad goes on past it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from kvstore.analytics.simulate import replay, reuse_statistics
+from kvstore.analytics.trace import read_trace
+from kvstore.eviction import POLICIES
+from kvstore.server.config import parse_duration, parse_size
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser("analytics", help="cache hit-rate analytics over request traces")
+    sub = parser.add_subparsers(dest="analytics_command", required=True)
+    play = sub.add_parser("replay", help="replay a Mooncake-format trace through the policies",
+                          description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    play.add_argument("trace", type=Path, help="JSONL: timestamp (ms), input_length, output_length, hash_ids")
+    play.add_argument("--policies", default=",".join(POLICIES), help=f"comma-separated, of {', '.join(POLICIES)}")
+    play.add_argument("--capacity", default="1%,2%,5%,10%,20%,50%",
+                      help="comma-separated: a share of unique blocks (10%%), blocks (20000) or bytes (64GiB)")
+    play.add_argument("--block-bytes", type=parse_size, default=0, help="bytes of one block, for byte capacities")
+    play.add_argument("--block-tokens", type=int, default=512, help="tokens per hash_id block (512 in Mooncake's)")
+    play.add_argument("--ttl", default="", help="TTL per traffic class, e.g. agent=3d,chat=7d (default: none)")
+    play.add_argument("--reuse", action="store_true", help="also report reuse distance and reuse time")
+    play.add_argument("--plot", type=Path, help="draw hit rate against capacity into this PNG")
+    play.add_argument("--json", type=Path, help="write every figure here")
+    play.add_argument("--skip-bad", action="store_true", help="skip malformed trace lines (and count them)")
+    play.set_defaults(run=run_replay)
+
+
+def parse_capacities(text: str, unique_blocks: int, block_bytes: int) -> list[tuple[str, int]]:
+    capacities = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        if item.endswith("%"):
+            share = float(item[:-1]) / 100
+            if not 0 < share <= 1:
+                raise ValueError(f"capacity {item} must be a share in (0%, 100%]")
+            blocks = int(unique_blocks * share)
+        elif item.isdigit():
+            blocks = int(item)
+        else:
+            if not block_bytes:
+                raise ValueError(f"capacity {item} is in bytes: give --block-bytes, the size of one block")
+            blocks = parse_size(item) // block_bytes
+        if blocks < 1:
+            raise ValueError(f"capacity {item} holds no block")
+        capacities.append((item, blocks))
+    if not capacities:
+        raise ValueError("give at least one capacity")
+    return capacities
+
+
+class ProgressLine:
+    """One line on stderr, rewritten at most a few times a second."""
+
+    def __init__(self, label: str, total: int) -> None:
+        self.label, self.total, self.last = label, total, 0.0
+
+    def __call__(self, done: int) -> None:
+        now = time.monotonic()
+        if now - self.last > 0.25 or done == self.total:
+            self.last = now
+            end = "\n" if done == self.total else ""
+            print(f"\r  {self.label}: {done:,}/{self.total:,} requests", end=end, file=sys.stderr, flush=True)
+
+
+def run_replay(args: argparse.Namespace) -> int:
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown:
+        raise ValueError(f"unknown policies {unknown}; choose from {', '.join(POLICIES)}")
+    ttl = {name: parse_duration(value) for name, value in
+           (item.split("=", 1) for item in args.ttl.split(",") if item)} if args.ttl else None
+    skipped: list[str] = []
+    requests = list(read_trace(args.trace, args.block_tokens, args.skip_bad, skipped))
+    for line in skipped[:10]:
+        print(f"skipped {line}", file=sys.stderr)
+    if not requests:
+        raise ValueError(f"{args.trace} holds no request")
+    unique = len({key for r in requests for key in r.hash_ids[: r.input_length // args.block_tokens]})
+    capacities = parse_capacities(args.capacity, unique, args.block_bytes)
+    infinite = replay(requests, "infinite", None, args.block_tokens, ttl)
+    rows = []
+    for label, blocks in capacities:
+        row = {"capacity": label, "capacity_blocks": blocks}
+        for policy in [*policies, "belady"]:
+            row[policy] = replay(requests, policy, blocks, args.block_tokens, ttl,
+                                 ProgressLine(f"{policy} at {label}", len(requests))).as_dict()
+        rows.append(row)
+    print(f"\n{args.trace}: {len(requests):,} requests, {sum(r.input_length for r in requests):,} input tokens, "
+          f"{unique:,} unique full blocks; infinite cache: {infinite.token_hit_rate:.2%} of tokens"
+          + (f"; {len(skipped)} bad lines skipped" if skipped else ""))
+    print("token-weighted hit rate (ratio to Belady at the same capacity):")
+    header = f"{'capacity':>10} {'blocks':>8} " + " ".join(f"{p:>17}" for p in policies) + f" {'belady':>8}"
+    print(header)
+    for row in rows:
+        opt = row["belady"]["token_hit_rate"]
+        cells = " ".join(f"{row[p]['token_hit_rate']:>8.2%} ({row[p]['token_hit_rate'] / opt if opt else 0:4.2f}x)"
+                         for p in policies)
+        print(f"{row['capacity']:>10} {row['capacity_blocks']:>8,} {cells} {opt:>8.2%}")
+    report = {"trace": str(args.trace), "requests": len(requests), "unique_full_blocks": unique,
+              "skipped_lines": skipped, "ttl_s": ttl, "infinite": infinite.as_dict(), "rows": rows}
+    if args.reuse:
+        report["reuse"] = reuse_statistics(requests)
+        distance, gap = report["reuse"]["reuse_distance_blocks"], report["reuse"]["reuse_time_s"]
+        if distance["count"]:
+            print(f"reuse distance (distinct blocks in between): p50 {distance['p50']:,.0f}, p90 {distance['p90']:,.0f},"
+                  f" p99 {distance['p99']:,.0f}; reuse time: p50 {gap['p50']:,.1f} s, p90 {gap['p90']:,.1f} s")
+    if args.plot:
+        plot(rows, policies, unique, infinite.token_hit_rate, args.plot, str(args.trace))
+        print(f"plot written to {args.plot}")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+        print(f"figures written to {args.json}")
+    return 0
+
+
+def plot(rows: list[dict], policies: list[str], unique: int, infinite: float, path: Path, title: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError("--plot needs matplotlib: pip install 'kvstore[analytics]'") from None
+    shares = [100 * row["capacity_blocks"] / unique for row in rows]
+    figure, axis = plt.subplots(figsize=(8, 5), dpi=120)
+    for policy in policies:
+        axis.plot(shares, [100 * row[policy]["token_hit_rate"] for row in rows], marker="o", label=policy)
+    axis.plot(shares, [100 * row["belady"]["token_hit_rate"] for row in rows], "k--", marker="s",
+              label="Belady (optimal)")
+    axis.axhline(100 * infinite, color="grey", linestyle=":", label="infinite cache")
+    axis.set_xscale("log")
+    axis.set_xlabel("capacity, % of the trace's unique full blocks (log scale)")
+    axis.set_ylabel("token-weighted prefix hit rate, %")
+    axis.set_title(f"Hit rate against capacity: {Path(title).name}")
+    axis.grid(True, which="both", alpha=0.3)
+    axis.legend(loc="lower right")
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)

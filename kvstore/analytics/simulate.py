@@ -1,0 +1,250 @@
+"""Replay a request trace through a cache of blocks: our policies, Belady's optimum, the infinite cache.
+
+Each request is served as the engine and the daemon serve it: the hit is the leading run of its blocks
+that are cached (and not expired); those are read, leaf first; the missing blocks are computed and put,
+leaf first, evicting what the policy chooses once the cache is full. Blocks carry the TTL of the
+longest-lived traffic class that used them, refreshed on every use; expired blocks are misses and are
+evicted before the policy is asked. A block's weight is its tokens (512, or fewer for the last block).
+
+Like the store (only full blocks are stored, DESIGN.md section 3), a request's partial last block is
+never cached, by any policy or bound: the next turn's version of it is longer and hashes differently
+(in the Mooncake conversation trace, 11,891 partial blocks are reused 118 times in all).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import OrderedDict, defaultdict
+from dataclasses import asdict, dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+from kvstore.analytics.trace import Request
+from kvstore.eviction import make_policy
+
+Progress = Callable[[int], None]
+
+
+@dataclass
+class ReplayResult:
+    policy: str
+    capacity_blocks: int | None
+    requests: int = 0
+    blocks: int = 0
+    hit_blocks: int = 0
+    tokens: int = 0
+    hit_tokens: int = 0
+    evictions: int = 0
+    expiries: int = 0
+
+    @property
+    def token_hit_rate(self) -> float:
+        return self.hit_tokens / self.tokens if self.tokens else 0.0
+
+    @property
+    def block_hit_rate(self) -> float:
+        return self.hit_blocks / self.blocks if self.blocks else 0.0
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "token_hit_rate": self.token_hit_rate, "block_hit_rate": self.block_hit_rate}
+
+
+POLICIES_AND_BOUNDS = ("lru", "s3fifo", "sieve", "prefix-lfu", "belady", "infinite")
+
+
+def replay(requests: Sequence[Request], policy: str, capacity_blocks: int | None, block_tokens: int = 512,
+           ttl_s: dict[str, float] | None = None, progress: Progress | None = None) -> ReplayResult:
+    """Replay through `policy` ("lru", "s3fifo", "sieve", "prefix-lfu", "belady" or "infinite")."""
+    if policy == "belady":
+        return _belady(requests, capacity_blocks, block_tokens, progress)
+    if capacity_blocks is not None and capacity_blocks < 1:
+        raise ValueError("capacity must be at least one block")
+    result = ReplayResult(policy, capacity_blocks)
+    chooser = None if policy == "infinite" or capacity_blocks is None else make_policy(policy, capacity_blocks)
+    ttl = _Retention(ttl_s) if ttl_s else None
+    present: set = set()
+
+    def evict(key) -> None:
+        present.discard(key)
+        if chooser is not None:
+            chooser.remove(key)
+        if ttl is not None:
+            ttl.forget(key)
+
+    for number, request in enumerate(requests):
+        now = request.timestamp_ms / 1000
+        ids = request.hash_ids
+        hit = 0
+        for key in ids:
+            if key not in present:
+                break
+            if ttl is not None and ttl.expired(key, now):
+                evict(key)
+                result.expiries += 1
+                break
+            hit += 1
+        _count(result, request, hit, block_tokens)
+        for key in reversed(ids[:hit]):  # read, leaf first
+            if chooser is not None:
+                chooser.access(key)
+            if ttl is not None:
+                ttl.touch(key, request.traffic_class, now)
+        for position in range(_full_blocks(request, block_tokens) - 1, hit - 1, -1):  # computed and put, leaf first
+            key = ids[position]
+            if key in present:  # put again: its retention is extended, nothing more
+                if ttl is not None:
+                    ttl.touch(key, request.traffic_class, now)
+                continue
+            if chooser is not None:
+                while len(present) >= capacity_blocks:
+                    victim = ttl.pop_expired(now) if ttl is not None else None
+                    if victim is not None:
+                        result.expiries += 1
+                    else:
+                        victim = chooser.pop_victim()
+                        result.evictions += 1
+                    evict(victim)
+                chooser.insert(key, 1, ids[position - 1] if position else None)
+            present.add(key)
+            if ttl is not None:
+                ttl.touch(key, request.traffic_class, now)
+        if progress is not None:
+            progress(number + 1)
+    return result
+
+
+def _full_blocks(request: Request, block_tokens: int) -> int:
+    return request.input_length // block_tokens
+
+
+def _count(result: ReplayResult, request: Request, hit: int, block_tokens: int) -> None:
+    result.requests += 1
+    result.blocks += len(request.hash_ids)
+    result.hit_blocks += hit
+    result.tokens += request.input_length
+    result.hit_tokens += sum(request.block_tokens(i, block_tokens) for i in range(hit))
+
+
+class _Retention:
+    """Last use and TTL of each cached block; expired blocks come out oldest first."""
+
+    def __init__(self, ttl_s: dict[str, float]) -> None:
+        self.ttl_s = ttl_s
+        self.default = max(ttl_s.values())
+        self._ttl: dict = {}  # key -> its TTL (the longest of the classes that used it)
+        self._by_ttl: dict[float, OrderedDict] = defaultdict(OrderedDict)  # TTL -> key -> last use, oldest first
+
+    def touch(self, key, traffic_class: str, now: float) -> None:
+        ttl = max(self.ttl_s.get(traffic_class, self.default), self._ttl.get(key, 0.0))
+        old = self._ttl.get(key)
+        if old is not None and old != ttl:
+            del self._by_ttl[old][key]
+        self._ttl[key] = ttl
+        queue = self._by_ttl[ttl]
+        queue[key] = now
+        queue.move_to_end(key)
+
+    def expired(self, key, now: float) -> bool:
+        ttl = self._ttl.get(key)
+        return ttl is not None and self._by_ttl[ttl][key] + ttl <= now
+
+    def pop_expired(self, now: float):
+        for ttl, queue in self._by_ttl.items():
+            if queue:
+                key, last = next(iter(queue.items()))
+                if last + ttl <= now:
+                    return key
+        return None
+
+    def forget(self, key) -> None:
+        ttl = self._ttl.pop(key, None)
+        if ttl is not None:
+            self._by_ttl[ttl].pop(key, None)
+
+
+def _belady(requests: Sequence[Request], capacity_blocks: int | None, block_tokens: int,
+            progress: Progress | None) -> ReplayResult:
+    """Belady's optimum: evict (or do not admit) the block whose next use is farthest in the future."""
+    result = ReplayResult("belady", capacity_blocks)
+    uses: dict = defaultdict(list)
+    for number, request in enumerate(requests):
+        for key in request.hash_ids:
+            uses[key].append(number)
+    cursor: dict = defaultdict(int)
+    next_use: dict = {}
+    present: set = set()
+    farthest: list = []  # (-next use, key), stale entries skipped
+    never = math.inf
+    for number, request in enumerate(requests):
+        ids = request.hash_ids
+        hit = 0
+        while hit < len(ids) and ids[hit] in present:
+            hit += 1
+        _count(result, request, hit, block_tokens)
+        for key in ids:
+            cursor[key] += 1
+            positions = uses[key]
+            next_use[key] = positions[cursor[key]] if cursor[key] < len(positions) else never
+            if key in present:
+                heapq.heappush(farthest, (-next_use[key], key))
+        for key in ids[hit:_full_blocks(request, block_tokens)]:
+            if key in present:
+                continue
+            if capacity_blocks is not None and len(present) >= capacity_blocks:
+                while True:
+                    negative, victim = farthest[0]
+                    if victim in present and -negative == next_use[victim]:
+                        break
+                    heapq.heappop(farthest)
+                if -negative <= next_use[key]:
+                    continue  # this block is needed later than anything cached: do not admit it
+                heapq.heappop(farthest)
+                present.discard(victim)
+                result.evictions += 1
+            present.add(key)
+            heapq.heappush(farthest, (-next_use[key], key))
+        if progress is not None:
+            progress(number + 1)
+    return result
+
+
+def reuse_statistics(requests: Sequence[Request]) -> dict:
+    """Reuse distance (distinct blocks touched in between) and reuse time of every repeated block use."""
+    accesses = [(key, request.timestamp_ms / 1000) for request in requests for key in request.hash_ids]
+    tree = np.zeros(len(accesses) + 1, dtype=np.int64)  # Fenwick tree over access positions
+
+    def add(position: int, value: int) -> None:
+        position += 1
+        while position < len(tree):
+            tree[position] += value
+            position += position & -position
+
+    def prefix(position: int) -> int:
+        total, position = 0, position + 1
+        while position > 0:
+            total += tree[position]
+            position -= position & -position
+        return int(total)
+
+    last: dict = {}
+    distances, times = [], []
+    for position, (key, now) in enumerate(accesses):
+        if key in last:
+            previous, previous_time = last[key]
+            distances.append(prefix(position - 1) - prefix(previous))
+            times.append(now - previous_time)
+            add(previous, -1)
+        add(position, 1)
+        last[key] = (position, now)
+
+    def summary(values: list[float]) -> dict:
+        if not values:
+            return {"count": 0}
+        array = np.asarray(values, dtype=float)
+        return {"count": len(values), **{f"p{q}": float(np.percentile(array, q)) for q in (10, 25, 50, 75, 90, 99)},
+                "mean": float(array.mean())}
+
+    return {"accesses": len(accesses), "unique_blocks": len(last), "reuses": len(distances),
+            "reuse_distance_blocks": summary(distances), "reuse_time_s": summary(times)}

@@ -1,0 +1,81 @@
+"""Request traces in the Mooncake format (FAST'25 release): one JSON object a line.
+
+    {"timestamp": ms, "input_length": tokens, "output_length": tokens, "hash_ids": [int, ...]}
+
+`hash_ids[i]` names the prefix up to and including the i-th block of `block_tokens` (512) input
+tokens; the last block may be partial: len(hash_ids) == ceil(input_length / block_tokens).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+
+class TraceError(ValueError):
+    def __init__(self, path: Path | str, line: int, message: str) -> None:
+        super().__init__(f"{path}:{line}: {message}")
+        self.line = line
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    timestamp_ms: int
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+    traffic_class: str = "chat"
+
+    def block_tokens(self, block: int, block_tokens: int) -> int:
+        """Tokens of the `block`-th block: full, or the remainder for the last one."""
+        if block < len(self.hash_ids) - 1:
+            return block_tokens
+        return self.input_length - block_tokens * (len(self.hash_ids) - 1)
+
+
+def read_trace(path: Path | str, block_tokens: int = 512, skip_bad: bool = False,
+               errors: list[str] | None = None) -> Iterator[Request]:
+    """The trace's requests in order; a bad line raises TraceError naming it, or is skipped with `skip_bad`."""
+    with open(path) as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield parse_line(line, block_tokens)
+            except ValueError as exc:
+                if not skip_bad:
+                    raise TraceError(path, number, str(exc)) from None
+                if errors is not None:
+                    errors.append(f"{path}:{number}: {exc}")
+
+
+def parse_line(line: str, block_tokens: int) -> Request:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not JSON ({exc.msg})") from None
+    if not isinstance(record, dict):
+        raise ValueError("not a JSON object")
+    for name in ("timestamp", "input_length", "hash_ids"):
+        if name not in record:
+            raise ValueError(f"missing {name!r}")
+    timestamp, length, ids = record["timestamp"], record["input_length"], record["hash_ids"]
+    if not isinstance(timestamp, (int, float)) or timestamp < 0:
+        raise ValueError(f"timestamp must be a non-negative number of ms, got {timestamp!r}")
+    if not isinstance(length, int) or length < 1:
+        raise ValueError(f"input_length must be a positive integer, got {length!r}")
+    if not isinstance(ids, list) or not all(isinstance(h, int) and not isinstance(h, bool) for h in ids):
+        raise ValueError("hash_ids must be a list of integers")
+    if len(ids) != math.ceil(length / block_tokens):
+        raise ValueError(f"{len(ids)} hash_ids for {length} input tokens; expected ceil({length}/{block_tokens})"
+                         f" = {math.ceil(length / block_tokens)}")
+    output = record.get("output_length", 0)
+    if not isinstance(output, int) or output < 0:
+        raise ValueError(f"output_length must be a non-negative integer, got {output!r}")
+    traffic_class = record.get("traffic_class", "chat")
+    if not isinstance(traffic_class, str) or not traffic_class:
+        raise ValueError("traffic_class must be a non-empty string")
+    return Request(int(timestamp), length, output, tuple(ids), traffic_class)
