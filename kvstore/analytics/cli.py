@@ -1,7 +1,9 @@
-"""`kvstore analytics replay TRACE.jsonl`: hit rates of every policy against capacity, with the bounds.
+"""`kvstore analytics`: hit rates of request traces, running daemons and their access logs.
 
     kvstore analytics replay ../shared/data/conversation_trace.jsonl --capacity 1%,5%,10%,20%,50% \\
-        --plot hitrate.png --json hitrate.json
+        --plot hitrate.png --json hitrate.json [--servers host:port,... --payload-bytes 4KiB]
+    kvstore analytics live --servers host:port,... [--interval 2]
+    kvstore analytics log /var/lib/kvstore/access.log [--json out.json]
 
 Capacities are a share of the trace's unique full blocks ("10%"), a number of blocks ("20000"), or
 bytes ("64GiB", with --block-bytes). Each row shows the token-weighted hit rate of every policy, of
@@ -17,6 +19,10 @@ import sys
 import time
 from pathlib import Path
 
+from kvstore.analytics.drive import replay_through_daemons
+from kvstore.analytics.live import run_live
+from kvstore.analytics.logs import render as render_log
+from kvstore.analytics.logs import summarize
 from kvstore.analytics.simulate import replay, reuse_statistics
 from kvstore.analytics.trace import read_trace
 from kvstore.eviction import POLICIES
@@ -39,7 +45,34 @@ def add_parser(subparsers) -> None:
     play.add_argument("--plot", type=Path, help="draw hit rate against capacity into this PNG")
     play.add_argument("--json", type=Path, help="write every figure here")
     play.add_argument("--skip-bad", action="store_true", help="skip malformed trace lines (and count them)")
+    play.add_argument("--servers", help="also drive the trace through these running daemons (host:port,...) and "
+                                        "set their hit rate beside the simulator's at the first --capacity")
+    play.add_argument("--payload-bytes", type=parse_size, default=4096, help="payload per block with --servers")
     play.set_defaults(run=run_replay)
+
+    live = sub.add_parser("live", help="hit rates, capacity and churn of running daemons, refreshed in place")
+    live.add_argument("--servers", required=True, help="comma-separated host:port of the daemons")
+    live.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
+    live.add_argument("--rounds", type=int, help="stop after this many refreshes (default: until interrupted)")
+    live.set_defaults(run=lambda args: run_live(args.servers, args.interval, args.rounds))
+
+    log = sub.add_parser("log", help="the same analysis from the daemons' access logs (--access-log)")
+    log.add_argument("paths", type=Path, nargs="+", help="access log files")
+    log.add_argument("--json", type=Path, help="write every figure here")
+    log.add_argument("--skip-bad", action="store_true", help="skip malformed lines (and count them)")
+    log.set_defaults(run=run_log)
+
+
+def run_log(args: argparse.Namespace) -> int:
+    for path in args.paths:
+        if not path.is_file():
+            raise ValueError(f"{path} is not a file")
+    report = summarize(args.paths, args.skip_bad)
+    print(render_log(report))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+        print(f"figures written to {args.json}")
+    return 0
 
 
 def parse_capacities(text: str, unique_blocks: int, block_bytes: int) -> list[tuple[str, int]]:
@@ -120,6 +153,15 @@ def run_replay(args: argparse.Namespace) -> int:
         if distance["count"]:
             print(f"reuse distance (distinct blocks in between): p50 {distance['p50']:,.0f}, p90 {distance['p90']:,.0f},"
                   f" p99 {distance['p99']:,.0f}; reuse time: p50 {gap['p50']:,.1f} s, p90 {gap['p90']:,.1f} s")
+    if args.servers:
+        label, blocks = capacities[0]
+        simulated = rows[0][policies[0]]
+        driven = replay_through_daemons(requests, args.servers, args.payload_bytes, args.block_tokens,
+                                        ProgressLine(f"daemons at {args.servers}", len(requests))).as_dict()
+        report["daemons"] = driven
+        print(f"through the daemons: {driven['token_hit_rate']:.2%} of tokens, {driven['block_hit_rate']:.2%} of "
+              f"blocks; the simulator's {policies[0]} at {label} ({blocks:,} blocks): "
+              f"{simulated['token_hit_rate']:.2%} and {simulated['block_hit_rate']:.2%}")
     if args.plot:
         plot(rows, policies, unique, infinite.token_hit_rate, args.plot, str(args.trace))
         print(f"plot written to {args.plot}")

@@ -55,8 +55,12 @@ POLICIES_AND_BOUNDS = ("lru", "s3fifo", "sieve", "prefix-lfu", "belady", "infini
 
 
 def replay(requests: Sequence[Request], policy: str, capacity_blocks: int | None, block_tokens: int = 512,
-           ttl_s: dict[str, float] | None = None, progress: Progress | None = None) -> ReplayResult:
-    """Replay through `policy` ("lru", "s3fifo", "sieve", "prefix-lfu", "belady" or "infinite")."""
+           ttl_s: dict[str, float] | None = None, progress: Progress | None = None,
+           low_blocks: int | None = None) -> ReplayResult:
+    """Replay through `policy` ("lru", "s3fifo", "sieve", "prefix-lfu", "belady" or "infinite").
+
+    With `low_blocks`, eviction works as the daemon's watermarks do: once more than `capacity_blocks`
+    are cached, blocks go until `low_blocks` are left; otherwise one block goes per block admitted."""
     if policy == "belady":
         return _belady(requests, capacity_blocks, block_tokens, progress)
     if capacity_blocks is not None and capacity_blocks < 1:
@@ -97,22 +101,31 @@ def replay(requests: Sequence[Request], policy: str, capacity_blocks: int | None
                 if ttl is not None:
                     ttl.touch(key, request.traffic_class, now)
                 continue
-            if chooser is not None:
+            if chooser is not None and low_blocks is None:
                 while len(present) >= capacity_blocks:
-                    victim = ttl.pop_expired(now) if ttl is not None else None
-                    if victim is not None:
-                        result.expiries += 1
-                    else:
-                        victim = chooser.pop_victim()
-                        result.evictions += 1
-                    evict(victim)
+                    _make_room(chooser, ttl, now, evict, result)
+            if chooser is not None:
                 chooser.insert(key, 1, ids[position - 1] if position else None)
             present.add(key)
+            if chooser is not None and low_blocks is not None and len(present) > capacity_blocks:
+                while len(present) > low_blocks:
+                    _make_room(chooser, ttl, now, evict, result)
             if ttl is not None:
                 ttl.touch(key, request.traffic_class, now)
         if progress is not None:
             progress(number + 1)
     return result
+
+
+def _make_room(chooser, ttl: "_Retention | None", now: float, evict, result: ReplayResult) -> None:
+    """Evict one block: an expired one if there is any, else the policy's choice."""
+    victim = ttl.pop_expired(now) if ttl is not None else None
+    if victim is not None:
+        result.expiries += 1
+    else:
+        victim = chooser.pop_victim()
+        result.evictions += 1
+    evict(victim)
 
 
 def _full_blocks(request: Request, block_tokens: int) -> int:
@@ -212,7 +225,11 @@ def _belady(requests: Sequence[Request], capacity_blocks: int | None, block_toke
 
 def reuse_statistics(requests: Sequence[Request]) -> dict:
     """Reuse distance (distinct blocks touched in between) and reuse time of every repeated block use."""
-    accesses = [(key, request.timestamp_ms / 1000) for request in requests for key in request.hash_ids]
+    return access_statistics([(key, request.timestamp_ms / 1000) for request in requests for key in request.hash_ids])
+
+
+def access_statistics(accesses: Sequence[tuple[object, float]]) -> dict:
+    """Reuse distance and reuse time over a sequence of (block, time in seconds) accesses."""
     tree = np.zeros(len(accesses) + 1, dtype=np.int64)  # Fenwick tree over access positions
 
     def add(position: int, value: int) -> None:

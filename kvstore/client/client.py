@@ -269,12 +269,16 @@ class AsyncKVClient:
     # -- put --------------------------------------------------------------------------------------
 
     async def put(self, items: Sequence[tuple[Block, bytes]], num_layers: int, traffic_class: str = "chat") -> PutSummary:
-        """Store blocks with their layer-major payloads; failures are counted, never raised."""
+        """Store blocks with their layer-major payloads; failures are counted, never raised.
+
+        Records go out leaf first (the reverse of `items`, given in prefix order), so that in the daemons'
+        recency order a parent is never older than its children."""
         same_namespace([block for block, _ in items])
+        items = list(reversed(items))
         records = [build_record(block, payload, num_layers, traffic_class) for block, payload in items]
         summary = PutSummary()
         if self.host is not None:  # the next turn of this session is likely to want them; leaf first
-            for header, payload in reversed(records):
+            for header, payload in records:
                 self.host.put(decode_header(header), payload)
 
         async def put_to(shard: Shard | None, positions: list[int]) -> None:

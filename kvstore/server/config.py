@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from kvstore.eviction import POLICIES
 from kvstore.record import CLASS_NAME_BYTES
 
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -58,6 +59,9 @@ class ServerConfig:
     segment_bytes: int = 256 * 2**20
     compaction_min_garbage: float = 0.5  # compact a sealed segment once this share of it is dead
     hot_tier_bytes: int = 256 * 2**20
+    eviction_policy: str = "lru"  # lru, s3fifo, sieve or prefix-lfu (kvstore/eviction/)
+    access_log: Path | None = None  # a compact line per block read or stored, for `kvstore analytics log`
+    access_log_max_bytes: int = 256 * 2**20  # then it is rotated once, to <access_log>.1
 
     classes: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_CLASSES))  # name -> TTL seconds
     default_class: str = "chat"
@@ -84,6 +88,10 @@ class ServerConfig:
         self.data_dir = Path(self.data_dir)
         if self.port_file is not None:
             self.port_file = Path(self.port_file)
+        if self.access_log is not None:
+            self.access_log = Path(self.access_log)
+        if self.eviction_policy not in POLICIES:
+            raise ValueError(f"eviction_policy must be one of {', '.join(POLICIES)}, got {self.eviction_policy!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be 0..65535 (0 lets the OS choose), got {self.port}")
         for name in ("metrics_port", "data_port"):
@@ -136,6 +144,7 @@ class ServerConfig:
 
 
 _SIZE_FIELDS = {"capacity_bytes", "segment_bytes", "hot_tier_bytes", "lmdb_map_bytes", "lmdb_max_map_bytes",
+                "access_log_max_bytes",
                 "max_block_bytes", "max_message_bytes", "max_inflight_put_bytes", "max_region_bytes"}
 _TIME_FIELDS = {"expiry_bucket_s", "sweep_interval_s", "access_flush_interval_s", "grace_s", "data_frame_timeout_s"}
 _FIELDS = {f.name: f for f in dataclasses.fields(ServerConfig)}
@@ -144,7 +153,7 @@ _FIELDS = {f.name: f for f in dataclasses.fields(ServerConfig)}
 def _coerce(name: str, value: Any) -> Any:
     if name not in _FIELDS:
         raise ValueError(f"unknown setting {name!r}; known: {', '.join(sorted(_FIELDS))}")
-    if name in ("metrics_port", "data_port", "port_file") and (value is None or str(value).lower() in ("", "none", "off")):
+    if name in ("metrics_port", "data_port", "port_file", "access_log") and (value is None or str(value).lower() in ("", "none", "off")):
         return None
     try:
         if name in _SIZE_FIELDS:

@@ -13,6 +13,8 @@ class Metrics:
         self.lookup_keys = Counter("kvstore_lookup_keys", "Keys asked for in Lookup", registry=r)
         self.lookup_hits = Counter("kvstore_lookup_hits", "Keys found by Lookup (leading run)", registry=r)
         self.hits = Counter("kvstore_hits", "Blocks served by Get, by tier", ["tier"], registry=r)
+        self.class_hits = Counter("kvstore_class_hits", "Blocks served by Get, by traffic class", ["traffic_class"],
+                                  registry=r)
         self.misses = Counter("kvstore_misses", "Blocks not served by Get, by cause", ["cause"], registry=r)
         self.bytes_read = Counter("kvstore_read_bytes", "Payload bytes served by Get", registry=r)
         self.region_bytes = Counter("kvstore_region_read_bytes", "Payload bytes written into clients' shared memory",

@@ -112,10 +112,10 @@ async def _read(store: BlockStore, block: OpenBlock, begin: int, end: int, index
         into = target(index, begin, (end - begin) * block.header.layer_bytes) if target else None
         data = await store.read_layers(block, begin, end, into)
     except CorruptRecord as exc:
-        store.metrics.misses.labels(cause=exc.cause).inc()
+        store.miss(pb.CORRUPT, exc.cause, block.key, block.entry)
         return head(index, pb.CORRUPT, begin, end, header_bytes, 0, exc.cause), None
     except OSError:
-        store.metrics.misses.labels(cause="io_error").inc()
+        store.miss(pb.UNAVAILABLE, "io_error", block.key, block.entry)
         return head(index, pb.UNAVAILABLE, begin, end, header_bytes, 0, "io_error"), None
     return head(index, pb.OK, begin, end, header_bytes, len(data)), data
 

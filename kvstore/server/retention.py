@@ -2,8 +2,8 @@
 
 * Expiry: a segment whose expiry bucket has ended is emptied — blocks whose retention was extended by
   access are copied forward, the rest are dropped as expired — and its file deleted.
-* Capacity: above the high watermark of the budget, the eviction policy's victims go until the live
-  records fit under the low watermark.
+* Capacity: once the live records pass the high watermark of the budget (checked at every put and every
+  pass), the eviction policy's victims go until they fit under the low watermark.
 * Compaction: sealed segments with many dead bytes (or any, under pressure) have their live records
   copied forward and their file deleted.
 """
@@ -27,8 +27,9 @@ log = logging.getLogger(__name__)
 class Retention:
     def __init__(self, store: BlockStore) -> None:
         self.store = store
-        self.wake = asyncio.Event()  # set when a put pushes the store over its high watermark
-        self._lock = asyncio.Lock()
+        self.wake = asyncio.Event()  # set when a put leaves dead bytes to compact
+        self._lock = asyncio.Lock()  # one maintenance pass at a time
+        self._evicting = asyncio.Lock()  # one budget check at a time: concurrent puts must not each evict
 
     async def run(self) -> None:
         """Background loop: flush access times, expire, evict and compact; never raises."""
@@ -43,6 +44,8 @@ class Retention:
             try:
                 if time.monotonic() - last_flush >= config.access_flush_interval_s:
                     await self.store.flush_access()
+                    if self.store.access_log is not None:
+                        self.store.access_log.flush()
                     last_flush = time.monotonic()
                 await self.maintain()
             except Exception:  # maintenance must never take the daemon down
@@ -53,11 +56,16 @@ class Retention:
         store, config = self.store, self.store.config
         async with self._lock:
             await self._expire_segments()
-            high, low = store.limit() * config.high_watermark, store.limit() * config.low_watermark
-            if store.segments.disk_bytes > high or store.live_bytes > high:
-                await self.evict_bytes(store.live_bytes - low)
-            await self._compact(low)
+            await self.enforce_budget()  # too much kept: evict; too many dead bytes: compaction's job
+            await self._compact(store.limit() * config.low_watermark)
             store.refresh_gauges()
+
+    async def enforce_budget(self) -> None:
+        """Once live records pass the high watermark, evict down to the low one (puts call it too)."""
+        store, config = self.store, self.store.config
+        async with self._evicting:
+            if store.live_bytes > store.limit() * config.high_watermark:
+                await self.evict_bytes(store.live_bytes - store.limit() * config.low_watermark)
 
     async def evict_bytes(self, nbytes: float) -> int:
         """Evict the policy's victims until at least `nbytes` of records are gone."""

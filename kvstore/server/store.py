@@ -20,9 +20,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from kvstore.eviction import LRU, EvictionPolicy
+from kvstore.eviction import EvictionPolicy, make_policy
 from kvstore.proto import pb
 from kvstore.record import CorruptRecord, RecordHeader, decode_header
+from kvstore.server.access_log import AccessLog
 from kvstore.server.config import ServerConfig
 from kvstore.server.hot_tier import HotEntry, HotTier
 from kvstore.server.index import Entry, Index, IndexFull
@@ -72,7 +73,7 @@ class BlockStore:
         self.config = config
         self.metrics = metrics or Metrics()
         self.clock = clock
-        self.policy = policy or LRU()
+        self.policy = policy or make_policy(config.eviction_policy, config.capacity_bytes)
         self.hot = HotTier(config.hot_tier_bytes)
         self.live_bytes = 0
         self._class_ids: dict[str, int] = {}
@@ -85,6 +86,7 @@ class BlockStore:
         self._executor = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvstore-io")
         self._lock_fd: int | None = None
         self.closed = False
+        self.access_log = AccessLog(config.access_log, config.access_log_max_bytes) if config.access_log else None
         self.index: Index
         self.segments: SegmentSet
 
@@ -141,6 +143,8 @@ class BlockStore:
             return
         self.closed = True
         await self.flush_access()
+        if self.access_log is not None:
+            self.access_log.close()
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._executor, self.segments.close)
         await loop.run_in_executor(None, self.index.close)
@@ -178,7 +182,11 @@ class BlockStore:
 
     def lookup(self, keys: Sequence[bytes]) -> int:
         """How many leading keys exist and have not expired."""
-        hits = self.index.live_prefix(keys, self.now_ms(), self._dirty)
+        now_ms = self.now_ms()
+        hits = self.index.live_prefix(keys, now_ms, self._dirty)
+        if self.access_log is not None:
+            for position, key in enumerate(keys):
+                self.access_log.write(now_ms, "lookup", key, "", "hit" if position < hits else "missing", "", 0)
         self.metrics.lookup_keys.inc(len(keys))
         self.metrics.lookup_hits.inc(hits)
         return hits
@@ -187,15 +195,15 @@ class BlockStore:
         """Find a block and verify its header; the caller must `close_block` an OpenBlock."""
         entry = self.index.get(key)
         if entry is None:
-            return self._miss(pb.MISSING, "missing")
+            return self.miss(pb.MISSING, "missing", key)
         if self.effective_expiry(key, entry) <= self.now_ms():
-            return self._miss(pb.EXPIRED, "expired")
+            return self.miss(pb.EXPIRED, "expired", key, entry)
         cached = self.hot.pin(key)
         if cached is not None:
             return OpenBlock(key, entry, decode_header(cached.header), cached.header, None, cached, "dram")
         segment = self.segments.acquire(entry.segment)
         if segment is None:
-            return self._miss(pb.UNAVAILABLE, "segment_gone")
+            return self.miss(pb.UNAVAILABLE, "segment_gone", key, entry)
         try:
             header_bytes = await self.run_io(SegmentSet.read, segment, entry.offset, entry.header_len)
             header = decode_header(header_bytes)
@@ -204,10 +212,10 @@ class BlockStore:
         except CorruptRecord as exc:
             self.segments.release(segment)
             await self.drop_corrupt(key, entry)
-            return self._miss(pb.CORRUPT, exc.cause)
+            return self.miss(pb.CORRUPT, exc.cause, key, entry)
         except OSError:
             self.segments.release(segment)
-            return self._miss(pb.UNAVAILABLE, "io_error")
+            return self.miss(pb.UNAVAILABLE, "io_error", key, entry)
         return OpenBlock(key, entry, header, header_bytes, segment, None, "ssd")
 
     async def read_layers(self, block: OpenBlock, begin: int, end: int,
@@ -263,8 +271,13 @@ class BlockStore:
         now_ms = self.now_ms()
         for block in reversed(blocks):
             self.metrics.hits.labels(tier=block.tier).inc()
+            self.metrics.class_hits.labels(traffic_class=self.class_name(block.entry) or "unknown").inc()
             self.policy.access(block.key)
             self._extend(block.key, block.entry, now_ms, block.entry.class_id)
+        if self.access_log is not None:
+            for block in blocks:
+                self.access_log.write(now_ms, "get", block.key, self.class_name(block.entry), "hit", block.tier,
+                                      block.entry.payload_len)
         self.metrics.bytes_read.inc(served_bytes)
 
     def _extend(self, key: bytes, entry: Entry, now_ms: int, class_id: int) -> None:
@@ -275,9 +288,15 @@ class BlockStore:
         expires = now_ms + self._ttl_ms(class_id)
         self._dirty[key] = (now_ms, max(expires, previous[1] if previous else 0), class_id)
 
-    def _miss(self, status: int, cause: str) -> Miss:
+    def miss(self, status: int, cause: str, key: bytes, entry: Entry | None = None) -> Miss:
+        """Count (and log) a block not served, and say why."""
         self.metrics.misses.labels(cause=cause).inc()
+        if self.access_log is not None:
+            self.access_log.write(self.now_ms(), "get", key, self.class_name(entry), cause, "", 0)
         return Miss(status, cause)
+
+    def class_name(self, entry: Entry | None) -> str:
+        return self._class_names.get(entry.class_id, "") if entry is not None else ""
 
     async def drop_corrupt(self, key: bytes, entry: Entry) -> None:
         log.warning("dropping corrupt block %s in segment %d at %d", key.hex(), entry.segment, entry.offset)
@@ -294,6 +313,8 @@ class BlockStore:
         if entry is not None and self.effective_expiry(key, entry) > now_ms:
             self._extend(key, entry, now_ms, class_id)
             self.metrics.puts.labels(result="exists").inc()
+            if self.access_log is not None:
+                self.access_log.write(now_ms, "put", key, header.traffic_class, "exists", "", 0)
             return pb.EXISTS
         if key in self._pending:
             self.metrics.puts.labels(result="exists").inc()
@@ -316,31 +337,37 @@ class BlockStore:
                 await self.retention.evict_bytes(self.policy.tracked_bytes * 0.05)
             payload = chunks[0] if len(chunks) == 1 else b"".join(chunks)
             # Shielded: a caller that goes away must not leave the index committed and the accounting not.
-            await asyncio.shield(self._commit_put(key, new, segment, header_bytes, payload))
+            await asyncio.shield(self._commit_put(key, new, segment, header_bytes, payload, header.parent))
+            if self.live_bytes > self.limit() * self.config.high_watermark:
+                # The budget holds at every put, not only when the maintenance loop comes round.
+                await self.retention.enforce_budget()
             return pb.STORED
         finally:
             self._pending.discard(key)
 
     async def _commit_put(self, key: bytes, new: Entry, segment: Segment, header_bytes: bytes,
-                          payload: bytes | bytearray) -> None:
+                          payload: bytes | bytearray, parent: bytes) -> None:
         sync = [segment] if self.config.durability == "fsync" else []
         old = await self.commit(self.index.put_op(key, new), sync)
         if old is not None:
             self._account_removed(key, old)
-        self._account_added(key, new)
+        self._account_added(key, new, parent)
         self.hot.put(key, header_bytes, payload)
         self.metrics.puts.labels(result="stored").inc()
+        if self.access_log is not None:
+            self.access_log.write(new.access_ms, "put", key, self._class_names.get(new.class_id, ""), "stored", "",
+                                  new.record_len)
         self.metrics.bytes_written.inc(new.record_len)
         if self.segments.disk_bytes > self.limit() * self.config.high_watermark:
-            self.retention.wake.set()
+            self.retention.wake.set()  # dead bytes to compact
 
-    def _account_added(self, key: bytes, entry: Entry) -> None:
+    def _account_added(self, key: bytes, entry: Entry, parent: bytes | None = None) -> None:
         segment = self.segments.segments.get(entry.segment)
         if segment is not None:
             segment.live_bytes += entry.record_len
         self.live_bytes += entry.record_len
         self._class_blocks[entry.class_id] = self._class_blocks.get(entry.class_id, 0) + 1
-        self.policy.insert(key, entry.record_len)
+        self.policy.insert(key, entry.record_len, parent)
 
     def _account_removed(self, key: bytes, entry: Entry) -> None:
         segment = self.segments.segments.get(entry.segment)

@@ -94,20 +94,23 @@ async def test_expired_segments_are_deleted_and_hot_blocks_copied_forward(open_s
     assert store.live_bytes == len(recs[0][1]) + len(recs[0][3])
 
 
-async def test_capacity_evicts_lru_down_to_the_low_watermark(open_store):
+async def test_capacity_evicts_lru_down_to_the_low_watermark_at_the_put_that_crosses_the_high_one(open_store):
     record_bytes = sum(map(len, records(1)[0][1::2]))
     store = await open_store(capacity_bytes=20 * record_bytes, segment_bytes=4 * record_bytes,
                              high_watermark=0.9, low_watermark=0.5, hot_tier_bytes=0)
     recs = records(22)
-    await put_all(store, recs[:18])
+    await put_all(store, recs[:18])  # exactly at the high watermark: nothing goes yet
+    assert store.metrics.evictions._value.get() == 0
     await store.touch([recs[0][0].key])  # recently used: must survive
-    await put_all(store, recs[18:])
+    for rec in recs[18:]:
+        await put_all(store, [rec])
+        assert store.live_bytes <= 0.9 * 20 * record_bytes, "the budget holds at every put"
+    # The 19th put went over: the 9 least recently used went, down to the low watermark (10 records).
+    assert store.metrics.evictions._value.get() == 9
+    assert [store.lookup([r[0].key]) for r in recs[:11]] == [1] + [0] * 9 + [1]
     await store.retention.maintain()
-    assert store.live_bytes <= 0.5 * 20 * record_bytes
-    assert store.segments.disk_bytes <= 0.9 * 20 * record_bytes
-    assert [store.lookup([r[0].key]) for r in recs[:14]] == [1] + [0] * 12 + [1], "least recently used go first"
-    assert store.lookup([recs[-1][0].key]) == 1
-    assert store.metrics.evictions._value.get() == 12
+    assert store.segments.disk_bytes <= 0.9 * 20 * record_bytes, "compaction reclaims the dead bytes"
+    assert store.metrics.evictions._value.get() == 9, "live bytes were under budget: nothing more evicted"
     for block, _, _, payload in recs[-5:]:
         assert await read_all(store, block.key) == payload
 
