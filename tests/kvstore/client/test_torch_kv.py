@@ -1,6 +1,5 @@
 """Loads into paged torch KV: in place on the CPU; through pinned staging and a copy stream on CUDA."""
 
-import os
 
 import pytest
 import torch
