@@ -2,18 +2,14 @@
 
 Production code calls `faults.hit("segment.after_write")` at places where a crash or an error must be
 survivable. A test switches a point on for a daemon through the environment
-(`KVSTORE_FAULTS="segment.after_write=kill@3"`: SIGKILL the process on the third hit) or in-process
-with `faults.enabled(...)`. Actions: `kill` (SIGKILL self), `raise` (OSError), `enospc`.
+(`KVSTORE_FAULTS="segment.after_write=kill@3"`: SIGKILL the process on the third hit). Actions: `kill` (SIGKILL self), `raise` (OSError), `enospc`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import signal
-from typing import Iterator
-
 _points: dict[str, tuple[str, int]] = {}
 _hits: dict[str, int] = {}
 
@@ -45,16 +41,3 @@ def hit(point: str) -> None:
     if action == "enospc":
         raise OSError(errno.ENOSPC, f"injected ENOSPC at {point}")
     raise OSError(errno.EIO, f"injected I/O error at {point}")
-
-
-@contextlib.contextmanager
-def enabled(spec: str) -> Iterator[None]:
-    saved = dict(_points)
-    _points.update(_parse(spec))
-    _hits.clear()
-    try:
-        yield
-    finally:
-        _points.clear()
-        _points.update(saved)
-        _hits.clear()

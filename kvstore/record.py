@@ -17,7 +17,7 @@ from typing import Iterable, Sequence
 import numpy as np
 import xxhash
 
-from kvstore.block import KEY_BYTES, Block, chain_hash, encode_tokens
+from kvstore.block import Block, chain_hash, encode_tokens
 
 MAGIC = b"KVB1"
 FORMAT_VERSION = 1
@@ -162,11 +162,6 @@ def build_record(block: Block, layers: bytes | memoryview | Iterable[bytes], n_l
     view = memoryview(payload)
     sums = [xxhash.xxh3_64_intdigest(view[i * layer_bytes : (i + 1) * layer_bytes]) for i in range(n_layers)]
     return encode_header(block, traffic_class, n_layers, layer_bytes, sums), payload
-
-
-def assert_key_length(key: bytes) -> None:
-    if len(key) != KEY_BYTES:
-        raise ValueError(f"a block key is {KEY_BYTES} bytes, got {len(key)}")
 
 
 def payload_layer_sums(chunks: Sequence[bytes | memoryview], layer_bytes: int) -> list[int]:

@@ -9,9 +9,6 @@ from typing import Iterator, Sequence
 from kvstore.analytics.simulate import access_statistics
 from kvstore.analytics.trace import TraceError
 
-RESULTS_OF_PUTS = {"stored", "exists"}
-
-
 def read_access_log(path: Path, skip_bad: bool = False, errors: list[str] | None = None) -> Iterator[tuple]:
     """(time_ms, op, key, traffic_class, result, tier, bytes) per line; a bad line names itself."""
     with open(path) as f:

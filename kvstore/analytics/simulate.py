@@ -51,9 +51,6 @@ class ReplayResult:
         return {**asdict(self), "token_hit_rate": self.token_hit_rate, "block_hit_rate": self.block_hit_rate}
 
 
-POLICIES_AND_BOUNDS = ("lru", "s3fifo", "sieve", "prefix-lfu", "belady", "infinite")
-
-
 def replay(requests: Sequence[Request], policy: str, capacity_blocks: int | None, block_tokens: int = 512,
            ttl_s: dict[str, float] | None = None, progress: Progress | None = None,
            low_blocks: int | None = None) -> ReplayResult:

@@ -50,7 +50,6 @@ class Shard:
         self._data_checked = False
         self._down_until = 0.0
         self._backoff = config.down_backoff_s
-        self.failures = 0
         self.last_error = ""
 
     @property
@@ -69,7 +68,6 @@ class Shard:
             code, details = getattr(grpc.StatusCode, error.code, grpc.StatusCode.UNKNOWN), error.message
         else:
             code, details = None, str(error)
-        self.failures += 1
         self.last_error = f"{code.name if code else type(error).__name__}: {details}"
         if code is None or code in _DOWN_CODES:
             self._down_until = time.monotonic() + self._backoff

@@ -45,10 +45,6 @@ class WriteBehind:
             self._changed.notify_all()
         return True
 
-    @property
-    def queued_bytes(self) -> int:
-        return self._queued_bytes
-
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued save has been stored (or failed); False on timeout."""
         with self._changed:

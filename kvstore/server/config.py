@@ -138,10 +138,6 @@ class ServerConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
-    @property
-    def max_ttl_s(self) -> float:
-        return max(self.classes.values())
-
 
 _SIZE_FIELDS = {"capacity_bytes", "segment_bytes", "hot_tier_bytes", "lmdb_map_bytes", "lmdb_max_map_bytes",
                 "access_log_max_bytes",
