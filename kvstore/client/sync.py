@@ -79,6 +79,10 @@ class KVClient:
             future.result()
         return from_host + client._finish_get(plans)
 
+    def block_sources(self, blocks: Sequence[Block]) -> list[str]:
+        """Where each block would be read from now: "host" (this process), or the owning daemon's address."""
+        return self._async.block_sources(blocks)
+
     def tokens_worth_loading(self, blocks: Sequence[Block], hit_blocks: int, block_bytes: int, total_tokens: int,
                              compute_s: Callable[[int, int], float], pipelined: bool = True) -> int:
         """Of a hit of `hit_blocks` leading blocks, how many tokens are faster loaded than recomputed.
@@ -86,7 +90,7 @@ class KVClient:
         `compute_s(a, b)` is the engine's estimate of computing tokens [a, b) with [0, a) cached;
         bandwidth comes from what each source (host tier, each daemon) delivered so far.
         """
-        sources = self._async.block_sources(blocks[:hit_blocks])
+        sources = self.block_sources(blocks[:hit_blocks])
         block_tokens = len(blocks[0].tokens) if blocks else 0
         worth = blocks_worth_loading(sources, block_bytes, block_tokens, total_tokens, compute_s,
                                      self._async.bandwidth, pipelined)

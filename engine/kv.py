@@ -1,0 +1,135 @@
+"""Explicit KV storage the model's forward pass reads and writes.
+
+* Full-attention layers: paged KV. One tensor per full layer, (num_pages, 2, block_tokens, kv_heads,
+  head_dim): a page is one block of one layer, K then V, exactly the layout of a layer of a stored
+  block, so the store loads into pages and saves from them without reshaping. A request owns a block
+  table: the page of each of its blocks.
+* Sliding-window layers: a ring of W positions per request and layer, (n_sliding, 2, W, kv_heads,
+  head_dim); position p lives in slot p % W. Only the window is ever needed, so memory stays bounded
+  however long the session grows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import ModelConfig
+
+
+class KVCapacityError(RuntimeError):
+    """No free pages for a request's KV; the caller waits for other requests to finish or fails it."""
+
+
+class PagePool:
+    def __init__(self, config: ModelConfig, num_pages: int, block_tokens: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu") -> None:
+        if num_pages < 1 or block_tokens < 1:
+            raise ValueError("a page pool needs at least one page of at least one token")
+        self.block_tokens = block_tokens
+        self.num_pages = num_pages
+        page = (2, block_tokens, config.num_kv_heads, config.head_dim)
+        # per full layer: (num_pages, 2, block_tokens, kv_heads, head_dim)
+        self.layers = [torch.zeros((num_pages, *page), dtype=dtype, device=device) for _ in config.full_layers]
+        self._free = list(range(num_pages - 1, -1, -1))
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    def allocate(self, count: int) -> list[int]:
+        if count > len(self._free):
+            raise KVCapacityError(f"need {count} KV pages, {len(self._free)} of {self.num_pages} free")
+        return [self._free.pop() for _ in range(count)]
+
+    def release(self, pages: list[int]) -> None:
+        self._free.extend(reversed(pages))
+
+
+@dataclass
+class WindowState:
+    """The sliding layers' KV as of `position` (tokens before it): what the host SWA tier keeps."""
+
+    position: int
+    rings: torch.Tensor  # (n_sliding, 2, W, kv_heads, head_dim), position p in slot p % W
+
+    @property
+    def nbytes(self) -> int:
+        return self.rings.numel() * self.rings.element_size()
+
+
+class RequestKV:
+    """One request's KV: a block table into the pool, a window ring, and how many tokens are in it.
+
+    The handle a prefill engine passes to a decode engine.
+    """
+
+    def __init__(self, config: ModelConfig, pool: PagePool) -> None:
+        self.pool = pool
+        self.block_tokens = pool.block_tokens
+        self.window = config.sliding_window or 0
+        self.block_table: list[int] = []
+        self.length = 0  # positions [0, length) hold valid KV
+        first = pool.layers[0] if pool.layers else None
+        dtype = first.dtype if first is not None else torch.float32
+        device = first.device if first is not None else "cpu"
+        self.rings = torch.zeros((len(config.sliding_layers), 2, self.window, config.num_kv_heads, config.head_dim),
+                                 dtype=dtype, device=device) if config.sliding_layers else None
+        self.capture_at: int | None = None  # a block boundary whose window state to keep while computing
+        self.captured: WindowState | None = None
+
+    def reserve(self, tokens: int) -> None:
+        """Pages for positions [0, tokens); raises KVCapacityError (holding what it had) when the pool is full."""
+        needed = -(-tokens // self.block_tokens) - len(self.block_table)
+        if needed > 0 and self.pool.layers:
+            self.block_table.extend(self.pool.allocate(needed))
+
+    def release(self) -> None:
+        self.pool.release(self.block_table)
+        self.block_table = []
+        self.length = 0
+
+    def restore_window(self, state: WindowState) -> None:
+        assert self.rings is not None and state.rings.shape == self.rings.shape
+        self.rings.copy_(state.rings)
+
+    def full_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v (x, kv_heads, head_dim) at positions [start, start+x) of full layer `layer` (its index
+        among full layers); return K and V of positions [0, start+x), each (start+x, kv_heads, head_dim)."""
+        pages = self.pool.layers[layer]  # (num_pages, 2, block_tokens, kv_heads, head_dim)
+        end = start + k.shape[0]
+        positions = torch.arange(start, end, device=k.device)
+        table = torch.tensor(self.block_table, dtype=torch.long, device=k.device)
+        page, offset = table[positions // self.block_tokens], positions % self.block_tokens
+        pages[page, 0, offset] = k
+        pages[page, 1, offset] = v
+        used = pages[table[: -(-end // self.block_tokens)]]  # (blocks, 2, block_tokens, kv_heads, head_dim)
+        kv = used.transpose(0, 1).reshape(2, -1, *k.shape[1:])[:, :end]  # (2, end, kv_heads, head_dim)
+        return kv[0], kv[1]
+
+    def sliding_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor,
+                   start: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Keys, values and positions a chunk at [start, start+x) of sliding layer `layer` attends to: the
+        window before it from the ring, then the chunk; the ring then holds the window after the chunk."""
+        assert self.rings is not None
+        ring, window, x = self.rings[layer], self.window, k.shape[0]  # ring (2, W, kv_heads, head_dim)
+        before = torch.arange(max(0, start - window), start, device=k.device)  # (<=W,)
+        keys = torch.cat((ring[0, before % window], k))  # (n, kv_heads, head_dim)
+        values = torch.cat((ring[1, before % window], v))
+        positions = torch.cat((before, torch.arange(start, start + x, device=k.device)))  # (n,)
+        if self.capture_at is not None and start <= self.capture_at <= start + x:
+            self._capture(layer, keys, values, positions)
+        kept = positions[-window:]
+        ring[0, kept % window] = keys[-window:]
+        ring[1, kept % window] = values[-window:]
+        return keys, values, positions
+
+    def _capture(self, layer: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        boundary = self.capture_at
+        if self.captured is None or self.captured.position != boundary:
+            self.captured = WindowState(boundary, torch.zeros_like(self.rings))
+        wanted = (positions < boundary) & (positions >= boundary - self.window)
+        slots = positions[wanted] % self.window
+        self.captured.rings[layer, 0, slots] = keys[wanted]
+        self.captured.rings[layer, 1, slots] = values[wanted]

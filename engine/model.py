@@ -1,0 +1,159 @@
+"""The slim decoder: GQA with RoPE, RMSNorm, SwiGLU or MoE MLPs, full or sliding-window attention per layer.
+
+The forward pass runs one *step*: chunks of several requests at once, layer by layer. Token-wise work
+(projections, norms, MLPs) runs over all the step's tokens together; attention runs per chunk against
+that request's explicit KV (pages for full layers, the window ring for sliding ones). `before_layer(l)`
+is called before layer l reads any KV: where a load is streaming the cached prefix in, layer by layer,
+the engine waits there, so copying layer l+1 overlaps computing layer l.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from engine.config import SLIDING, ModelConfig
+from engine.kv import RequestKV
+from engine.rope import Rope, apply_rope
+from engine.weights import load_weights
+
+
+@dataclass
+class Chunk:
+    """Tokens [start, start + len(tokens)) of one request, computed against its KV."""
+
+    kv: RequestKV
+    tokens: torch.Tensor  # (x,) int64
+    start: int
+
+
+class Decoder:
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+        self.config = config
+        self.w = weights
+        first = weights["embed_tokens.weight"]
+        self.dtype, self.device = first.dtype, first.device
+        self.rope = Rope(config)
+        self.scale = config.head_dim ** -0.5
+        # position of each layer among the full or the sliding layers: its page tensor or its ring
+        self._kv_index = {layer: i for group in (config.full_layers, config.sliding_layers)
+                          for i, layer in enumerate(group)}
+
+    @classmethod
+    def from_pretrained(cls, path: Path | str, dtype: torch.dtype = torch.float32,
+                        device: torch.device | str = "cpu") -> "Decoder":
+        config = ModelConfig.from_file(path)
+        return cls(config, load_weights(path, config, dtype, device))
+
+    @torch.inference_mode()
+    def forward(self, chunks: Sequence[Chunk], before_layer: Callable[[int], None] | None = None,
+                all_logits: bool = False) -> list[torch.Tensor]:
+        """Per chunk, the logits of its last token (vocab,), or of all its tokens (x, vocab)."""
+        c = self.config
+        sizes = [len(chunk.tokens) for chunk in chunks]
+        tokens = torch.cat([chunk.tokens for chunk in chunks]).to(self.device)  # (T,)
+        positions = torch.cat([torch.arange(ch.start, ch.start + n) for ch, n in zip(chunks, sizes)]).to(self.device)
+        cos, sin = self.rope.cos_sin(positions, self.dtype)  # each (T, head_dim/2)
+        h = self.w["embed_tokens.weight"][tokens]  # (T, hidden)
+        for layer in range(c.num_layers):
+            if before_layer is not None:
+                before_layer(layer)
+            p = f"layers.{layer}."
+            attended = self._attention(layer, p, self._norm(h, p + "input_layernorm.weight"), cos, sin, chunks, sizes)
+            h = h + attended
+            normed = self._norm(h, p + "post_attention_layernorm.weight")
+            h = h + (self._moe(p, normed) if c.num_experts else self._swiglu(p, normed))
+        for chunk, n in zip(chunks, sizes):
+            chunk.kv.length = max(chunk.kv.length, chunk.start + n)
+        ends = torch.tensor(sizes).cumsum(0).tolist()
+        picked = h if all_logits else h[[end - 1 for end in ends]]  # (T or chunks, hidden)
+        head = self.w["embed_tokens.weight"] if c.tie_word_embeddings else self.w["lm_head.weight"]
+        logits = self._norm(picked, "norm.weight") @ head.T  # (T or chunks, vocab)
+        if not all_logits:
+            return list(logits)
+        return list(torch.split(logits, sizes))
+
+    def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """RMSNorm over the last dimension, computed in fp32."""
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
+        return (self.w[name].float() * x32).to(x.dtype)
+
+    def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        return F.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"))
+
+    def _attention(self, layer: int, p: str, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   chunks: Sequence[Chunk], sizes: list[int]) -> torch.Tensor:
+        c = self.config
+        q = self._linear(x, p + "self_attn.q_proj").view(-1, c.num_heads, c.head_dim)  # (T, heads, head_dim)
+        k = self._linear(x, p + "self_attn.k_proj").view(-1, c.num_kv_heads, c.head_dim)  # (T, kv_heads, head_dim)
+        v = self._linear(x, p + "self_attn.v_proj").view(-1, c.num_kv_heads, c.head_dim)
+        if c.qk_norm:
+            q, k = self._norm(q, p + "self_attn.q_norm.weight"), self._norm(k, p + "self_attn.k_norm.weight")
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        sliding = c.layer_types[layer] == SLIDING
+        index = self._kv_index[layer]
+        sinks = self.w.get(p + "self_attn.sinks")
+        out, begin = [], 0
+        for chunk, n in zip(chunks, sizes):
+            qs, ks, vs = q[begin : begin + n], k[begin : begin + n], v[begin : begin + n]
+            q_pos = torch.arange(chunk.start, chunk.start + n, device=q.device)
+            if sliding:
+                keys, values, k_pos = chunk.kv.sliding_kv(index, ks, vs, chunk.start)
+            else:
+                keys, values = chunk.kv.full_kv(index, ks, vs, chunk.start)
+                k_pos = torch.arange(keys.shape[0], device=q.device)
+            out.append(attend(qs, keys, values, q_pos, k_pos, c.sliding_window if sliding else None, sinks, self.scale))
+            begin += n
+        return self._linear(torch.cat(out), p + "self_attn.o_proj")
+
+    def _swiglu(self, p: str, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self._linear(x, p + "mlp.gate_proj"), self._linear(x, p + "mlp.up_proj")  # (T, intermediate)
+        return self._linear(F.silu(gate) * up, p + "mlp.down_proj")
+
+    def _moe(self, p: str, x: torch.Tensor) -> torch.Tensor:
+        """Top-k routed experts, softmax over the chosen logits; gpt-oss's clamped SwiGLU with (up + 1)."""
+        c = self.config
+        logits = self._linear(x, p + "mlp.router")  # (T, experts)
+        top, chosen = torch.topk(logits, c.experts_per_token, dim=-1)  # (T, k)
+        weights = torch.softmax(top, dim=-1)
+        gate_up, gate_up_bias = self.w[p + "mlp.experts.gate_up_proj"], self.w[p + "mlp.experts.gate_up_proj_bias"]
+        down, down_bias = self.w[p + "mlp.experts.down_proj"], self.w[p + "mlp.experts.down_proj_bias"]
+        out = torch.zeros_like(x)  # (T, hidden)
+        for expert in torch.unique(chosen).tolist():
+            token, slot = torch.where(chosen == expert)
+            both = x[token] @ gate_up[expert] + gate_up_bias[expert]  # (n, 2 * intermediate), interleaved
+            gate = both[:, ::2].clamp(max=c.swiglu_limit)
+            up = both[:, 1::2].clamp(-c.swiglu_limit, c.swiglu_limit)
+            hidden = (up + 1) * gate * torch.sigmoid(gate * c.swiglu_alpha)  # (n, intermediate)
+            out.index_add_(0, token, (hidden @ down[expert] + down_bias[expert]) * weights[token, slot, None])
+        return out
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+           window: int | None, sinks: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """Causal GQA attention of q (x, heads, d) over k, v (n, kv_heads, d); returns (x, heads * d).
+
+    A query sees keys at positions <= its own, and with a window W only the W newest of those. Sinks
+    (heads,) add one learned logit per head to the softmax's denominator, so a head can attend to nothing.
+    """
+    x, heads, d = q.shape
+    kv_heads = k.shape[1]
+    group = heads // kv_heads  # query head h reads KV head h // group
+    qg = q.view(x, kv_heads, group, d).permute(1, 2, 0, 3)  # (kv_heads, group, x, d)
+    scores = qg @ k.permute(1, 2, 0)[:, None] * scale  # (kv_heads, group, x, n)
+    allowed = k_pos[None, :] <= q_pos[:, None]  # (x, n)
+    if window is not None:
+        allowed &= k_pos[None, :] > q_pos[:, None] - window
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    if sinks is not None:
+        sink = sinks.view(kv_heads, group, 1, 1).expand(-1, -1, x, 1).to(scores.dtype)
+        probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    out = probs @ v.permute(1, 0, 2)[:, None]  # (kv_heads, group, x, d)
+    return out.permute(2, 0, 1, 3).reshape(x, heads * d)

@@ -1,0 +1,294 @@
+"""The prefill engine: a client of the store.
+
+Per request: look up the cached prefix (any shard), ask the client whether loading beats recomputing,
+load it layer-pipelined into the request's KV pages while the first chunk computes, compute the rest
+in chunks the scheduler sizes to a time budget per step, save the new full blocks (write-behind) and
+the sliding-window state (host memory), and return the first token, its logits and the KV.
+
+A sliding-window layer's state cannot be rebuilt from the stored blocks, so a hybrid model resumes
+from a stored prefix only where the window tier holds that prefix's window; otherwise it recomputes
+exactly and says so (`PrefillResult.path`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+import time
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from engine.kv import KVCapacityError, PagePool, RequestKV
+from engine.model import Chunk, Decoder
+from engine.prefill import cost as chunk_cost
+from engine.prefill.config import PrefillConfig
+from engine.prefill.request import (CACHED, COLD, NOT_WORTH, WINDOW_MISSING, PrefillError, PrefillRequest,
+                                    PrefillResult)
+from engine.prefill.scheduler import Waiting, plan_step
+from engine.weights import model_identity
+from engine.window_tier import WindowTier
+from kvstore.block import Block, KVLayout, Namespace
+from kvstore.client import KVClient
+from kvstore.client.loading import LoadCancelled, LoadHandle
+from kvstore.client.torch_kv import PagedKV
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+@dataclass
+class _Active:
+    id: int
+    request: PrefillRequest
+    tokens: torch.Tensor  # (n,) int64
+    namespace: Namespace
+    blocks: list[Block]
+    submitted: float
+    kv: RequestKV | None = None
+    start: int = 0  # tokens in the KV: loaded or computed
+    stored: int = 0  # leading blocks the store holds
+    save_from: int = 0  # first block to save when done
+    load: LoadHandle | None = None
+    loaded: int = 0  # blocks loaded (planned, then final)
+    path: str = COLD
+    sources: dict = field(default_factory=dict)
+    chunks: int = 0
+
+
+class PrefillEngine:
+    def __init__(self, model: Decoder, client: KVClient | None, config: PrefillConfig, model_id: str) -> None:
+        mc = model.config
+        if not mc.full_layers:
+            raise ValueError("the prefill engine needs a model with at least one full-attention layer to store")
+        self.model, self.client, self.config = model, client, config
+        self.model_id = model_id
+        self.block_tokens = config.block_tokens
+        self.layout = KVLayout(num_layers=len(mc.full_layers), kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
+                               dtype=_DTYPE_NAMES[model.dtype])
+        self.pool = PagePool(mc, config.kv_pages, config.block_tokens, model.dtype, model.device)
+        self.window_tier = WindowTier(config.window_tier_bytes) if mc.sliding_layers else None
+        self._full_index = {layer: i for i, layer in enumerate(mc.full_layers)}
+        self._namespaces: OrderedDict[str, Namespace] = OrderedDict()
+        self._queue: list[_Active] = []  # submitted, waiting for KV pages
+        self._active: dict[int, _Active] = {}  # admitted, oldest first
+        self._ids = itertools.count()
+        self.cost = config.cost or self.measure_cost()
+
+    @classmethod
+    def from_pretrained(cls, path: Path | str, client: KVClient | None, config: PrefillConfig = PrefillConfig(),
+                        dtype: torch.dtype = torch.float32, device: str = "cpu") -> "PrefillEngine":
+        return cls(Decoder.from_pretrained(path, dtype, device), client, config,
+                   config.model_id or model_identity(path))
+
+    @property
+    def block_bytes(self) -> int:
+        """Payload bytes of one stored block (the client's host tier slot size)."""
+        return self.layout.layer_bytes(self.block_tokens) * self.layout.num_layers
+
+    def namespace(self, salt: str = "") -> Namespace:
+        space = self._namespaces.get(salt)
+        if space is None:
+            space = self._namespaces[salt] = Namespace(self.model_id, self.layout, self.block_tokens, salt)
+            if len(self._namespaces) > 1024:
+                self._namespaces.popitem(last=False)
+        return space
+
+    # -- requests ---------------------------------------------------------------------------------
+
+    def submit(self, request: PrefillRequest) -> int:
+        """Validate and queue a request; its id. Raises PrefillError for bad input."""
+        mc = self.model.config
+        try:
+            tokens = [operator.index(t) for t in request.tokens]
+        except TypeError:
+            raise PrefillError("token ids must be integers") from None
+        if not tokens:
+            raise PrefillError("empty prompt: at least one token is needed")
+        low, high = min(tokens), max(tokens)
+        if low < 0 or high >= mc.vocab_size:
+            raise PrefillError(f"token id {low if low < 0 else high} outside the vocabulary [0, {mc.vocab_size})")
+        if len(tokens) > mc.max_position_embeddings:
+            raise PrefillError(f"prompt of {len(tokens)} tokens exceeds the model's context of "
+                               f"{mc.max_position_embeddings}")
+        pages = -(-len(tokens) // self.block_tokens)
+        if pages > self.pool.num_pages:
+            raise PrefillError(f"prompt needs {pages} KV pages; the engine has {self.pool.num_pages}")
+        namespace = self.namespace(request.salt)
+        if request.namespace is not None:
+            given = request.namespace
+            if (given.model_id, given.layout, given.block_tokens) != (self.model_id, self.layout, self.block_tokens):
+                raise PrefillError(f"namespace {given!r} does not match this model "
+                                   f"({self.model_id}, {self.layout}, {self.block_tokens}-token blocks)")
+            namespace = given
+        active = _Active(next(self._ids), request, torch.tensor(tokens, dtype=torch.long), namespace,
+                         namespace.blocks(tokens), time.perf_counter())
+        self._queue.append(active)
+        return active.id
+
+    def run(self) -> list[PrefillResult]:
+        """Step until every submitted request has its first token; results in completion order."""
+        results = []
+        while self._queue or self._active:
+            results.extend(self.step())
+        return results
+
+    def prefill(self, request: PrefillRequest) -> PrefillResult:
+        """One request alone, start to first token."""
+        if self.pending:
+            raise RuntimeError("prefill() serves one request alone; with others pending use submit() and run()")
+        self.submit(request)
+        (result,) = self.run()
+        return result
+
+    @property
+    def pending(self) -> int:
+        return len(self._queue) + len(self._active)
+
+    # -- steps ------------------------------------------------------------------------------------
+
+    def step(self) -> list[PrefillResult]:
+        """Admit what fits, compute one planned step, and return the requests that finished in it."""
+        self._admit()
+        if not self._active:
+            if self._queue:  # nothing running and the oldest still does not fit: pages are held elsewhere
+                raise KVCapacityError(f"{self.pool.free_pages} free KV pages cannot hold the oldest request; "
+                                      "release finished requests' KV (result.kv.release())")
+            return []
+        waiting = [Waiting(a.id, a.start, len(a.tokens) - a.start) for a in self._active.values()]
+        plan = plan_step(waiting, self.cost, self.config.step_budget_s, self.block_tokens)
+        chosen = [(self._active[rid], x) for rid, x in plan]
+        loading = [a for a, _ in chosen if a.load is not None]
+
+        def before_layer(layer: int) -> None:
+            full = self._full_index.get(layer)
+            if full is None:
+                return
+            for a in loading:
+                try:
+                    a.load.wait_layer(full, self.config.load_timeout_s)
+                except (TimeoutError, LoadCancelled):
+                    a.load.cancel()
+
+        chunks = [Chunk(a.kv, a.tokens[a.start : a.start + x], a.start) for a, x in chosen]
+        logits = self.model.forward(chunks, before_layer if loading else None)
+        finished = []
+        for (a, x), last in zip(chosen, logits):
+            if a.load is not None and not self._load_held(a):
+                continue  # restarted from what did load
+            a.start += x
+            a.chunks += 1
+            if a.start == len(a.tokens):
+                finished.append(self._finish(a, last))
+        return finished
+
+    def _admit(self) -> None:
+        while self._queue:
+            a = self._queue[0]
+            kv = RequestKV(self.model.config, self.pool)
+            try:
+                kv.reserve(len(a.tokens))
+            except KVCapacityError:
+                kv.release()
+                return
+            self._queue.pop(0)
+            a.kv = kv
+            if self.window_tier is not None and a.blocks:
+                kv.capture_at = len(a.blocks) * self.block_tokens  # the window the next turn resumes from
+            self._active[a.id] = a
+            self._plan_prefix(a)
+
+    def _plan_prefix(self, a: _Active) -> None:
+        """Decide what of the stored prefix to load, and start loading it."""
+        if self.client is None or not a.blocks:
+            return
+        a.stored = self.client.lookup(a.blocks)
+        a.save_from = a.stored
+        usable = min(a.stored, (len(a.tokens) - 1) // self.block_tokens)  # the last token is always computed
+        if self.window_tier is not None:
+            while usable and a.blocks[usable - 1].key not in self.window_tier:
+                usable -= 1
+        if a.stored == 0:
+            return
+        if usable == 0:
+            a.path = WINDOW_MISSING if self.window_tier is not None else NOT_WORTH
+            return
+        worth = self.client.tokens_worth_loading(a.blocks, usable, self.block_bytes, len(a.tokens),
+                                                 self.cost.prefill_seconds) // self.block_tokens
+        if self.window_tier is not None and worth:
+            worth = usable  # a hybrid model resumes only where the window state was kept
+        if worth == 0:
+            a.path = NOT_WORTH
+            return
+        if self.window_tier is not None:
+            state = self.window_tier.get(a.blocks[worth - 1].key)
+            if state is None:  # evicted since the check
+                a.path = WINDOW_MISSING
+                return
+            a.kv.restore_window(state)
+        sources = self.client.block_sources(a.blocks[:worth])
+        a.sources = dict(Counter("host" if s == "host" else "daemon" for s in sources))
+        a.loaded, a.start, a.path = worth, worth * self.block_tokens, CACHED
+        destination = PagedKV(self.pool.layers, a.kv.block_table[:worth])
+        a.load = self.client.load(a.blocks[:worth], destination, hit_blocks=worth)
+
+    def _load_held(self, a: _Active) -> bool:
+        """After a request's first chunk: did the whole planned load arrive? If not, restart from what did."""
+        try:
+            final = a.load.wait(self.config.load_timeout_s) // self.block_tokens
+        except (TimeoutError, LoadCancelled):
+            a.load.cancel()
+            final = 0
+        a.load = None
+        if final >= a.loaded:
+            return True
+        if self.window_tier is not None:
+            final = 0  # the window kept was for the planned boundary, not for this one
+        a.loaded = final
+        a.start = final * self.block_tokens
+        a.save_from = min(a.save_from, final)  # re-store what failed to load (it may have been corrupt)
+        a.path = CACHED if final else COLD
+        return False
+
+    def _finish(self, a: _Active, logits: torch.Tensor) -> PrefillResult:
+        del self._active[a.id]
+        full = len(a.blocks)
+        if self.client is not None and a.save_from < full:
+            items = [(a.blocks[i], self._payload(a.kv.block_table[i])) for i in range(a.save_from, full)]
+            self.client.save(items, self.layout.num_layers, a.request.traffic_class)
+        captured = a.kv.captured
+        if self.window_tier is not None and captured is not None and captured.position == full * self.block_tokens:
+            self.window_tier.put(a.blocks[full - 1].key, captured, a.request.session_id)
+        a.kv.capture_at = a.kv.captured = None
+        logits = logits.float().cpu()
+        return PrefillResult(a.request, int(logits.argmax()), logits, a.kv, len(a.tokens),
+                             a.stored * self.block_tokens, a.loaded * self.block_tokens, a.path, a.sources,
+                             time.perf_counter() - a.submitted, a.chunks)
+
+    def _payload(self, page: int) -> bytes:
+        """A stored block's bytes: each full layer's page, layer-major: (full_layers, 2, block_tokens, kv_heads, head_dim)."""
+        layers = torch.stack([layer[page] for layer in self.pool.layers])
+        return layers.contiguous().view(torch.uint8).cpu().numpy().tobytes()
+
+    # -- the cost model ---------------------------------------------------------------------------
+
+    def measure_cost(self, repeats: int = 2) -> chunk_cost.ChunkCost:
+        """Fit the chunk cost model on this machine, timing forwards over a small grid of (x, L)."""
+        B = self.block_tokens
+        limit = min(self.model.config.max_position_embeddings, self.pool.num_pages * B)
+        grid = [(x, start) for x in (B // 2 or 1, B, 4 * B) for start in (0, 4 * B, 16 * B) if x + start <= limit]
+        if len(grid) < 3:
+            grid = [(x, 0) for x in (1, max(1, limit // 4), limit)]
+
+        def run_chunk(x: int, start: int) -> None:
+            kv = RequestKV(self.model.config, self.pool)
+            try:
+                kv.reserve(start + x)
+                tokens = torch.zeros(x, dtype=torch.long)
+                self.model.forward([Chunk(kv, tokens, start)])
+            finally:
+                kv.release()
+
+        return chunk_cost.measure(run_chunk, grid, repeats)

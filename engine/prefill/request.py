@@ -1,0 +1,46 @@
+"""What a prefill engine takes and returns, and the errors it raises for bad input."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from kvstore.block import Namespace
+from engine.kv import RequestKV
+
+# How a request's prefix was obtained.
+COLD = "cold"  # the store held nothing of it
+CACHED = "cached"  # loaded from the store (and, for sliding layers, the window state from host memory)
+WINDOW_MISSING = "window_missing"  # the store held a prefix but its window state was gone: recomputed exactly
+NOT_WORTH = "not_worth"  # loading was estimated slower than recomputing
+PATHS = (COLD, CACHED, WINDOW_MISSING, NOT_WORTH)
+
+
+class PrefillError(ValueError):
+    """A request the engine cannot serve; raised at submit, nothing else is disturbed."""
+
+
+@dataclass
+class PrefillRequest:
+    tokens: Sequence[int]
+    salt: str = ""  # the tenant's namespace salt: prefixes are shared only within one salt
+    traffic_class: str = "chat"  # the store's retention class ("chat", "agent", ...)
+    session_id: str | None = None  # a session's newer window state replaces its older one
+    namespace: Namespace | None = None  # if given, must be this model's namespace
+
+
+@dataclass
+class PrefillResult:
+    request: PrefillRequest
+    first_token: int
+    logits: torch.Tensor  # (vocab,) of the last prompt token, float32 on the CPU
+    kv: RequestKV  # the request's KV (pages + window), for a decode engine; release() when done
+    prompt_tokens: int
+    stored_tokens: int  # leading tokens the store held
+    loaded_tokens: int  # leading tokens loaded rather than computed
+    path: str  # one of PATHS
+    sources: dict[str, int] = field(default_factory=dict)  # loaded blocks by source: "host" or "daemon"
+    ttft_s: float = 0.0  # submit to first token
+    chunks: int = 0  # steps that computed part of it

@@ -1,0 +1,79 @@
+"""Host-memory tier for sliding-window state (DESIGN.md section 8).
+
+The block store persists only full-attention layers. A sliding-window layer's KV for the next token
+depends on the last W tokens alone, so a resumed session needs, besides the stored prefix, the window
+as of the prefix's last full block: a `WindowState`, kept here, keyed by the key of that block. It
+lives only as long as sessions are active: bounded by bytes, least recently used out first, and a
+session's newer state replaces its older one (the next turn never resumes from the earlier boundary).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+from engine.kv import WindowState
+
+
+class WindowTier:
+    def __init__(self, capacity_bytes: int) -> None:
+        if capacity_bytes < 0:
+            raise ValueError("the window tier's capacity must be >= 0 bytes")
+        self.capacity_bytes = capacity_bytes
+        self._states: OrderedDict[bytes, WindowState] = OrderedDict()  # prefix key -> state, oldest first
+        self._session_key: dict[str, bytes] = {}  # session -> its latest state's key
+        self._owner: dict[bytes, str] = {}  # key -> the session that saved it (bounded with the states)
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.hits = self.misses = self.evictions = 0
+
+    def get(self, key: bytes) -> WindowState | None:
+        with self._lock:
+            state = self._states.get(key)
+            if state is None:
+                self.misses += 1
+                return None
+            self._states.move_to_end(key)
+            self.hits += 1
+            return state
+
+    def __contains__(self, key: bytes) -> bool:
+        with self._lock:
+            return key in self._states
+
+    def put(self, key: bytes, state: WindowState, session_id: str | None = None) -> bool:
+        """Keep a copy of `state` for the prefix ending in block `key`; False if it can never fit."""
+        if state.nbytes > self.capacity_bytes:
+            return False
+        state = WindowState(state.position, state.rings.clone())
+        with self._lock:
+            if session_id is not None:
+                older = self._session_key.get(session_id)
+                if older is not None and older != key:
+                    self._drop(older)
+            self._drop(key)
+            self._states[key] = state
+            if session_id is not None:
+                self._session_key[session_id] = key
+                self._owner[key] = session_id
+            self._bytes += state.nbytes
+            while self._bytes > self.capacity_bytes:
+                oldest = next(iter(self._states))
+                self._drop(oldest)
+                self.evictions += 1
+        return True
+
+    def _drop(self, key: bytes) -> None:
+        state = self._states.pop(key, None)
+        if state is not None:
+            self._bytes -= state.nbytes
+        session = self._owner.pop(key, None)
+        if session is not None and self._session_key.get(session) == key:
+            del self._session_key[session]
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+    def __len__(self) -> int:
+        return len(self._states)
