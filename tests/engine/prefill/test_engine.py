@@ -1,0 +1,162 @@
+"""Golden tests: the prefill engine over real daemons gives the reference logits, cold or warm."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.kv import KVCapacityError
+from engine.prefill.config import PrefillConfig
+from engine.prefill.cost import ChunkCost
+from engine.prefill.engine import PrefillEngine
+from engine.prefill.request import CACHED, COLD, WINDOW_MISSING, PrefillError, PrefillRequest
+from kvstore.block import Namespace
+from kvstore.client import ClientConfig, KVClient
+from tests.engine.conftest import VOCAB
+
+pytestmark = pytest.mark.integration
+TOLERANCE = 1e-4
+BLOCK = 16
+COST = ChunkCost(a=1e-7, b=1e-3, c=1e-3)  # fixed (tests time nothing), and slow enough that loading pays
+# A conversation: each turn extends the last. Turn 2 resumes from 32 cached tokens, inside the first
+# 128-token window; turn 4 from 288, past it.
+TURNS = [40, 100, 300, 350]
+
+
+def _tokens(n: int, seed: int = 0) -> list[int]:
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _engine(tiny, client, **overrides) -> PrefillEngine:
+    config = PrefillConfig(**{"block_tokens": BLOCK, "kv_pages": 128, "cost": COST, "step_budget_s": 0.5,
+                              **overrides})
+    return PrefillEngine.from_pretrained(tiny.path, client, config)
+
+
+def _client(daemon, engine_block_bytes: int | None = None) -> KVClient:
+    host = {"host_tier_bytes": 64 * engine_block_bytes, "host_block_bytes": engine_block_bytes} \
+        if engine_block_bytes else {}
+    return KVClient(ClientConfig(servers=(daemon.address,), **host))
+
+
+def _check(tiny, result, tokens):
+    reference = tiny.logits(tokens)[-1]
+    assert (result.logits - reference).abs().max().item() <= TOLERANCE
+    assert result.first_token == int(reference.argmax())
+    result.kv.release()
+
+
+def test_cold_and_warm_from_the_host_tier(tiny, daemons):
+    (daemon,) = daemons(1)
+    block_bytes = _engine(tiny, None).block_bytes
+    with _client(daemon, block_bytes) as client:
+        engine = _engine(tiny, client)
+        conversation = _tokens(TURNS[-1])
+        for turn, length in enumerate(TURNS):
+            result = engine.prefill(PrefillRequest(conversation[:length], session_id="s1"))
+            if turn == 0:
+                assert result.path == COLD and result.loaded_tokens == 0
+            else:
+                previous_blocks = TURNS[turn - 1] // BLOCK
+                assert result.path == CACHED
+                assert result.loaded_tokens == previous_blocks * BLOCK
+                assert result.sources == {"host": previous_blocks}
+            _check(tiny, result, conversation[:length])
+            client.write_behind.flush()
+        assert engine.pool.free_pages == 128
+
+
+def test_warm_from_a_restarted_daemons_ssd(tiny, daemons):
+    (daemon,) = daemons(1)
+    conversation = _tokens(TURNS[2], seed=1)
+    with _client(daemon) as client:  # no host tier: every hit comes from the daemon
+        engine = _engine(tiny, client)
+        _check(tiny, engine.prefill(PrefillRequest(conversation[:TURNS[1]], session_id="s")), conversation[:TURNS[1]])
+        assert client.write_behind.flush()
+    daemon.stop()
+    daemon.start()
+    with _client(daemon) as client:
+        engine.client = client  # the engine (and its window tier) lives on; the daemon restarted
+        result = engine.prefill(PrefillRequest(conversation, session_id="s"))
+        assert result.path == CACHED and result.sources == {"daemon": TURNS[1] // BLOCK}
+        _check(tiny, result, conversation)
+        stats = client.server_stats()[daemon.address]
+        assert stats["kvstore_hits_total{tier=ssd}"] >= TURNS[1] // BLOCK
+
+
+def test_missing_window_state_recomputes_exactly(tiny, daemons):
+    (daemon,) = daemons(1)
+    conversation = _tokens(TURNS[1], seed=2)
+    with _client(daemon) as client:
+        first = _engine(tiny, client)
+        first.prefill(PrefillRequest(conversation[:TURNS[0]])).kv.release()
+        client.write_behind.flush()
+        fresh = _engine(tiny, client)  # a different engine: the store has the prefix, its window tier has not
+        result = fresh.prefill(PrefillRequest(conversation))
+        assert result.stored_tokens == (TURNS[0] // BLOCK) * BLOCK
+        if fresh.model.config.sliding_layers:
+            assert result.path == WINDOW_MISSING and result.loaded_tokens == 0
+        else:
+            assert result.path == CACHED and result.loaded_tokens == result.stored_tokens
+        _check(tiny, result, conversation)
+
+
+def test_several_requests_share_steps_and_all_finish(tiny, daemons):
+    (daemon,) = daemons(1)
+    shared = _tokens(64, seed=3)
+    prompts = [shared + _tokens(n, seed=10 + n) for n in (5, 180, 70, 300)]
+    with _client(daemon) as client:
+        engine = _engine(tiny, client, step_budget_s=0.15)
+        for prompt in prompts:
+            engine.submit(PrefillRequest(prompt))
+        results = engine.run()
+        assert sorted(len(r.request.tokens) for r in results) == sorted(len(p) for p in prompts)
+        assert max(r.chunks for r in results) > 1  # the budget cut the long prompts into chunks
+        for result in results:
+            _check(tiny, result, list(result.request.tokens))
+
+
+@pytest.mark.parametrize("tokens, message", [
+    ([], "empty prompt"),
+    ([1, 2, VOCAB], "outside the vocabulary"),
+    ([-1, 2], "outside the vocabulary"),
+    ([1, 2.5], "integers"),
+    ([1] * 1025, "exceeds the model's context"),
+])
+def test_bad_input_is_refused_and_disturbs_nothing(tiny_models, tokens, message):
+    tiny = tiny_models["gpt_oss"]
+    engine = _engine(tiny, None)
+    good = _tokens(50)
+    engine.submit(PrefillRequest(good))
+    with pytest.raises(PrefillError, match=message):
+        engine.submit(PrefillRequest(tokens))
+    (result,) = engine.run()
+    _check(tiny, result, good)
+
+
+def test_a_foreign_namespace_is_refused(tiny_models):
+    engine = _engine(tiny_models["qwen3"], None)
+    wrong = Namespace("some/other-model", engine.layout, BLOCK, "tenant")
+    with pytest.raises(PrefillError, match="does not match this model"):
+        engine.submit(PrefillRequest(_tokens(20), namespace=wrong))
+    right = engine.namespace("tenant")
+    engine.submit(PrefillRequest(_tokens(20), namespace=right))
+    assert engine.pending == 1
+
+
+def test_requests_wait_for_kv_pages(tiny_models):
+    tiny = tiny_models["qwen3"]
+    engine = _engine(tiny, None, kv_pages=8)
+    with pytest.raises(PrefillError, match="needs 9 KV pages"):
+        engine.submit(PrefillRequest(_tokens(130)))
+    prompts = [_tokens(100, seed=s) for s in (1, 2)]  # 7 pages each: the second waits for the first
+    for prompt in prompts:
+        engine.submit(PrefillRequest(prompt))
+    first = []
+    while not first:
+        first = engine.step()
+    with pytest.raises(KVCapacityError, match="release"):
+        engine.run()
+    first[0].kv.release()
+    (second,) = engine.run()
+    _check(tiny, second, prompts[1])

@@ -1,0 +1,39 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.kv import WindowState
+from engine.window_tier import WindowTier
+
+pytestmark = pytest.mark.unit
+
+
+def _state(position: int) -> WindowState:
+    return WindowState(position, torch.full((1, 2, 4, 1, 2), float(position)))  # 64 bytes
+
+
+def test_bounded_least_recently_used_first():
+    tier = WindowTier(3 * 64)
+    for key in (b"a", b"b", b"c"):
+        assert tier.put(key, _state(1))
+    tier.get(b"a")
+    tier.put(b"d", _state(2))
+    assert b"b" not in tier and b"a" in tier and tier.nbytes == 3 * 64 and tier.evictions == 1
+
+
+def test_a_session_keeps_only_its_newest_state_and_copies_are_kept():
+    tier = WindowTier(10 * 64)
+    state = _state(16)
+    tier.put(b"turn1", state, session_id="s")
+    tier.put(b"turn2", _state(32), session_id="s")
+    tier.put(b"other", _state(16), session_id="t")
+    assert b"turn1" not in tier and len(tier) == 2
+    state.rings.zero_()  # the caller's tensor is reused; the tier holds its own copy
+    assert tier.get(b"other").rings.max() == 16
+
+
+def test_too_large_a_state_is_refused():
+    assert not WindowTier(10).put(b"a", _state(1))
+    with pytest.raises(ValueError):
+        WindowTier(-1)
