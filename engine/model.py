@@ -144,16 +144,17 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tenso
     x, heads, d = q.shape
     kv_heads = k.shape[1]
     group = heads // kv_heads  # query head h reads KV head h // group
-    qg = q.view(x, kv_heads, group, d).permute(1, 2, 0, 3)  # (kv_heads, group, x, d)
-    scores = qg @ k.permute(1, 2, 0)[:, None] * scale  # (kv_heads, group, x, n)
     allowed = k_pos[None, :] <= q_pos[:, None]  # (x, n)
     if window is not None:
         allowed &= k_pos[None, :] > q_pos[:, None] - window
+    if sinks is None:  # torch's fused kernel: no (x, n) score matrix per head in memory
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                             attn_mask=allowed, scale=scale, enable_gqa=True)  # (1, heads, x, d)
+        return out[0].transpose(0, 1).reshape(x, heads * d)
+    qg = q.view(x, kv_heads, group, d).permute(1, 2, 0, 3)  # (kv_heads, group, x, d)
+    scores = qg @ k.permute(1, 2, 0)[:, None] * scale  # (kv_heads, group, x, n)
     scores = scores.masked_fill(~allowed, float("-inf"))
-    if sinks is not None:
-        sink = sinks.view(kv_heads, group, 1, 1).expand(-1, -1, x, 1).to(scores.dtype)
-        probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
-    else:
-        probs = torch.softmax(scores, dim=-1)
+    sink = sinks.view(kv_heads, group, 1, 1).expand(-1, -1, x, 1).to(scores.dtype)
+    probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
     out = probs @ v.permute(1, 0, 2)[:, None]  # (kv_heads, group, x, d)
     return out.permute(2, 0, 1, 3).reshape(x, heads * d)

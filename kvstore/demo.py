@@ -71,7 +71,7 @@ def run(sessions: int, turns: int, workdir: Path) -> None:
                 client = KVClient(config)
                 buffers = client.shared_buffer(64 * block_bytes)
                 print("      -- both daemons and the client restarted: only the daemons' SSD segments remain --")
-            before = _tier_hits(client)
+            before = tier_hits(client)
             row = dict(prompt=0, hit=0, ideal=0, load_s=0.0)
             for conv in convs:
                 conv.tokens += rng.integers(0, 150_000, int(rng.integers(200, 600))).tolist()  # the user's turn
@@ -94,7 +94,7 @@ def run(sessions: int, turns: int, workdir: Path) -> None:
                 seen.update(b.key for b in blocks)
                 conv.tokens += rng.integers(0, 150_000, int(rng.integers(100, 300))).tolist()  # the reply
             client.write_behind.flush(timeout=60)
-            tiers = {k: v - before.get(k, 0) for k, v in _tier_hits(client).items()}
+            tiers = {k: v - before.get(k, 0) for k, v in tier_hits(client).items()}
             print(f"{turn + 1:>4} {row['prompt']:>10,} {row['hit']:>8,} {row['hit'] / row['prompt']:>8.1%} "
                   f"{row['ideal'] / row['prompt']:>6.1%} {row['hit'] // BLOCK_TOKENS * block_bytes / 2**20:>7.0f}Mi "
                   f"{_rate(row['hit'] // BLOCK_TOKENS * block_bytes, row['load_s']):>9}  "
@@ -118,7 +118,7 @@ def run(sessions: int, turns: int, workdir: Path) -> None:
         print(f"daemons stopped (exit codes {codes})")
 
 
-def _tier_hits(client: KVClient) -> dict[str, float]:
+def tier_hits(client: KVClient) -> dict[str, float]:
     """Blocks served so far: by the client's host tier, and by the daemons' DRAM and SSD."""
     out = {"host": float(client.stats.tier_hits["host"]), "daemon DRAM": 0.0, "daemon SSD": 0.0}
     for stats in client.server_stats().values():

@@ -278,9 +278,10 @@ class PrefillEngine:
         """Fit the chunk cost model on this machine, timing forwards over a small grid of (x, L)."""
         B = self.block_tokens
         limit = min(self.model.config.max_position_embeddings, self.pool.num_pages * B)
-        grid = [(x, start) for x in (B // 2 or 1, B, 4 * B) for start in (0, 4 * B, 16 * B) if x + start <= limit]
+        # chunks of one and eight blocks, after prefixes of none, 8 and 32 blocks: the a·x·L term shows
+        grid = [(x, start) for x in (B, 8 * B) for start in (0, 8 * B, 32 * B) if x + start <= limit]
         if len(grid) < 3:
-            grid = [(x, 0) for x in (1, max(1, limit // 4), limit)]
+            grid = [(x, 0) for x in (1, max(2, limit // 4), limit)]
 
         def run_chunk(x: int, start: int) -> None:
             kv = RequestKV(self.model.config, self.pool)

@@ -211,6 +211,8 @@ class AsyncKVClient:
         """Memory the daemons on this host write into directly: Get into views of it costs no copy here.
 
         Lent to every same-host daemon (on each pooled data connection); elsewhere it is plain memory.
+        It is unmapped when the client closes: no view of it (a tensor from torch.frombuffer included)
+        may be used after close().
         """
         shared = SharedBuffer(nbytes)
         try:
