@@ -21,7 +21,7 @@ proto: $(PROTO_OUT)
 install: $(STAMP) $(PROTO_OUT)
 
 demo: install
-	$(BIN)/python -m kvstore.demo
+	$(BIN)/python -m engine.demo
 
 # unit + integration + crash tests; benchmarks and slow work are marked `bench` and left out.
 test: install

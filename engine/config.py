@@ -91,8 +91,9 @@ class ModelConfig:
             rope = {}
         window = raw.get("sliding_window")
         layer_types = raw.get("layer_types")
-        if layer_types is None:  # Qwen-style: sliding only where use_sliding_window says so
-            layer_types = [FULL] * layers
+        if layer_types is None:  # as transformers defaults them: gpt-oss alternates, starting sliding
+            alternate = model_type == "gpt_oss" and window
+            layer_types = [SLIDING if alternate and i % 2 == 0 else FULL for i in range(layers)]
         return cls(
             model_type=model_type,
             vocab_size=int(raw["vocab_size"]),

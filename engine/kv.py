@@ -76,8 +76,8 @@ class RequestKV:
         device = first.device if first is not None else "cpu"
         self.rings = torch.zeros((len(config.sliding_layers), 2, self.window, config.num_kv_heads, config.head_dim),
                                  dtype=dtype, device=device) if config.sliding_layers else None
-        self.capture_at: int | None = None  # a block boundary whose window state to keep while computing
-        self.captured: WindowState | None = None
+        self.capture_at: set[int] = set()  # block boundaries whose window state to keep while computing
+        self.captured: dict[int, WindowState] = {}  # boundary -> the window as of it
 
     def reserve(self, tokens: int) -> None:
         """Pages for positions [0, tokens); raises KVCapacityError (holding what it had) when the pool is full."""
@@ -118,18 +118,20 @@ class RequestKV:
         keys = torch.cat((ring[0, before % window], k))  # (n, kv_heads, head_dim)
         values = torch.cat((ring[1, before % window], v))
         positions = torch.cat((before, torch.arange(start, start + x, device=k.device)))  # (n,)
-        if self.capture_at is not None and start <= self.capture_at <= start + x:
-            self._capture(layer, keys, values, positions)
+        for boundary in self.capture_at:
+            if start <= boundary <= start + x:
+                self._capture(layer, boundary, keys, values, positions)
         kept = positions[-window:]
         ring[0, kept % window] = keys[-window:]
         ring[1, kept % window] = values[-window:]
         return keys, values, positions
 
-    def _capture(self, layer: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
-        boundary = self.capture_at
-        if self.captured is None or self.captured.position != boundary:
-            self.captured = WindowState(boundary, torch.zeros_like(self.rings))
+    def _capture(self, layer: int, boundary: int, keys: torch.Tensor, values: torch.Tensor,
+                 positions: torch.Tensor) -> None:
+        state = self.captured.get(boundary)
+        if state is None:
+            state = self.captured[boundary] = WindowState(boundary, torch.zeros_like(self.rings))
         wanted = (positions < boundary) & (positions >= boundary - self.window)
         slots = positions[wanted] % self.window
-        self.captured.rings[layer, 0, slots] = keys[wanted]
-        self.captured.rings[layer, 1, slots] = values[wanted]
+        state.rings[layer, 0, slots] = keys[wanted]
+        state.rings[layer, 1, slots] = values[wanted]

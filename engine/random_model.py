@@ -20,6 +20,7 @@ from engine.weights import expected_shapes
 DEMO = {"model_type": "gpt_oss", "vocab_size": 32_000, "hidden_size": 384, "num_hidden_layers": 8,
         "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 384,
         "num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": 128, "max_position_embeddings": 16_384,
+        "layer_types": ["sliding_attention", "full_attention"] * 4,
         "rope_parameters": {"rope_type": "default", "rope_theta": 150_000.0}}
 
 # A Qwen3-0.6B-shaped dense model, reduced to 12 layers: big enough that compute dominates on a CPU.

@@ -196,7 +196,7 @@ class PrefillEngine:
             self._queue.pop(0)
             a.kv = kv
             if self.window_tier is not None and a.blocks:
-                kv.capture_at = len(a.blocks) * self.block_tokens  # the window the next turn resumes from
+                kv.capture_at.add(len(a.blocks) * self.block_tokens)  # the window the next turn resumes from
             self._active[a.id] = a
             self._plan_prefix(a)
 
@@ -212,6 +212,8 @@ class PrefillEngine:
                 usable -= 1
         if a.stored == 0:
             return
+        if self.window_tier is not None and usable < a.stored:
+            a.kv.capture_at.add(a.stored * self.block_tokens)  # where this prompt leaves the stored prefix
         if usable == 0:
             a.path = WINDOW_MISSING if self.window_tier is not None else NOT_WORTH
             return
@@ -258,10 +260,11 @@ class PrefillEngine:
         if self.client is not None and a.save_from < full:
             items = [(a.blocks[i], self._payload(a.kv.block_table[i])) for i in range(a.save_from, full)]
             self.client.save(items, self.layout.num_layers, a.request.traffic_class)
-        captured = a.kv.captured
-        if self.window_tier is not None and captured is not None and captured.position == full * self.block_tokens:
-            self.window_tier.put(a.blocks[full - 1].key, captured, a.request.session_id)
-        a.kv.capture_at = a.kv.captured = None
+        if self.window_tier is not None:
+            for boundary, state in sorted(a.kv.captured.items()):
+                session = a.request.session_id if boundary == full * self.block_tokens else None
+                self.window_tier.put(a.blocks[boundary // self.block_tokens - 1].key, state, session)
+        a.kv.capture_at, a.kv.captured = set(), {}
         logits = logits.float().cpu()
         return PrefillResult(a.request, int(logits.argmax()), logits, a.kv, len(a.tokens),
                              a.stored * self.block_tokens, a.loaded * self.block_tokens, a.path, a.sources,

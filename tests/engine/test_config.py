@@ -44,3 +44,9 @@ def test_missing_field_and_unreadable_file(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="cannot read"):
         ModelConfig.from_file(tmp_path)
+
+
+def test_gpt_oss_without_layer_types_alternates_as_transformers_does():
+    raw = {**QWEN3, "model_type": "gpt_oss", "num_hidden_layers": 4, "sliding_window": 8}
+    assert ModelConfig.from_dict(raw).layer_types == (SLIDING, FULL, SLIDING, FULL)
+    assert ModelConfig.from_dict({**raw, "model_type": "qwen3"}).layer_types == (FULL,) * 4

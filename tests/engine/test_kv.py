@@ -42,13 +42,15 @@ def test_full_layer_returns_every_position_in_order():
 
 def test_ring_keeps_only_the_window_and_captures_a_boundary():
     kv = RequestKV(CONFIG, PagePool(CONFIG, 8, 4, torch.float32))
-    kv.capture_at = 8
+    kv.capture_at = {8, 2}
     keys, _, positions = kv.sliding_kv(0, _kv(6, 0), _kv(6, 0), 0)
     assert positions.tolist() == list(range(6))
     keys, _, positions = kv.sliding_kv(0, _kv(4, 6), _kv(4, 6), 6)
     assert positions.tolist() == [1, 2, 3, 4, 5, 6, 7, 8, 9]  # the 5 before the chunk, then the chunk
     assert keys[:, 0, 0].tolist() == [float(p) for p in positions]
     assert sorted(kv.rings[0, 0, :, 0, 0].tolist()) == [5.0, 6.0, 7.0, 8.0, 9.0]
-    captured = kv.captured
+    captured = kv.captured[8]
     assert captured.position == 8
     assert sorted(captured.rings[0, 0, :, 0, 0].tolist()) == [3.0, 4.0, 5.0, 6.0, 7.0]  # positions [8-5, 8)
+    early = kv.captured[2].rings[0, 0, :, 0, 0].tolist()  # positions [0, 2); the slots of negative ones empty
+    assert early[0] == 0.0 and early[1] == 1.0 and early[2:] == [0.0] * 3

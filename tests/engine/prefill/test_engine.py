@@ -160,3 +160,23 @@ def test_requests_wait_for_kv_pages(tiny_models):
     first[0].kv.release()
     (second,) = engine.run()
     _check(tiny, second, prompts[1])
+
+
+def test_a_shared_prefix_gets_its_window_kept_for_the_next_request(tiny_models, daemons):
+    # the first request stores a system prompt; the second finds it without a window state, recomputes,
+    # and keeps the window at the shared boundary; the third resumes there exactly
+    tiny = tiny_models["gpt_oss"]
+    (daemon,) = daemons(1)
+    system = _tokens(64, seed=4)
+    prompts = [system + _tokens(40, seed=s) for s in (5, 6, 7)]
+    with _client(daemon) as client:
+        engine = _engine(tiny, client)
+        engine.prefill(PrefillRequest(prompts[0][:64])).kv.release()  # e.g. a warm-up of the system prompt
+        client.write_behind.flush()
+        engine.window_tier = type(engine.window_tier)(engine.config.window_tier_bytes)  # as if lost
+        second = engine.prefill(PrefillRequest(prompts[1]))
+        assert second.path == WINDOW_MISSING
+        _check(tiny, second, prompts[1])
+        third = engine.prefill(PrefillRequest(prompts[2]))
+        assert third.path == CACHED and third.loaded_tokens == 64
+        _check(tiny, third, prompts[2])
