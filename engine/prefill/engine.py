@@ -26,8 +26,8 @@ from engine.kv import KVCapacityError, PagePool, RequestKV
 from engine.model import Chunk, Decoder
 from engine.prefill import cost as chunk_cost
 from engine.prefill.config import PrefillConfig
-from engine.prefill.request import (CACHED, COLD, NOT_WORTH, WINDOW_MISSING, PrefillError, PrefillRequest,
-                                    PrefillResult)
+from engine.prefill.request import (CACHED, COLD, LOAD_FAILED, NOT_WORTH, WINDOW_MISSING, PrefillError,
+                                    PrefillRequest, PrefillResult)
 from engine.prefill.scheduler import Waiting, plan_step
 from engine.weights import model_identity
 from engine.window_tier import WindowTier
@@ -251,7 +251,7 @@ class PrefillEngine:
         a.loaded = final
         a.start = final * self.block_tokens
         a.save_from = min(a.save_from, final)  # re-store what failed to load (it may have been corrupt)
-        a.path = CACHED if final else COLD
+        a.path = LOAD_FAILED
         return False
 
     def _finish(self, a: _Active, logits: torch.Tensor) -> PrefillResult:

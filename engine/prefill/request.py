@@ -15,7 +15,9 @@ COLD = "cold"  # the store held nothing of it
 CACHED = "cached"  # loaded from the store (and, for sliding layers, the window state from host memory)
 WINDOW_MISSING = "window_missing"  # the store held a prefix but its window state was gone: recomputed exactly
 NOT_WORTH = "not_worth"  # loading was estimated slower than recomputing
-PATHS = (COLD, CACHED, WINDOW_MISSING, NOT_WORTH)
+LOAD_FAILED = "load_failed"  # the load delivered less than planned (a daemon died, a block failed
+#                              verification): the rest was recomputed
+PATHS = (COLD, CACHED, WINDOW_MISSING, NOT_WORTH, LOAD_FAILED)
 
 
 class PrefillError(ValueError):

@@ -9,7 +9,7 @@ from engine.kv import KVCapacityError
 from engine.prefill.config import PrefillConfig
 from engine.prefill.cost import ChunkCost
 from engine.prefill.engine import PrefillEngine
-from engine.prefill.request import CACHED, COLD, WINDOW_MISSING, PrefillError, PrefillRequest
+from engine.prefill.request import CACHED, COLD, LOAD_FAILED, WINDOW_MISSING, PrefillError, PrefillRequest
 from kvstore.block import Namespace
 from kvstore.client import ClientConfig, KVClient
 from tests.engine.conftest import VOCAB
@@ -180,3 +180,26 @@ def test_a_shared_prefix_gets_its_window_kept_for_the_next_request(tiny_models, 
         third = engine.prefill(PrefillRequest(prompts[2]))
         assert third.path == CACHED and third.loaded_tokens == 64
         _check(tiny, third, prompts[2])
+
+
+def test_a_block_corrupt_on_ssd_is_recomputed_and_the_logits_hold(tiny, daemons):
+    from tests.kvstore.client.test_load import corrupt_on_disk
+
+    (daemon,) = daemons(1, "--hot-tier-bytes", "0")
+    conversation = _tokens(TURNS[2], seed=8)
+    with _client(daemon) as client:
+        engine = _engine(tiny, client)
+        engine.prefill(PrefillRequest(conversation[:TURNS[1]], session_id="s")).kv.release()
+        assert client.write_behind.flush()
+    daemon.stop()
+    blocks = engine.namespace().blocks(conversation)
+    corrupt_on_disk(daemon.data_dir, blocks[3].key, layer_index=0)
+    daemon.start()
+    with _client(daemon) as client:
+        engine.client = client
+        result = engine.prefill(PrefillRequest(conversation, session_id="s"))
+        assert result.path == LOAD_FAILED and result.stored_tokens == (TURNS[1] // BLOCK) * BLOCK
+        # a dense model resumes after the last good block; a hybrid one has no window there: from scratch
+        assert result.loaded_tokens == (0 if engine.window_tier is not None else 3 * BLOCK)
+        assert client.stats.miss_causes["checksum"] >= 1
+        _check(tiny, result, conversation)
