@@ -81,3 +81,13 @@ def test_bfloat16_runs_close_to_fp32(tiny):
     reference = tiny.logits(tokens)[-1]
     assert ours.dtype == torch.bfloat16
     assert (ours.float() - reference).abs().max().item() < 0.1 * reference.abs().max().item()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_matches_transformers(tiny):
+    model = Decoder.from_pretrained(tiny.path, device="cuda")
+    tokens = _prompt(300, 11)
+    kv = RequestKV(model.config, PagePool(model.config, 64, 16, torch.float32, device="cuda"))
+    kv.reserve(len(tokens))
+    ours = model.forward([Chunk(kv, torch.tensor(tokens), 0)], all_logits=True)[0].cpu()
+    assert (ours - tiny.logits(tokens)).abs().max().item() <= TOLERANCE
