@@ -203,3 +203,21 @@ def test_a_block_corrupt_on_ssd_is_recomputed_and_the_logits_hold(tiny, daemons)
         assert result.loaded_tokens == (0 if engine.window_tier is not None else 3 * BLOCK)
         assert client.stats.miss_causes["checksum"] >= 1
         _check(tiny, result, conversation)
+
+
+def test_bfloat16_kv_round_trips_through_the_store(tiny_models, daemons):
+    tiny = tiny_models["qwen3"]
+    (daemon,) = daemons(1)
+    conversation = _tokens(TURNS[1], seed=9)
+    config = PrefillConfig(block_tokens=BLOCK, kv_pages=64, cost=COST, step_budget_s=0.5)
+    with _client(daemon) as client:
+        engine = PrefillEngine.from_pretrained(tiny.path, client, config, dtype=torch.bfloat16)
+        assert engine.layout.dtype == "bfloat16"
+        cold = engine.prefill(PrefillRequest(conversation))
+        cold.kv.release()
+        assert client.write_behind.flush()
+        warm = engine.prefill(PrefillRequest(conversation))
+        warm.kv.release()
+        assert warm.path == CACHED and warm.loaded_tokens == (TURNS[1] - 1) // BLOCK * BLOCK
+        assert (warm.logits - cold.logits).abs().max() < 0.05  # bf16, computed in other chunks
+        assert warm.first_token == cold.first_token
