@@ -17,7 +17,7 @@ import os
 import queue
 import struct
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
@@ -27,8 +27,10 @@ from kvstore import faults
 
 log = logging.getLogger(__name__)
 
-# segment id, offset, header length, payload length, expiry (ms), last access (ms), class id
+# segment id, offset, header length, payload length, expiry (ms), last access (ms), class id; then the
+# 16-byte parent key (absent in entries written before it was kept, which read as no parent)
 _ENTRY = struct.Struct("<IQIIQQH")
+_PARENT_BYTES = 16
 _EXPIRY = struct.Struct("<Q")
 _EXPIRY_AT = 20  # offset of the expiry in a packed entry
 _BATCH_MAX = 1024
@@ -47,6 +49,7 @@ class Entry:
     expires_ms: int
     access_ms: int
     class_id: int
+    parent: bytes = b""  # the prefix parent's key (the namespace digest for a first block); b"": unknown
 
     @property
     def record_len(self) -> int:
@@ -54,16 +57,15 @@ class Entry:
 
     def pack(self) -> bytes:
         return _ENTRY.pack(self.segment, self.offset, self.header_len, self.payload_len,
-                           self.expires_ms, self.access_ms, self.class_id)
+                           self.expires_ms, self.access_ms, self.class_id) + self.parent
 
     @staticmethod
     def unpack(raw: bytes) -> "Entry":
-        return Entry(*_ENTRY.unpack(raw))
+        return Entry(*_ENTRY.unpack_from(raw), bytes(raw[_ENTRY.size : _ENTRY.size + _PARENT_BYTES]))
 
     def with_access(self, access_ms: int, expires_ms: int, class_id: int | None = None) -> "Entry":
-        return Entry(self.segment, self.offset, self.header_len, self.payload_len,
-                     max(self.expires_ms, expires_ms), max(self.access_ms, access_ms),
-                     self.class_id if class_id is None else class_id)
+        return replace(self, expires_ms=max(self.expires_ms, expires_ms), access_ms=max(self.access_ms, access_ms),
+                       class_id=self.class_id if class_id is None else class_id)
 
 
 Op = Callable[[lmdb.Transaction, Any], Any]
@@ -171,8 +173,8 @@ class Index:
             e = Entry.unpack(raw)
             if (e.segment, e.offset) != old_at:
                 return False
-            txn.put(key, Entry(*new_at, e.header_len, e.payload_len, max(e.expires_ms, expires_ms),
-                               e.access_ms, e.class_id).pack(), db=db)
+            txn.put(key, replace(e, segment=new_at[0], offset=new_at[1],
+                                 expires_ms=max(e.expires_ms, expires_ms)).pack(), db=db)
             return True
         return op
 

@@ -114,7 +114,7 @@ class BlockStore:
         recovered = {seg.id: {off: h.key for off, h in self.segments.recover(seg)}
                      for seg in self.segments.open_existing()}
         stale: list[bytes] = []
-        order: list[tuple[int, bytes, int]] = []
+        order: list[tuple[int, bytes, int, bytes]] = []
         for key, entry in self.index.items():
             segment = self.segments.segments.get(entry.segment)
             whole = segment is not None and entry.offset + entry.record_len <= segment.size
@@ -126,10 +126,10 @@ class BlockStore:
             segment.live_bytes += entry.record_len
             self.live_bytes += entry.record_len
             self._class_blocks[entry.class_id] = self._class_blocks.get(entry.class_id, 0) + 1
-            order.append((entry.access_ms, key, entry.record_len))
+            order.append((entry.access_ms, key, entry.record_len, entry.parent))
         order.sort()
-        for _, key, size in order:
-            self.policy.insert(key, size)
+        for _, key, size, parent in order:  # the prefix tree too, so a prefix-aware policy keeps parents
+            self.policy.insert(key, size, parent or None)
         if stale:
             self.index.submit(self.index.remove_op(stale)).result()
         for segment in list(self.segments.segments.values()):
@@ -332,12 +332,13 @@ class BlockStore:
                     self.retention.wake.set()
                     raise DiskFull(f"no space left for a {header.record_len}-byte record") from exc
                 raise
-            new = Entry(segment.id, offset, len(header_bytes), header.payload_len, expires_ms, now_ms, class_id)
+            new = Entry(segment.id, offset, len(header_bytes), header.payload_len, expires_ms, now_ms, class_id,
+                        header.parent)
             if self.index.fill_ratio() > INDEX_HIGH_FILL:
                 await self.retention.evict_bytes(self.policy.tracked_bytes * 0.05)
             payload = chunks[0] if len(chunks) == 1 else b"".join(chunks)
             # Shielded: a caller that goes away must not leave the index committed and the accounting not.
-            await asyncio.shield(self._commit_put(key, new, segment, header_bytes, payload, header.parent))
+            await asyncio.shield(self._commit_put(key, new, segment, header_bytes, payload))
             if self.live_bytes > self.limit() * self.config.high_watermark:
                 # The budget holds at every put, not only when the maintenance loop comes round.
                 await self.retention.enforce_budget()
@@ -346,12 +347,12 @@ class BlockStore:
             self._pending.discard(key)
 
     async def _commit_put(self, key: bytes, new: Entry, segment: Segment, header_bytes: bytes,
-                          payload: bytes | bytearray, parent: bytes) -> None:
+                          payload: bytes | bytearray) -> None:
         sync = [segment] if self.config.durability == "fsync" else []
         old = await self.commit(self.index.put_op(key, new), sync)
         if old is not None:
             self._account_removed(key, old)
-        self._account_added(key, new, parent)
+        self._account_added(key, new)
         self.hot.put(key, header_bytes, payload)
         self.metrics.puts.labels(result="stored").inc()
         if self.access_log is not None:
@@ -361,13 +362,13 @@ class BlockStore:
         if self.segments.disk_bytes > self.limit() * self.config.high_watermark:
             self.retention.wake.set()  # dead bytes to compact
 
-    def _account_added(self, key: bytes, entry: Entry, parent: bytes | None = None) -> None:
+    def _account_added(self, key: bytes, entry: Entry) -> None:
         segment = self.segments.segments.get(entry.segment)
         if segment is not None:
             segment.live_bytes += entry.record_len
         self.live_bytes += entry.record_len
         self._class_blocks[entry.class_id] = self._class_blocks.get(entry.class_id, 0) + 1
-        self.policy.insert(key, entry.record_len, parent)
+        self.policy.insert(key, entry.record_len, entry.parent or None)
 
     def _account_removed(self, key: bytes, entry: Entry) -> None:
         segment = self.segments.segments.get(entry.segment)
