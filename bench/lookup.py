@@ -51,8 +51,10 @@ def grow_index(data_dir: Path, total: int, have: int, rng: np.random.Generator) 
         n = min(BATCH, total - have - added)
         raw = rng.bytes(16 * n)
         keys = sorted(raw[i * 16 : (i + 1) * 16] for i in range(n))
+        parents = rng.bytes(16 * n)  # every stored entry names its prefix parent
         items = [(k, Entry(segment_id, (have + added + i) * RECORD_BYTES, 256, RECORD_BYTES - 256,
-                           expires_ms, now_ms, class_id).pack()) for i, k in enumerate(keys)]
+                           expires_ms, now_ms, class_id, parents[i * 16 : (i + 1) * 16]).pack())
+                 for i, k in enumerate(keys)]
         with env.begin(write=True, db=blocks) as txn:
             txn.cursor().putmulti(items, dupdata=False, overwrite=True)
         sample += keys[:: max(1, n // 2000)]
