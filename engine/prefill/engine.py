@@ -35,6 +35,7 @@ from kvstore.block import Block, KVLayout, Namespace
 from kvstore.client import KVClient
 from kvstore.client.loading import LoadCancelled, LoadHandle
 from kvstore.client.torch_kv import PagedKV
+from kvstore.eviction import ReuseHint
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -259,7 +260,7 @@ class PrefillEngine:
         full = len(a.blocks)
         if self.client is not None and a.save_from < full:
             items = [(a.blocks[i], self._payload(a.kv.block_table[i])) for i in range(a.save_from, full)]
-            self.client.save(items, self.layout.num_layers, a.request.traffic_class)
+            self.client.save(items, self.layout.num_layers, a.request.traffic_class, ReuseHint(a.stored, full))
         if self.window_tier is not None:
             for boundary, state in sorted(a.kv.captured.items()):
                 session = a.request.session_id if boundary == full * self.block_tokens else None

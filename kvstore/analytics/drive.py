@@ -14,6 +14,7 @@ from kvstore.analytics.simulate import Progress, ReplayResult
 from kvstore.analytics.trace import Request
 from kvstore.block import KVLayout, Namespace
 from kvstore.client import ClientConfig, KVClient
+from kvstore.eviction import ReuseHint
 
 
 def replay_through_daemons(requests: Sequence[Request], servers: str, payload_bytes: int = 4096,
@@ -35,7 +36,8 @@ def replay_through_daemons(requests: Sequence[Request], servers: str, payload_by
             result.tokens += request.input_length
             result.hit_tokens += hit * block_tokens
             if blocks[hit:]:
-                client.put([(block, payload) for block in blocks[hit:]], layout.num_layers, request.traffic_class)
+                client.put([(block, payload) for block in blocks[hit:]], layout.num_layers, request.traffic_class,
+                           ReuseHint(hit, full))
             if progress is not None:
                 progress(number + 1)
         result.evictions = int(sum((s or {}).get("kvstore_evictions_total", 0) for s in client.server_stats().values()))

@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from kvstore.analytics.trace import Request
-from kvstore.eviction import make_policy
+from kvstore.eviction import ReuseHint, make_policy
 
 Progress = Callable[[int], None]
 
@@ -87,12 +87,14 @@ def replay(requests: Sequence[Request], policy: str, capacity_blocks: int | None
                 break
             hit += 1
         _count(result, request, hit, block_tokens)
+        full = _full_blocks(request, block_tokens)
+        hint = ReuseHint(min(hit, full), full)  # what the engine tells the store with its puts
         for key in reversed(ids[:hit]):  # read, leaf first
             if chooser is not None:
                 chooser.access(key)
             if ttl is not None:
                 ttl.touch(key, request.traffic_class, now)
-        for position in range(_full_blocks(request, block_tokens) - 1, hit - 1, -1):  # computed and put, leaf first
+        for position in range(full - 1, hit - 1, -1):  # computed and put, leaf first
             key = ids[position]
             if key in present:  # put again: its retention is extended, nothing more
                 if ttl is not None:
@@ -102,7 +104,7 @@ def replay(requests: Sequence[Request], policy: str, capacity_blocks: int | None
                 while len(present) >= capacity_blocks:
                     _make_room(chooser, ttl, now, evict, result)
             if chooser is not None:
-                chooser.insert(key, 1, ids[position - 1] if position else None)
+                chooser.insert(key, 1, ids[position - 1] if position else None, hint)
             present.add(key)
             if chooser is not None and low_blocks is not None and len(present) > capacity_blocks:
                 while len(present) > low_blocks:

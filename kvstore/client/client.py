@@ -17,7 +17,8 @@ import grpc
 
 from kvstore.block import Block, same_namespace
 from kvstore.client.config import ClientConfig
-from kvstore.client.dataplane import DataChannel, SharedBuffer, SharedPlacement, TransportError
+from kvstore.client.dataplane import DataChannel, SharedBuffer, SharedPlacement, TransportError, put_head
+from kvstore.eviction import ReuseHint
 from kvstore.client.placement import place
 from kvstore.client.shard import Shard
 from kvstore.proto import pb
@@ -270,11 +271,13 @@ class AsyncKVClient:
 
     # -- put --------------------------------------------------------------------------------------
 
-    async def put(self, items: Sequence[tuple[Block, bytes]], num_layers: int, traffic_class: str = "chat") -> PutSummary:
+    async def put(self, items: Sequence[tuple[Block, bytes]], num_layers: int, traffic_class: str = "chat",
+                  hint: ReuseHint | None = None) -> PutSummary:
         """Store blocks with their layer-major payloads; failures are counted, never raised.
 
         Records go out leaf first (the reverse of `items`, given in prefix order), so that in the daemons'
-        recency order a parent is never older than its children."""
+        recency order a parent is never older than its children. `hint`: of the prompt these blocks come
+        from, how many full blocks were cached and how many it has (for the daemons' eviction policy)."""
         same_namespace([block for block, _ in items])
         items = list(reversed(items))
         records = [build_record(block, payload, num_layers, traffic_class) for block, payload in items]
@@ -291,9 +294,9 @@ class AsyncKVClient:
             try:
                 channel = await shard.data_channel()
                 if channel is not None:
-                    results = await asyncio.to_thread(channel.put, mine, self.config.timeout_s)
+                    results = await asyncio.to_thread(channel.put, mine, self.config.timeout_s, hint)
                 else:
-                    results = await shard.put(self._put_messages(mine))
+                    results = await shard.put(self._put_messages(mine, hint))
             except (grpc.RpcError, TransportError) as exc:
                 self._failed(shard, exc)
                 summary.failed += len(positions)
@@ -307,10 +310,10 @@ class AsyncKVClient:
                                for shard, positions in self._group([b for b, _ in items]).items()))
         return summary
 
-    def _put_messages(self, records: Sequence[tuple[bytes, bytes]]) -> Iterator[bytes]:
+    def _put_messages(self, records: Sequence[tuple[bytes, bytes]], hint: ReuseHint | None) -> Iterator[bytes]:
         chunk = self.config.put_chunk_bytes
         for header, payload in records:
-            yield pb.PutHead(record_bytes=len(header) + len(payload)).SerializeToString()
+            yield put_head(len(header) + len(payload), hint)
             yield header
             if len(payload) <= chunk:
                 yield payload

@@ -24,6 +24,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from kvstore import wire
+from kvstore.eviction import ReuseHint
 from kvstore.proto import pb
 
 SHM_DIR = "/dev/shm"
@@ -98,14 +99,13 @@ class DataChannel:
                     _recv_exact(sock, chunk, deadline)
                     done(part, start, chunk)
 
-    def put(self, records: Sequence[tuple[bytes, bytes]], timeout_s: float) -> list[int]:
+    def put(self, records: Sequence[tuple[bytes, bytes]], timeout_s: float, hint: ReuseHint | None = None) -> list[int]:
         deadline = time.monotonic() + timeout_s
         with self._connection(deadline) as connection:
             sock = connection.sock
             try:
                 for header, payload in records:
-                    head = pb.PutHead(record_bytes=len(header) + len(payload)).SerializeToString()
-                    _send(sock, wire.frame(wire.PUT, head) + header, deadline)
+                    _send(sock, wire.frame(wire.PUT, put_head(len(header) + len(payload), hint)) + header, deadline)
                     _send(sock, payload, deadline)
                 _send(sock, wire.frame(wire.PUT_END), deadline)
             except OSError as exc:  # the daemon may have refused and closed: its ERROR frame says why
@@ -268,6 +268,14 @@ class _Lease:
         self.channel._release(self.connection, reusable=exc_type is None)
         if isinstance(exc, (OSError, EOFError)) and not isinstance(exc, TransportError):
             raise TransportError("UNAVAILABLE", f"{self.channel.host}:{self.channel.port}: {exc}") from exc
+
+
+def put_head(record_bytes: int, hint: ReuseHint | None) -> bytes:
+    """A record's PutHead, the same on both transports."""
+    head = pb.PutHead(record_bytes=record_bytes)
+    if hint is not None:
+        head.request_hit_blocks, head.request_blocks = min(hint.hit_blocks, hint.blocks), hint.blocks
+    return head.SerializeToString()
 
 
 def read_frame(sock: socket.socket, deadline: float) -> tuple[int, bytes]:

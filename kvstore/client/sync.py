@@ -17,6 +17,7 @@ from kvstore.client.dataplane import TransportError
 from kvstore.client.loader import Loader
 from kvstore.client.loading import KVDestination, LoadHandle
 from kvstore.client.write_behind import WriteBehind
+from kvstore.eviction import ReuseHint
 from kvstore.record import CorruptRecord
 
 T = TypeVar("T")
@@ -96,12 +97,13 @@ class KVClient:
                                      self._async.bandwidth, pipelined)
         return worth * block_tokens
 
-    def save(self, items: Sequence[tuple[Block, bytes]], num_layers: int, traffic_class: str = "chat") -> bool:
+    def save(self, items: Sequence[tuple[Block, bytes]], num_layers: int, traffic_class: str = "chat",
+             hint: ReuseHint | None = None) -> bool:
         """Queue newly computed blocks to be stored in the background; never blocks on the store.
 
         False when the bounded queue has no room: the blocks are dropped and counted.
         """
-        return self.write_behind.save(items, num_layers, traffic_class)
+        return self.write_behind.save(items, num_layers, traffic_class, hint)
 
     @property
     def write_behind(self) -> WriteBehind:
@@ -120,8 +122,9 @@ class KVClient:
         hit = self.lookup(blocks) if hit_blocks is None else hit_blocks
         return self._loader.start(blocks, destination, hit, len(blocks[0].tokens))
 
-    def put(self, items: Sequence[tuple[Block, bytes]], num_layers: int, traffic_class: str = "chat") -> PutSummary:
-        return self._run(self._async.put(items, num_layers, traffic_class))
+    def put(self, items: Sequence[tuple[Block, bytes]], num_layers: int, traffic_class: str = "chat",
+            hint: ReuseHint | None = None) -> PutSummary:
+        return self._run(self._async.put(items, num_layers, traffic_class, hint))
 
     def touch(self, blocks: Sequence[Block], traffic_class: str = "") -> int:
         return self._run(self._async.touch(blocks, traffic_class))

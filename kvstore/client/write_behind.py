@@ -12,6 +12,7 @@ from collections import Counter, deque
 from typing import TYPE_CHECKING, Sequence
 
 from kvstore.block import Block
+from kvstore.eviction import ReuseHint
 
 if TYPE_CHECKING:
     from kvstore.client.sync import KVClient
@@ -32,14 +33,15 @@ class WriteBehind:
         self._thread = threading.Thread(target=self._drain, name="kvstore-write-behind", daemon=True)
         self._thread.start()
 
-    def save(self, items: Sequence[tuple[Block, bytes]], num_layers: int, traffic_class: str = "chat") -> bool:
+    def save(self, items: Sequence[tuple[Block, bytes]], num_layers: int, traffic_class: str = "chat",
+             hint: ReuseHint | None = None) -> bool:
         """Queue blocks for saving; False (and counted as dropped) if the queue has no room."""
         nbytes = sum(len(payload) for _, payload in items)
         with self._changed:
             if self._closed or self._queued_bytes + nbytes > self.max_bytes:
                 self.counters["dropped"] += len(items)
                 return False
-            self._queue.append((list(items), num_layers, traffic_class, nbytes))
+            self._queue.append((list(items), num_layers, traffic_class, hint, nbytes))
             self._queued_bytes += nbytes
             self.counters["queued"] += len(items)
             self._changed.notify_all()
@@ -63,10 +65,10 @@ class WriteBehind:
                 self._changed.wait_for(lambda: self._queue or self._closed)
                 if not self._queue:
                     return
-                items, num_layers, traffic_class, nbytes = self._queue.popleft()
+                items, num_layers, traffic_class, hint, nbytes = self._queue.popleft()
                 self._busy = True
             try:
-                summary = self.client.put(items, num_layers, traffic_class)
+                summary = self.client.put(items, num_layers, traffic_class, hint)
                 self.counters["stored"] += summary.stored
                 self.counters["existed"] += summary.existed
                 self.counters["failed"] += summary.failed

@@ -1,12 +1,13 @@
 """Eviction policies behind one interface (`EvictionPolicy`)."""
 
-from kvstore.eviction.base import EvictionPolicy
+from kvstore.eviction.base import EvictionPolicy, ReuseHint
 from kvstore.eviction.lru import LRU
 from kvstore.eviction.prefix import PrefixLFU
+from kvstore.eviction.reuse import PrefixReuse
 from kvstore.eviction.s3fifo import S3FIFO
 from kvstore.eviction.sieve import SIEVE
 
-POLICIES = ("lru", "s3fifo", "sieve", "prefix-lfu")
+POLICIES = ("lru", "s3fifo", "sieve", "prefix-lfu", "prefix-reuse")
 
 
 def make_policy(name: str, capacity_bytes: int = 0) -> EvictionPolicy:
@@ -19,7 +20,9 @@ def make_policy(name: str, capacity_bytes: int = 0) -> EvictionPolicy:
         return SIEVE()
     if name == "prefix-lfu":
         return PrefixLFU()
+    if name == "prefix-reuse":
+        return PrefixReuse()
     raise ValueError(f"unknown eviction policy {name!r}; choose one of {', '.join(POLICIES)}")
 
 
-__all__ = ["EvictionPolicy", "LRU", "PrefixLFU", "POLICIES", "S3FIFO", "SIEVE", "make_policy"]
+__all__ = ["EvictionPolicy", "LRU", "PrefixLFU", "PrefixReuse", "POLICIES", "ReuseHint", "S3FIFO", "SIEVE", "make_policy"]

@@ -8,11 +8,21 @@ prefix order), so a policy that favours recent keys keeps a parent at least as l
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import NamedTuple
+
+
+class ReuseHint(NamedTuple):
+    """What the engine knew of the request that produced a block: how many of its prompt's full blocks
+    were already cached, and how many it had. A policy may use it to guess whether the block will be
+    used again (a prompt mostly cached is a conversation that goes on); all may ignore it."""
+
+    hit_blocks: int
+    blocks: int
 
 
 class EvictionPolicy(ABC):
     @abstractmethod
-    def insert(self, key, size: int, parent=None) -> None:
+    def insert(self, key, size: int, parent=None, hint: ReuseHint | None = None) -> None:
         """Start tracking `key` of `size` bytes, whose prefix parent is `parent` (None for a first block).
 
         Re-inserting a tracked key counts as an access. Keys are any hashable (bytes in the store)."""

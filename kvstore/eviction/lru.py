@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from kvstore.eviction.base import EvictionPolicy
+from kvstore.eviction.base import EvictionPolicy, ReuseHint
 
 
 class LRU(EvictionPolicy):
@@ -12,7 +12,7 @@ class LRU(EvictionPolicy):
         self._order: OrderedDict[bytes, int] = OrderedDict()  # oldest first: key -> size
         self._bytes = 0
 
-    def insert(self, key, size: int, parent=None) -> None:
+    def insert(self, key, size: int, parent=None, hint: ReuseHint | None = None) -> None:
         old = self._order.pop(key, None)
         if old is not None:
             self._bytes -= old

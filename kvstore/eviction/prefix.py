@@ -18,7 +18,7 @@ from __future__ import annotations
 import heapq
 import itertools
 
-from kvstore.eviction.base import EvictionPolicy
+from kvstore.eviction.base import EvictionPolicy, ReuseHint
 
 
 class PrefixLFU(EvictionPolicy):
@@ -33,7 +33,7 @@ class PrefixLFU(EvictionPolicy):
         self._inflation = 0.0
         self._bytes = 0
 
-    def insert(self, key, size: int, parent=None) -> None:
+    def insert(self, key, size: int, parent=None, hint: ReuseHint | None = None) -> None:
         if key in self._size:
             self.access(key)
             return

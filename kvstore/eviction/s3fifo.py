@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from kvstore.eviction.base import EvictionPolicy
+from kvstore.eviction.base import EvictionPolicy, ReuseHint
 
 MAX_FREQ = 3
 
@@ -28,7 +28,7 @@ class S3FIFO(EvictionPolicy):
         self._small_bytes = 0
         self._main_bytes = 0
 
-    def insert(self, key, size: int, parent=None) -> None:
+    def insert(self, key, size: int, parent=None, hint: ReuseHint | None = None) -> None:
         if key in self._freq:
             self.access(key)
             return

@@ -7,7 +7,7 @@ New objects enter at the head; hits only set the bit, so nothing moves on a hit.
 
 from __future__ import annotations
 
-from kvstore.eviction.base import EvictionPolicy
+from kvstore.eviction.base import EvictionPolicy, ReuseHint
 
 
 class SIEVE(EvictionPolicy):
@@ -21,7 +21,7 @@ class SIEVE(EvictionPolicy):
         self._hand = None
         self._bytes = 0
 
-    def insert(self, key, size: int, parent=None) -> None:
+    def insert(self, key, size: int, parent=None, hint: ReuseHint | None = None) -> None:
         if key in self._size:
             self.access(key)
             return

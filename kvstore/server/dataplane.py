@@ -17,12 +17,13 @@ import time
 
 from kvstore import wire
 from kvstore.hostid import host_id
+from kvstore.eviction import ReuseHint
 from kvstore.proto import pb
 from kvstore.record import FIXED_HEADER_BYTES
 from kvstore.server.config import ServerConfig
 from kvstore.server.reads import get_parts
 from kvstore.server.requests import (RequestError, check_get, check_payload, check_put_head, parse,
-                                     parse_record_header)
+                                     parse_record_header, reuse_hint)
 from kvstore.server.service import ByteBudget
 from kvstore.server.store import BlockStore, DiskFull
 
@@ -232,7 +233,7 @@ class DataPlaneServer:
         tasks: list[asyncio.Task] = []
         put_head: pb.PutHead | None = first
         while put_head is not None:
-            tasks.append(await self._receive_record(sock, put_head.record_bytes))
+            tasks.append(await self._receive_record(sock, put_head.record_bytes, reuse_hint(put_head)))
             kind, head_len = wire.parse_prefix(await self._read(sock, wire.PREFIX.size))
             head = await self._read(sock, head_len)
             if kind == wire.PUT:
@@ -246,7 +247,7 @@ class DataPlaneServer:
         await asyncio.get_running_loop().sock_sendall(sock, wire.frame(wire.PUT_RESULT, response))
         self.metrics.rpc_latency.labels(method="data.Put").observe(time.perf_counter() - started)
 
-    async def _receive_record(self, sock: socket.socket, declared: int) -> asyncio.Task:
+    async def _receive_record(self, sock: socket.socket, declared: int, hint: ReuseHint | None) -> asyncio.Task:
         check_put_head(declared, self.config)
         await self.put_budget.acquire(declared)
         try:
@@ -262,11 +263,12 @@ class DataPlaneServer:
         except BaseException:
             await self.put_budget.release(declared)
             raise
-        return asyncio.ensure_future(self._store(header, header_bytes, payload, declared))
+        return asyncio.ensure_future(self._store(header, header_bytes, payload, declared, hint))
 
-    async def _store(self, header, header_bytes: bytes, payload: bytearray, declared: int) -> int:
+    async def _store(self, header, header_bytes: bytes, payload: bytearray, declared: int,
+                     hint: ReuseHint | None) -> int:
         try:
-            return await self.store.put(header, header_bytes, [payload])
+            return await self.store.put(header, header_bytes, [payload], hint)
         finally:
             await self.put_budget.release(declared)
 

@@ -11,6 +11,7 @@ from typing import Sequence
 from google.protobuf.message import DecodeError
 
 from kvstore.block import KEY_BYTES
+from kvstore.eviction import ReuseHint
 from kvstore.proto import pb
 from kvstore.record import CorruptRecord, RecordHeader, decode_header, payload_layer_sums
 from kvstore.server.config import ServerConfig
@@ -50,6 +51,18 @@ def check_put_head(declared: int, config: ServerConfig) -> None:
     if declared > config.max_block_bytes:
         raise RequestError(f"record of {declared} bytes exceeds max_block_bytes={config.max_block_bytes}",
                            exhausted=True)
+
+
+def reuse_hint(head: pb.PutHead) -> ReuseHint | None:
+    """The engine's hint about the request a block came from, or None if it sent none.
+
+    A client cannot buy retention by lying: what a class of hints is worth is learned from how often
+    blocks put with it were really used again."""
+    if not head.request_blocks:
+        return None
+    if head.request_hit_blocks > head.request_blocks:
+        raise RequestError(f"PutHead says {head.request_hit_blocks} of {head.request_blocks} blocks were cached")
+    return ReuseHint(head.request_hit_blocks, head.request_blocks)
 
 
 def parse_record_header(header_bytes: bytes, declared: int, known_classes: Sequence[str]) -> RecordHeader:

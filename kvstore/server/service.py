@@ -13,11 +13,12 @@ from typing import AsyncIterator, Awaitable, Callable
 import grpc
 import kvstore
 from kvstore.hostid import host_id
+from kvstore.eviction import ReuseHint
 from kvstore.proto import SERVICE, pb
 from kvstore.server.config import ServerConfig
 from kvstore.server.reads import get_parts
 from kvstore.server.requests import (RequestError, check_get, check_keys, check_payload, check_put_head, parse,
-                                     parse_record_header)
+                                     parse_record_header, reuse_hint)
 from kvstore.server.store import BlockStore, DiskFull
 
 
@@ -117,7 +118,8 @@ class KVStoreService:
                     raw = await messages.__anext__()
                 except StopAsyncIteration:
                     break
-                declared = parse(pb.PutHead, raw).record_bytes
+                put_head = parse(pb.PutHead, raw)
+                declared = put_head.record_bytes
                 check_put_head(declared, self.config)
                 await self.put_budget.acquire(declared)
                 held += declared
@@ -132,7 +134,8 @@ class KVStoreService:
                         raise RequestError(f"payload longer than declared ({header.payload_len} bytes)")
                     chunks.append(chunk)
                 check_payload(header, chunks)
-                tasks.append(asyncio.ensure_future(self._store_one(header, header_bytes, chunks, declared)))
+                tasks.append(asyncio.ensure_future(self._store_one(header, header_bytes, chunks, declared,
+                                                                   reuse_hint(put_head))))
                 held -= declared  # now owned by the task
             results = await asyncio.gather(*tasks)
         except RequestError as exc:
@@ -147,9 +150,10 @@ class KVStoreService:
                 await self.put_budget.release(held)
         return pb.PutResponse(results=results)
 
-    async def _store_one(self, header, header_bytes: bytes, chunks: list[bytes], declared: int) -> int:
+    async def _store_one(self, header, header_bytes: bytes, chunks: list[bytes], declared: int,
+                         hint: ReuseHint | None) -> int:
         try:
-            return await self.store.put(header, header_bytes, chunks)
+            return await self.store.put(header, header_bytes, chunks, hint)
         finally:
             await self.put_budget.release(declared)
 

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from kvstore.eviction import EvictionPolicy, make_policy
+from kvstore.eviction import EvictionPolicy, ReuseHint, make_policy
 from kvstore.proto import pb
 from kvstore.record import CorruptRecord, RecordHeader, decode_header
 from kvstore.server.access_log import AccessLog
@@ -304,8 +304,11 @@ class BlockStore:
 
     # -- writes -----------------------------------------------------------------------------------
 
-    async def put(self, header: RecordHeader, header_bytes: bytes, chunks: Sequence[bytes]) -> int:
-        """Store one verified record; returns pb.STORED or pb.EXISTS. Raises DiskFull."""
+    async def put(self, header: RecordHeader, header_bytes: bytes, chunks: Sequence[bytes],
+                  hint: ReuseHint | None = None) -> int:
+        """Store one verified record; returns pb.STORED or pb.EXISTS. Raises DiskFull.
+
+        `hint` (from the engine, about the request that computed the block) goes to the eviction policy."""
         key = header.key
         class_id = self._class_ids[header.traffic_class]
         now_ms = self.now_ms()
@@ -338,7 +341,7 @@ class BlockStore:
                 await self.retention.evict_bytes(self.policy.tracked_bytes * 0.05)
             payload = chunks[0] if len(chunks) == 1 else b"".join(chunks)
             # Shielded: a caller that goes away must not leave the index committed and the accounting not.
-            await asyncio.shield(self._commit_put(key, new, segment, header_bytes, payload))
+            await asyncio.shield(self._commit_put(key, new, segment, header_bytes, payload, hint))
             if self.live_bytes > self.limit() * self.config.high_watermark:
                 # The budget holds at every put, not only when the maintenance loop comes round.
                 await self.retention.enforce_budget()
@@ -347,12 +350,12 @@ class BlockStore:
             self._pending.discard(key)
 
     async def _commit_put(self, key: bytes, new: Entry, segment: Segment, header_bytes: bytes,
-                          payload: bytes | bytearray) -> None:
+                          payload: bytes | bytearray, hint: ReuseHint | None) -> None:
         sync = [segment] if self.config.durability == "fsync" else []
         old = await self.commit(self.index.put_op(key, new), sync)
         if old is not None:
             self._account_removed(key, old)
-        self._account_added(key, new)
+        self._account_added(key, new, hint)
         self.hot.put(key, header_bytes, payload)
         self.metrics.puts.labels(result="stored").inc()
         if self.access_log is not None:
@@ -362,13 +365,13 @@ class BlockStore:
         if self.segments.disk_bytes > self.limit() * self.config.high_watermark:
             self.retention.wake.set()  # dead bytes to compact
 
-    def _account_added(self, key: bytes, entry: Entry) -> None:
+    def _account_added(self, key: bytes, entry: Entry, hint: ReuseHint | None = None) -> None:
         segment = self.segments.segments.get(entry.segment)
         if segment is not None:
             segment.live_bytes += entry.record_len
         self.live_bytes += entry.record_len
         self._class_blocks[entry.class_id] = self._class_blocks.get(entry.class_id, 0) + 1
-        self.policy.insert(key, entry.record_len, entry.parent or None)
+        self.policy.insert(key, entry.record_len, entry.parent or None, hint)
 
     def _account_removed(self, key: bytes, entry: Entry) -> None:
         segment = self.segments.segments.get(entry.segment)

@@ -149,6 +149,8 @@ def _bad_puts():
     return {
         "not a head": ([b"\xff\xfe garbage"], CODE.INVALID_ARGUMENT),
         "zero length": ([pb.PutHead(record_bytes=0).SerializeToString()], CODE.INVALID_ARGUMENT),
+        "impossible hint": ([pb.PutHead(record_bytes=declared, request_hit_blocks=5, request_blocks=4).SerializeToString(),
+                             header, body], CODE.INVALID_ARGUMENT),
         "oversized declared": ([pb.PutHead(record_bytes=5 * 2**20).SerializeToString()], CODE.RESOURCE_EXHAUSTED),
         "garbage header": ([head, os.urandom(len(header)), body], CODE.INVALID_ARGUMENT),
         "truncated header": ([head, header[:50]], CODE.INVALID_ARGUMENT),

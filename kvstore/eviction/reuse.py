@@ -1,0 +1,181 @@
+"""PrefixReuse: evict the leaf least likely to be used again, as learned from this cache's own traffic.
+
+What a KV-prefix cache knows and a generic cache does not:
+
+* A block is reachable only through its parent, so only *leaves* of the cached prefix tree are
+  evicted; a parent outlives its children.
+* Whether a block is used again is mostly whether its conversation goes on, and the request that put it
+  says much about that (`ReuseHint`): in the Mooncake conversation trace a prompt that was >= 90%
+  cached is continued 73% of the time, one that was < 50% cached 28%, a prompt under 4 blocks 72%
+  (`bench/continuation.py`). Blocks are classed by (cached fraction, prompt length) of the request that
+  put them.
+
+Each class keeps its leaves in recency order. The victim is the class tail with the lowest probability
+of being used again given its age a (the time since its last use, counted in cache operations):
+
+    P(reuse | class c, unused for a) = p_c S_c(a) / (1 - p_c + p_c S_c(a))
+
+where p_c is the fraction of class-c uses that were followed by another use, and S_c the survival
+function of the gaps between uses (the share of gaps longer than a). Both are learned online, and
+without the feedback of the policy's own choices: an evicted key is remembered as a *ghost* (as in ARC,
+Megiddo and Modha, FAST'03), so a later use of it still counts as a reuse, with its gap. S_c is shrunk
+towards the all-class survival with a prior worth 20 gaps, so sparse classes borrow strength. This is
+the hit-probability half of LHD (Beckmann et al., NSDI'18) with classes a prefix cache can observe.
+Without hints every block falls in one class and the policy is leaf-only LRU. No parameter is fitted to
+a trace: the class edges are round numbers and every probability is learned.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+from collections import OrderedDict
+
+from kvstore.eviction.base import EvictionPolicy, ReuseHint
+
+_FRACTION_EDGES = (0.0, 0.5, 0.9)  # cached fraction of the prompt
+_LENGTH_EDGES = (0, 4, 16)  # full blocks in the prompt
+_UNKNOWN = -1  # the class of blocks put without a hint
+_GAP_EDGES = [2 ** (i / 2) for i in range(64)]  # gap histogram bins, in operations: sqrt(2) apart
+_PRIOR_GAPS = 20.0
+_GHOSTS_PER_KEY = 4  # ghost entries kept per tracked key (at least _MIN_GHOSTS)
+_MIN_GHOSTS = 1024
+
+
+def reuse_class(hint: ReuseHint | None) -> int:
+    if hint is None or hint.blocks <= 0:
+        return _UNKNOWN
+    fraction = min(hint.hit_blocks, hint.blocks) / hint.blocks
+    f = bisect.bisect_right(_FRACTION_EDGES, fraction) - 1
+    n = bisect.bisect_right(_LENGTH_EDGES, hint.blocks) - 1
+    return f * len(_LENGTH_EDGES) + n
+
+
+class _Gaps:
+    """A histogram of gaps between uses; survival(a) = share of gaps longer than a."""
+
+    def __init__(self) -> None:
+        self.counts = [0.0] * (len(_GAP_EDGES) + 1)
+        self.total = 0.0
+
+    def add(self, gap: int) -> None:
+        self.counts[bisect.bisect_right(_GAP_EDGES, gap)] += 1
+        self.total += 1
+
+    def longer_than(self, age: int) -> float:
+        return sum(self.counts[bisect.bisect_right(_GAP_EDGES, age):])
+
+
+class PrefixReuse(EvictionPolicy):
+    def __init__(self) -> None:
+        self._size: dict = {}
+        self._last: dict = {}  # key -> operation count at its last use
+        self._class: dict = {}
+        self._parent: dict = {}
+        self._children: dict = {}  # key -> cached children (counted even before the key itself arrives)
+        self._leaves: dict[int, list] = {}  # class -> heap of (last use, key) of leaves; stale entries skipped
+        self._ghosts: OrderedDict = OrderedDict()  # evicted key -> (last use, class), oldest first
+        self._uses: dict[int, float] = {}  # class -> uses seen
+        self._reuses: dict[int, float] = {}  # class -> uses followed by another use
+        self._gaps: dict[int, _Gaps] = {}
+        self._all_gaps = _Gaps()
+        self._now = 0
+        self._bytes = 0
+
+    # -- what is observed ---------------------------------------------------------------------------
+
+    def insert(self, key, size: int, parent=None, hint: ReuseHint | None = None) -> None:
+        if key in self._size:
+            self.access(key)
+            return
+        self._now += 1
+        ghost = self._ghosts.pop(key, None)
+        if ghost is not None:
+            self._learn_reuse(*ghost)
+        self._size[key] = size
+        self._bytes += size
+        self._parent[key] = parent
+        if parent is not None:
+            self._children[parent] = self._children.get(parent, 0) + 1
+        self._use(key, reuse_class(hint))
+
+    def access(self, key) -> None:
+        if key not in self._size:
+            return
+        self._now += 1
+        self._learn_reuse(self._last[key], self._class[key])
+        self._use(key, self._class[key])
+
+    def _use(self, key, klass: int) -> None:
+        self._last[key] = self._now
+        self._class[key] = klass
+        self._uses[klass] = self._uses.get(klass, 0.0) + 1
+        if not self._children.get(key):
+            heapq.heappush(self._leaves.setdefault(klass, []), (self._now, key))
+
+    def _learn_reuse(self, last: int, klass: int) -> None:
+        self._reuses[klass] = self._reuses.get(klass, 0.0) + 1
+        gap = self._now - last
+        self._gaps.setdefault(klass, _Gaps()).add(gap)
+        self._all_gaps.add(gap)
+
+    # -- the choice ---------------------------------------------------------------------------------
+
+    def reuse_probability(self, klass: int, age: int) -> float:
+        """P(used again | class, unused for `age` operations), from what was learned so far."""
+        uses = self._uses.get(klass, 0.0)
+        p = (self._reuses.get(klass, 0.0) + 0.5) / (uses + 1.0)  # a half-use prior keeps p inside (0, 1)
+        p = min(p, 0.999)
+        gaps = self._gaps.get(klass) or _Gaps()
+        shared = self._all_gaps.longer_than(age) / self._all_gaps.total if self._all_gaps.total else 1.0
+        survival = (gaps.longer_than(age) + _PRIOR_GAPS * shared) / (gaps.total + _PRIOR_GAPS)
+        alive = p * survival
+        return alive / (1 - p + alive)
+
+    def pop_victim(self):
+        best = None
+        for klass, heap in self._leaves.items():
+            while heap:
+                last, key = heap[0]
+                if self._last.get(key) == last and self._class[key] == klass and not self._children.get(key):
+                    break
+                heapq.heappop(heap)  # stale: used since, evicted, re-classed or no longer a leaf
+            if heap:
+                score = self.reuse_probability(klass, self._now - heap[0][0])
+                if best is None or score < best[0]:
+                    best = (score, klass)
+        if best is None:
+            if self._size:  # only reachable if the tree has a cycle, which chained keys cannot form
+                key = next(iter(self._size))
+                self.remove(key)
+                return key
+            return None
+        _, key = heapq.heappop(self._leaves[best[1]])
+        self._ghosts[key] = (self._last[key], self._class[key])
+        while len(self._ghosts) > max(_MIN_GHOSTS, _GHOSTS_PER_KEY * len(self._size)):
+            self._ghosts.popitem(last=False)
+        self.remove(key)
+        return key
+
+    def remove(self, key) -> None:
+        if key not in self._size:
+            return
+        self._bytes -= self._size.pop(key)
+        del self._last[key], self._class[key]
+        parent = self._parent.pop(key)
+        if parent is not None:
+            self._children[parent] -= 1
+            if not self._children[parent]:
+                del self._children[parent]
+                if parent in self._size:  # the parent is a leaf now: a candidate
+                    heapq.heappush(self._leaves.setdefault(self._class[parent], []), (self._last[parent], parent))
+
+    def __len__(self) -> int:
+        return len(self._size)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._size
+
+    @property
+    def tracked_bytes(self) -> int:
+        return self._bytes

@@ -1,0 +1,65 @@
+"""PrefixReuse on small hand-computed sequences."""
+
+import pytest
+
+from kvstore.eviction import PrefixReuse, ReuseHint
+from kvstore.eviction.reuse import reuse_class
+
+pytestmark = pytest.mark.unit
+
+CONTINUING = ReuseHint(10, 10)  # a prompt fully cached: a conversation that goes on
+FRESH = ReuseHint(0, 10)  # nothing of it cached
+
+
+def test_classes_by_cached_fraction_and_length():
+    assert reuse_class(None) == reuse_class(ReuseHint(0, 0)) == -1
+    assert reuse_class(ReuseHint(9, 10)) == reuse_class(CONTINUING) != reuse_class(ReuseHint(8, 10))
+    assert reuse_class(ReuseHint(0, 3)) != reuse_class(FRESH) != reuse_class(ReuseHint(0, 16))
+
+
+def test_only_leaves_go_and_without_hints_it_is_lru():
+    policy = PrefixReuse()
+    policy.insert("leaf", 1, parent="mid")  # puts go leaf first
+    policy.insert("mid", 1, parent="root")
+    policy.insert("root", 1)
+    policy.insert("other", 1, parent="root")
+    policy.access("leaf")
+    assert [policy.pop_victim() for _ in range(4)] == ["other", "leaf", "mid", "root"]
+
+
+def test_a_class_never_used_again_goes_before_an_older_class_that_is():
+    policy = PrefixReuse()
+    for i in range(10):
+        policy.insert(f"h{i}", 1, hint=CONTINUING)  # operations 1-10
+    for i in range(40):
+        policy.insert(f"f{i}", 1)  # 11-50: no hint, never used again
+    for i in range(10):
+        policy.access(f"h{i}")  # 51-60: each h used again after 50 operations
+    for i in range(10):
+        policy.insert(f"l{i}", 1, hint=FRESH)  # 61-70: the newest blocks
+    # now 70. p(no hint) = 0.5/41, p(fresh) = 0.5/11, p(continuing) = 10.5/21, and every block is
+    # younger than the gaps seen (50), so survival is 1: the order is by p, then by age.
+    victims = [policy.pop_victim() for _ in range(60)]
+    assert victims[:40] == [f"f{i}" for i in range(40)]
+    assert victims[40:50] == [f"l{i}" for i in range(10)], "LRU would evict the older h blocks here"
+    assert victims[50:] == [f"h{i}" for i in range(10)]
+    assert policy.reuse_probability(reuse_class(CONTINUING), 19) == pytest.approx(10.5 / 21)
+
+
+def test_blocks_older_than_every_gap_seen_are_given_up():
+    policy = PrefixReuse()
+    policy.insert("a", 1, hint=CONTINUING)
+    policy.access("a")  # a gap of 1 operation
+    klass = reuse_class(CONTINUING)
+    assert policy.reuse_probability(klass, 0) == pytest.approx(1.5 / 3)  # (1 reuse + 0.5) / (2 uses + 1)
+    assert policy.reuse_probability(klass, 100) == 0.0
+
+
+def test_an_evicted_key_used_again_still_counts_as_reused():
+    policy = PrefixReuse()
+    klass = reuse_class(FRESH)
+    policy.insert("a", 1, hint=FRESH)
+    before = policy.reuse_probability(klass, 0)
+    assert policy.pop_victim() == "a" and "a" not in policy
+    policy.insert("a", 1, hint=FRESH)  # back from the ghost list: the first use had a reuse after all
+    assert policy.reuse_probability(klass, 0) > before
