@@ -59,7 +59,7 @@ class ServerConfig:
     segment_bytes: int = 256 * 2**20
     compaction_min_garbage: float = 0.5  # compact a sealed segment once this share of it is dead
     hot_tier_bytes: int = 256 * 2**20
-    eviction_policy: str = "lru"  # lru, s3fifo, sieve or prefix-lfu (kvstore/eviction/)
+    eviction_policy: str = "lru"  # lru, s3fifo, sieve, prefix-lfu or prefix-reuse (kvstore/eviction/)
     access_log: Path | None = None  # a compact line per block read or stored, for `kvstore analytics log`
     access_log_max_bytes: int = 256 * 2**20  # then it is rotated once, to <access_log>.1
 

@@ -12,6 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+# make test runs two workers on two cores: one torch thread each, or OpenMP threads spin against each other
+torch.set_num_threads(1)
+
 WINDOW = 128
 VOCAB = 512
 
