@@ -19,6 +19,7 @@ import heapq
 import itertools
 
 from kvstore.eviction.base import EvictionPolicy, ReuseHint
+from kvstore.eviction.tree import PrefixTree
 
 
 class PrefixLFU(EvictionPolicy):
@@ -26,8 +27,7 @@ class PrefixLFU(EvictionPolicy):
         self._size: dict = {}
         self._freq: dict = {}
         self._priority: dict = {}
-        self._parent: dict = {}
-        self._children: dict = {}  # key -> cached children (counted even before the key itself arrives)
+        self._tree = PrefixTree()
         self._heap: list = []  # (priority, order, key) of leaves; stale entries are skipped
         self._order = itertools.count()
         self._inflation = 0.0
@@ -40,9 +40,7 @@ class PrefixLFU(EvictionPolicy):
         self._size[key] = size
         self._bytes += size
         self._freq[key] = 1
-        self._parent[key] = parent
-        if parent is not None:
-            self._children[parent] = self._children.get(parent, 0) + 1
+        self._tree.add(key, parent)
         self._prioritise(key)
 
     def access(self, key) -> None:
@@ -52,7 +50,7 @@ class PrefixLFU(EvictionPolicy):
 
     def _prioritise(self, key) -> None:
         self._priority[key] = self._inflation + self._freq[key]
-        if not self._children.get(key):
+        if self._tree.is_leaf(key):
             heapq.heappush(self._heap, (self._priority[key], next(self._order), key))
 
     def remove(self, key) -> None:
@@ -60,18 +58,14 @@ class PrefixLFU(EvictionPolicy):
             return
         self._bytes -= self._size.pop(key)
         del self._freq[key], self._priority[key]
-        parent = self._parent.pop(key)
-        if parent is not None:
-            self._children[parent] -= 1
-            if not self._children[parent]:
-                del self._children[parent]
-                if parent in self._size:  # the parent is a leaf now: a candidate
-                    heapq.heappush(self._heap, (self._priority[parent], next(self._order), parent))
+        parent = self._tree.remove(key)
+        if parent is not None:  # the parent is a leaf now: a candidate
+            heapq.heappush(self._heap, (self._priority[parent], next(self._order), parent))
 
     def pop_victim(self):
         while self._heap:
             priority, _, key = heapq.heappop(self._heap)
-            if key in self._size and not self._children.get(key) and self._priority[key] == priority:
+            if key in self._size and self._tree.is_leaf(key) and self._priority[key] == priority:
                 self._inflation = priority
                 self.remove(key)
                 return key

@@ -32,6 +32,7 @@ import heapq
 from collections import OrderedDict
 
 from kvstore.eviction.base import EvictionPolicy, ReuseHint
+from kvstore.eviction.tree import PrefixTree
 
 _FRACTION_EDGES = (0.0, 0.5, 0.9)  # cached fraction of the prompt
 _LENGTH_EDGES = (0, 4, 16)  # full blocks in the prompt
@@ -71,8 +72,7 @@ class PrefixReuse(EvictionPolicy):
         self._size: dict = {}
         self._last: dict = {}  # key -> operation count at its last use
         self._class: dict = {}
-        self._parent: dict = {}
-        self._children: dict = {}  # key -> cached children (counted even before the key itself arrives)
+        self._tree = PrefixTree()
         self._leaves: dict[int, list] = {}  # class -> heap of (last use, key) of leaves; stale entries skipped
         self._ghosts: OrderedDict = OrderedDict()  # evicted key -> (last use, class), oldest first
         self._uses: dict[int, float] = {}  # class -> uses seen
@@ -94,9 +94,7 @@ class PrefixReuse(EvictionPolicy):
             self._learn_reuse(*ghost)
         self._size[key] = size
         self._bytes += size
-        self._parent[key] = parent
-        if parent is not None:
-            self._children[parent] = self._children.get(parent, 0) + 1
+        self._tree.add(key, parent)
         self._use(key, reuse_class(hint))
 
     def access(self, key) -> None:
@@ -110,7 +108,7 @@ class PrefixReuse(EvictionPolicy):
         self._last[key] = self._now
         self._class[key] = klass
         self._uses[klass] = self._uses.get(klass, 0.0) + 1
-        if not self._children.get(key):
+        if self._tree.is_leaf(key):
             heapq.heappush(self._leaves.setdefault(klass, []), (self._now, key))
 
     def _learn_reuse(self, last: int, klass: int) -> None:
@@ -137,7 +135,7 @@ class PrefixReuse(EvictionPolicy):
         for klass, heap in self._leaves.items():
             while heap:
                 last, key = heap[0]
-                if self._last.get(key) == last and self._class[key] == klass and not self._children.get(key):
+                if self._last.get(key) == last and self._class[key] == klass and self._tree.is_leaf(key):
                     break
                 heapq.heappop(heap)  # stale: used since, evicted, re-classed or no longer a leaf
             if heap:
@@ -162,13 +160,9 @@ class PrefixReuse(EvictionPolicy):
             return
         self._bytes -= self._size.pop(key)
         del self._last[key], self._class[key]
-        parent = self._parent.pop(key)
-        if parent is not None:
-            self._children[parent] -= 1
-            if not self._children[parent]:
-                del self._children[parent]
-                if parent in self._size:  # the parent is a leaf now: a candidate
-                    heapq.heappush(self._leaves.setdefault(self._class[parent], []), (self._last[parent], parent))
+        parent = self._tree.remove(key)
+        if parent is not None:  # the parent is a leaf now: a candidate
+            heapq.heappush(self._leaves.setdefault(self._class[parent], []), (self._last[parent], parent))
 
     def __len__(self) -> int:
         return len(self._size)
