@@ -11,9 +11,6 @@ the engine's host-memory window tier (a live process) still resumes sessions exa
 
 from __future__ import annotations
 
-import argparse
-import shutil
-import tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -25,7 +22,7 @@ from engine.prefill.engine import PrefillEngine
 from engine.prefill.request import PrefillRequest
 from engine.random_model import DEMO, write_random_model
 from kvstore.client import ClientConfig, KVClient
-from kvstore.demo import tier_hits
+from kvstore.demo import demo_main, tier_hits
 from kvstore.server.process import DaemonProcess
 
 BLOCK_TOKENS = 64
@@ -92,20 +89,6 @@ def run(sessions: int, turns: int, workdir: Path) -> None:
         print(f"daemons stopped (exit codes {codes})")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sessions", type=int, default=4)
-    parser.add_argument("--turns", type=int, default=4)
-    parser.add_argument("--keep", action="store_true", help="keep the data directory")
-    args = parser.parse_args()
-    torch.manual_seed(0)
-    workdir = Path(tempfile.mkdtemp(prefix="kvstore-engine-demo-"))
-    try:
-        run(args.sessions, args.turns, workdir)
-    finally:
-        if not args.keep:
-            shutil.rmtree(workdir, ignore_errors=True)
-
-
 if __name__ == "__main__":
-    main()
+    torch.manual_seed(0)
+    demo_main(run, __doc__, sessions=4, turns=4, prefix="kvstore-engine-demo-")

@@ -16,6 +16,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -131,13 +132,15 @@ def _rate(nbytes: int, seconds: float) -> str:
     return f"{nbytes / seconds / 1e9:.2f}" if seconds > 0 and nbytes else "-"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sessions", type=int, default=8)
-    parser.add_argument("--turns", type=int, default=6)
+def demo_main(run: Callable[[int, int, Path], None], description: str, sessions: int, turns: int,
+              prefix: str) -> None:
+    """A demo's command line: --sessions, --turns, --keep; `run` works in a scratch directory."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sessions", type=int, default=sessions)
+    parser.add_argument("--turns", type=int, default=turns)
     parser.add_argument("--keep", action="store_true", help="keep the data directory")
     args = parser.parse_args()
-    workdir = Path(tempfile.mkdtemp(prefix="kvstore-demo-"))
+    workdir = Path(tempfile.mkdtemp(prefix=prefix))
     try:
         run(args.sessions, args.turns, workdir)
     finally:
@@ -146,4 +149,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    demo_main(run, __doc__, sessions=8, turns=6, prefix="kvstore-demo-")
