@@ -2,89 +2,165 @@
 
     python bench/continuation.py [TRACE] [--json out.json]
 
-On a Mooncake-format trace, at 1-50% of its unique full blocks:
+On a Mooncake-format trace, at 1-50% of its unique full blocks, each over Belady at the same capacity:
 
-* `lru`: plain LRU (leaf-first, as the store serves), over Belady at the same capacity;
+* `lru`: plain LRU (leaf-first, as the store serves);
 * `oracle_block`: LRU that admits only blocks that will be used again (knows the future per block);
 * `oracle_request`: LRU that admits a request's new blocks only if that request is continued later
-  (its last full block is used again): the bound for any policy that predicts continuation per request.
+  (its last full block is used again);
+* `prefix_reuse`: our policy, classing blocks by the hint engines send (cached fraction, length, turn);
+* `hindsight_classes`: the same policy, classing each request's blocks by P(continued) given *every*
+  feature of the request the trace has: cached fraction, length, turn, time since the conversation's
+  previous turn, and output length. The probability of each feature combination is counted over the whole trace, in hindsight:
+  no predictor built on these features, learned online, can class better;
+* `oracle_classes`: the same policy told, per request, whether it is continued.
 
-And how well continuation can be predicted online from what a prefix cache knows at put time:
-P(continued) by the request's hit fraction (how much of its own prompt was cached) and by its length.
-These are the figures behind the analytics issue's note on why no online policy here reaches 0.9 x
-Belady at 10%: the gap to Belady is almost all in knowing which conversations continue.
+`hindsight_classes` against `oracle_classes` says whether the policy or the information is missing.
+Also P(continued) by single features, and the AUC of the hindsight predictor.
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import sys
-from collections import OrderedDict
+from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvstore.analytics.simulate import replay  # noqa: E402
-from kvstore.analytics.trace import Request, read_trace  # noqa: E402
+from kvstore.analytics.trace import Request, conversation_turns, read_trace  # noqa: E402
+from kvstore.eviction import LRU, EvictionPolicy, PrefixReuse, ReuseHint  # noqa: E402
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "conversation_trace.jsonl"
 FRACTIONS = (0.01, 0.02, 0.05, 0.10, 0.20, 0.50)
-Admit = Callable[[int, Request, object], bool]
+BLOCK_TOKENS = 512
+Admit = Callable[[int, object], bool]  # (request number, block key) -> store it?
+# Bucket edges of each feature; the buckets of all five together class a request.
+EDGES = {"hit_fraction": (0.01, 0.5, 0.9), "full_blocks": (2, 4, 8, 16, 32, 64), "turn": (1, 2, 4, 8),
+         "output_tokens": (10, 50, 200, 400, 800), "gap_s": (0, 10, 60, 300)}
 
 
-def lru_with_admission(requests: list[Request], capacity: int, admit: Admit) -> float:
-    """Token hit rate of leaf-first LRU that stores a missing block only if `admit(number, request, key)`."""
-    cache: OrderedDict = OrderedDict()
+@dataclass
+class Features:
+    hit_fraction: float  # of its full blocks, the leading share seen before
+    full_blocks: int
+    turn: int  # earlier turns of its conversation: requests whose last full block lies in its prefix
+    output_tokens: int
+    gap_s: float  # since the conversation's previous turn; -1 for a first turn
+
+    def bucket(self) -> tuple[int, ...]:
+        return tuple(bisect.bisect_right(edges, getattr(self, name)) for name, edges in EDGES.items())
+
+
+class ClassGiven(PrefixReuse):
+    """PrefixReuse classing blocks by a class the benchmark sets per request, instead of the hint's."""
+
+    current = 0
+
+    def classify(self, hint: ReuseHint | None) -> int:
+        return self.current
+
+
+def replay_policy(requests: Sequence[Request], capacity: int, policy: EvictionPolicy,
+                  admit: Admit | None = None, classes: Sequence[int] | None = None) -> float:
+    """Token hit rate of `policy` serving the trace as the store does (leaf first; reads, then puts)."""
+    turns = conversation_turns(requests, BLOCK_TOKENS)
     hit_tokens = tokens = 0
     for number, request in enumerate(requests):
-        ids, full = request.hash_ids, request.input_length // 512
+        ids, full = request.hash_ids, request.input_length // BLOCK_TOKENS
         hit = 0
-        while hit < len(ids) and ids[hit] in cache:
+        while hit < len(ids) and ids[hit] in policy:
             hit += 1
         tokens += request.input_length
-        hit_tokens += sum(request.block_tokens(i, 512) for i in range(hit))
+        hit_tokens += sum(request.block_tokens(i, BLOCK_TOKENS) for i in range(hit))
+        if classes is not None:
+            policy.current = classes[number]
         for key in reversed(ids[:hit]):
-            cache.move_to_end(key)
+            policy.access(key)
         for position in range(full - 1, hit - 1, -1):
             key = ids[position]
-            if key in cache:
-                cache.move_to_end(key)
-            elif admit(number, request, key):
-                while len(cache) >= capacity:
-                    cache.popitem(last=False)
-                cache[key] = True
+            if key in policy:
+                policy.access(key)
+            elif admit is None or admit(number, key):
+                while len(policy) >= capacity:
+                    policy.pop_victim()
+                policy.insert(key, 1, ids[position - 1] if position else None,
+                              ReuseHint(min(hit, full), full, turns[number]))
     return hit_tokens / tokens
 
 
-def continuation_table(requests: list[Request], last_use: dict) -> dict:
-    """P(a request is continued later) by its hit fraction and by its length in full blocks."""
+def request_features(requests: Sequence[Request]) -> list[Features]:
+    """What is known of each request when it arrives (the gap as a store watching its prefix tree knows it)."""
     seen: set = set()
-    by_fraction: dict[str, list[int]] = {}
-    by_length: dict[str, list[int]] = {}
-    fraction_edges, length_edges = (0, 0.01, 0.5, 0.9, 1.01), (0, 4, 16, 64, 10**9)
-    for number, request in enumerate(requests):
-        full = request.input_length // 512
-        if not full:
-            continue
+    ended: dict = {}  # last full block of an earlier request -> when it came, in s
+    features = []
+    for request, turn in zip(requests, conversation_turns(requests, BLOCK_TOKENS)):
+        full = request.input_length // BLOCK_TOKENS
+        ids = request.hash_ids[:full]
         hit = 0
-        while hit < full and request.hash_ids[hit] in seen:
+        while hit < full and ids[hit] in seen:
             hit += 1
-        continued = last_use[request.hash_ids[full - 1]] > number
-        for table, value, edges in ((by_fraction, hit / full, fraction_edges), (by_length, full, length_edges)):
-            low = max(e for e in edges[:-1] if value >= e)
-            high = edges[edges.index(low) + 1]
-            counts = table.setdefault(f"[{low:g}, {high:g})", [0, 0])
-            counts[0] += continued
-            counts[1] += 1
-        seen.update(request.hash_ids[:full])
-    def low_edge(item) -> float:
-        return float(item[0][1:].split(",")[0])
+        previous = None
+        for key in ids[1:]:  # as conversation_turns: the deepest earlier prompt this one holds
+            previous = ended.get(key, previous)
+        now = request.timestamp_ms / 1000
+        features.append(Features(hit / full if full else 0.0, full, turn, request.output_length,
+                                 now - previous if previous is not None else -1.0))
+        seen.update(ids)
+        if full > 1:
+            ended[ids[-1]] = now
+    return features
 
-    return {name: {bucket: {"p_continued": c / n, "requests": n}
-                   for bucket, (c, n) in sorted(table.items(), key=low_edge)}
-            for name, table in (("hit_fraction", by_fraction), ("full_blocks", by_length))}
+
+def continued_requests(requests: Sequence[Request]) -> list[bool]:
+    """Whether each request's last full block is used again later: its conversation goes on."""
+    later: set = set()
+    continued = [False] * len(requests)
+    for number in range(len(requests) - 1, -1, -1):
+        ids = requests[number].hash_ids[: requests[number].input_length // BLOCK_TOKENS]
+        continued[number] = bool(ids) and ids[-1] in later
+        later.update(ids)
+    return continued
+
+
+def hindsight_classes(features: Sequence[Features], continued: Sequence[bool]) -> tuple[list[int], float]:
+    """Per request, P(continued | its feature buckets) counted over the whole trace, in twentieths; and
+    the AUC of that probability as a predictor of continuation."""
+    counts: dict = defaultdict(lambda: [0, 0])
+    for feature, goes_on in zip(features, continued):
+        counts[feature.bucket()][0] += goes_on
+        counts[feature.bucket()][1] += 1
+    probability = np.array([counts[f.bucket()][0] / counts[f.bucket()][1] for f in features])
+    outcome = np.asarray(continued)
+    ranks = probability.argsort().argsort() + 1.0
+    for value in np.unique(probability):  # ties share their mean rank
+        ranks[probability == value] = ranks[probability == value].mean()
+    positives = outcome.sum()
+    auc = (ranks[outcome].sum() - positives * (positives + 1) / 2) / (positives * (len(outcome) - positives))
+    return [int(p * 20) for p in probability], float(auc)
+
+
+def continuation_table(features: Sequence[Features], continued: Sequence[bool]) -> dict:
+    """P(a request is continued later) by each feature alone."""
+    table = {}
+    for name, edges in EDGES.items():
+        buckets: dict[int, list[int]] = defaultdict(lambda: [0, 0])
+        for feature, goes_on in zip(features, continued):
+            if feature.full_blocks:
+                bucket = bisect.bisect_right(edges, getattr(feature, name))
+                buckets[bucket][0] += goes_on
+                buckets[bucket][1] += 1
+        bounds = ("-inf",) + tuple(f"{e:g}" for e in edges) + ("inf",)
+        table[name] = {f"[{bounds[b]}, {bounds[b + 1]})": {"p_continued": c / n, "requests": n}
+                       for b, (c, n) in sorted(buckets.items())}
+    return table
 
 
 def main() -> None:
@@ -93,31 +169,40 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     requests = list(read_trace(args.trace))
+    continued = continued_requests(requests)
+    features = request_features(requests)
+    classes, auc = hindsight_classes(features, continued)
     last_use: dict = {}
     for number, request in enumerate(requests):
         for key in request.hash_ids:
             last_use[key] = number
-    unique = len({k for r in requests for k in r.hash_ids[: r.input_length // 512]})
-    variants: dict[str, Admit] = {
-        "lru": lambda number, request, key: True,
-        "oracle_block": lambda number, request, key: last_use[key] > number,
-        "oracle_request": lambda number, request, key: last_use[request.hash_ids[request.input_length // 512 - 1]]
-        > number,
+    unique = len({k for r in requests for k in r.hash_ids[: r.input_length // BLOCK_TOKENS]})
+    variants: dict[str, Callable[[int], float]] = {
+        "lru": lambda capacity: replay_policy(requests, capacity, LRU()),
+        "oracle_block": lambda capacity: replay_policy(requests, capacity, LRU(),
+                                                       admit=lambda number, key: last_use[key] > number),
+        "oracle_request": lambda capacity: replay_policy(requests, capacity, LRU(),
+                                                         admit=lambda number, key: continued[number]),
+        "prefix_reuse": lambda capacity: replay_policy(requests, capacity, PrefixReuse()),
+        "hindsight_classes": lambda capacity: replay_policy(requests, capacity, ClassGiven(), classes=classes),
+        "oracle_classes": lambda capacity: replay_policy(requests, capacity, ClassGiven(),
+                                                         classes=[int(c) for c in continued]),
     }
-    figures: dict = {"trace": str(args.trace), "unique_blocks": unique, "capacities": {}}
+    figures: dict = {"trace": str(args.trace), "unique_blocks": unique, "hindsight_auc": auc, "capacities": {}}
     print(f"{args.trace.name}: {len(requests):,} requests, {unique:,} unique full blocks")
-    print(f"{'capacity':>8} {'belady':>7} " + " ".join(f"{name:>15}" for name in variants))
+    print(f"{'capacity':>8} {'belady':>7} " + " ".join(f"{name:>17}" for name in variants))
     for fraction in FRACTIONS:
         capacity = max(1, int(unique * fraction))
         optimum = replay(requests, "belady", capacity).token_hit_rate
-        row = {name: lru_with_admission(requests, capacity, admit) / optimum for name, admit in variants.items()}
+        row = {name: run(capacity) / optimum for name, run in variants.items()}
         figures["capacities"][f"{fraction:.0%}"] = {"belady_token_hit_rate": optimum,
                                                    **{f"{k}_over_opt": v for k, v in row.items()}}
-        print(f"{fraction:>8.0%} {optimum:>7.1%} " + " ".join(f"{v:>14.2f}x" for v in row.values()), flush=True)
-    figures["continuation"] = continuation_table(requests, last_use)
+        print(f"{fraction:>8.0%} {optimum:>7.1%} " + " ".join(f"{v:>16.2f}x" for v in row.values()), flush=True)
+    figures["continuation"] = continuation_table(features, continued)
     for name, table in figures["continuation"].items():
         print(f"\nP(continued) by {name}: " + ", ".join(
             f"{bucket} {row['p_continued']:.2f} (n={row['requests']:,})" for bucket, row in table.items()))
+    print(f"\nAUC of P(continued | all five features), fitted in hindsight: {auc:.2f}")
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2))
 

@@ -63,7 +63,7 @@ def run(sessions: int, turns: int, workdir: Path) -> None:
                 conversation += rng.integers(0, mc.vocab_size, int(rng.integers(150, 350))).tolist()  # the user
                 before = tier_hits(client)
                 result = engine.prefill(PrefillRequest(conversation, traffic_class=traffic_class,
-                                                       session_id=f"s{number}"))
+                                                       session_id=f"s{number}", turn=turn))
                 result.kv.release()
                 client.write_behind.flush(timeout=60)
                 served = {k: v - before[k] for k, v in tier_hits(client).items()}

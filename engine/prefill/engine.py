@@ -111,6 +111,8 @@ class PrefillEngine:
         low, high = min(tokens), max(tokens)
         if low < 0 or high >= mc.vocab_size:
             raise PrefillError(f"token id {low if low < 0 else high} outside the vocabulary [0, {mc.vocab_size})")
+        if not isinstance(request.turn, int) or request.turn < 0:
+            raise PrefillError(f"turn must be a non-negative integer, got {request.turn!r}")
         if len(tokens) > mc.max_position_embeddings:
             raise PrefillError(f"prompt of {len(tokens)} tokens exceeds the model's context of "
                                f"{mc.max_position_embeddings}")
@@ -260,7 +262,8 @@ class PrefillEngine:
         full = len(a.blocks)
         if self.client is not None and a.save_from < full:
             items = [(a.blocks[i], self._payload(a.kv.block_table[i])) for i in range(a.save_from, full)]
-            self.client.save(items, self.layout.num_layers, a.request.traffic_class, ReuseHint(a.stored, full))
+            self.client.save(items, self.layout.num_layers, a.request.traffic_class,
+                             ReuseHint(a.stored, full, a.request.turn))
         if self.window_tier is not None:
             for boundary, state in sorted(a.kv.captured.items()):
                 session = a.request.session_id if boundary == full * self.block_tokens else None

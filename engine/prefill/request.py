@@ -31,6 +31,7 @@ class PrefillRequest:
     traffic_class: str = "chat"  # the store's retention class ("chat", "agent", ...)
     session_id: str | None = None  # a session's newer window state replaces its older one
     namespace: Namespace | None = None  # if given, must be this model's namespace
+    turn: int = 0  # earlier turns of the conversation the prompt holds (its assistant messages): for eviction
 
 
 @dataclass

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from kvstore.analytics.simulate import Progress, ReplayResult
-from kvstore.analytics.trace import Request
+from kvstore.analytics.trace import Request, conversation_turns
 from kvstore.block import KVLayout, Namespace
 from kvstore.client import ClientConfig, KVClient
 from kvstore.eviction import ReuseHint
@@ -24,6 +24,7 @@ def replay_through_daemons(requests: Sequence[Request], servers: str, payload_by
     payload = bytes(namespace.block_bytes)
     result = ReplayResult("daemons", None)
     config = ClientConfig(tuple(s for s in servers.split(",") if s), timeout_s=30)
+    turns = conversation_turns(requests, block_tokens)
     with KVClient(config) as client:
         for number, request in enumerate(requests):
             full = request.input_length // block_tokens
@@ -37,7 +38,7 @@ def replay_through_daemons(requests: Sequence[Request], servers: str, payload_by
             result.hit_tokens += hit * block_tokens
             if blocks[hit:]:
                 client.put([(block, payload) for block in blocks[hit:]], layout.num_layers, request.traffic_class,
-                           ReuseHint(hit, full))
+                           ReuseHint(hit, full, turns[number]))
             if progress is not None:
                 progress(number + 1)
         result.evictions = int(sum((s or {}).get("kvstore_evictions_total", 0) for s in client.server_stats().values()))

@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from kvstore.analytics.trace import Request
+from kvstore.analytics.trace import Request, conversation_turns
 from kvstore.eviction import ReuseHint, make_policy
 
 Progress = Callable[[int], None]
@@ -66,6 +66,7 @@ def replay(requests: Sequence[Request], policy: str, capacity_blocks: int | None
     chooser = None if policy == "infinite" or capacity_blocks is None else make_policy(policy, capacity_blocks)
     ttl = _Retention(ttl_s) if ttl_s else None
     present: set = set()
+    turns = conversation_turns(requests, block_tokens)
 
     def evict(key) -> None:
         present.discard(key)
@@ -88,7 +89,7 @@ def replay(requests: Sequence[Request], policy: str, capacity_blocks: int | None
             hit += 1
         _count(result, request, hit, block_tokens)
         full = _full_blocks(request, block_tokens)
-        hint = ReuseHint(min(hit, full), full)  # what the engine tells the store with its puts
+        hint = ReuseHint(min(hit, full), full, turns[number])  # what the engine tells the store with its puts
         for key in reversed(ids[:hit]):  # read, leaf first
             if chooser is not None:
                 chooser.access(key)

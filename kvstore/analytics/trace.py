@@ -12,7 +12,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 
 class TraceError(ValueError):
@@ -79,3 +79,24 @@ def parse_line(line: str, block_tokens: int) -> Request:
     if not isinstance(traffic_class, str) or not traffic_class:
         raise ValueError("traffic_class must be a non-empty string")
     return Request(int(timestamp), length, output, tuple(ids), traffic_class)
+
+
+def conversation_turns(requests: Sequence[Request], block_tokens: int = 512) -> list[int]:
+    """Per request, how many earlier turns of its conversation its prompt holds, as an engine knows
+    from a chat prompt's messages; the trace has no messages, so it is rebuilt from the prefixes.
+
+    A turn ends where its prompt's last full block does: a later prompt holding that block continues
+    the conversation, one turn deeper. First blocks are left out, as they are system prompts shared by
+    unrelated conversations."""
+    tips: dict[int, int] = {}  # the last full block of an earlier prompt -> that prompt's turn
+    turns = []
+    for request in requests:
+        full = request.hash_ids[: request.input_length // block_tokens]
+        turn = 0
+        for key in full[1:]:
+            if key in tips:
+                turn = tips[key] + 1
+        turns.append(turn)
+        if len(full) > 1:
+            tips[full[-1]] = turn
+    return turns

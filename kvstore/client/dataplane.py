@@ -275,6 +275,7 @@ def put_head(record_bytes: int, hint: ReuseHint | None) -> bytes:
     head = pb.PutHead(record_bytes=record_bytes)
     if hint is not None:
         head.request_hit_blocks, head.request_blocks = min(hint.hit_blocks, hint.blocks), hint.blocks
+        head.request_turn = hint.turn
     return head.SerializeToString()
 
 

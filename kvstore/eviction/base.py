@@ -13,11 +13,14 @@ from typing import NamedTuple
 
 class ReuseHint(NamedTuple):
     """What the engine knew of the request that produced a block: how many of its prompt's full blocks
-    were already cached, and how many it had. A policy may use it to guess whether the block will be
-    used again (a prompt mostly cached is a conversation that goes on); all may ignore it."""
+    were already cached, how many it had, and how many earlier turns of its conversation the prompt
+    holds (the assistant messages of a chat prompt; 0 for a first turn or when unknown). A policy may
+    use it to guess whether the block will be used again (a prompt mostly cached, or deep into a
+    conversation, is a conversation that goes on); all may ignore it."""
 
     hit_blocks: int
     blocks: int
+    turn: int = 0
 
 
 class EvictionPolicy(ABC):

@@ -7,8 +7,9 @@ What a KV-prefix cache knows and a generic cache does not:
 * Whether a block is used again is mostly whether its conversation goes on, and the request that put it
   says much about that (`ReuseHint`): in the Mooncake conversation trace a prompt that was >= 90%
   cached is continued 73% of the time, one that was < 50% cached 28%, a prompt under 4 blocks 72%
-  (`bench/continuation.py`). Blocks are classed by (cached fraction, prompt length) of the request that
-  put them.
+  (`bench/continuation.py`); so does the number of earlier turns its prompt holds: 42% for a first
+  turn, 66% with 4-7 earlier turns, 81% with 8 or more. Blocks are classed by (cached fraction, prompt
+  length, turn) of the request that put them.
 
 Each class keeps its leaves in recency order. The victim is the class tail with the lowest probability
 of being used again given its age a (the time since its last use, counted in cache operations):
@@ -36,6 +37,7 @@ from kvstore.eviction.tree import PrefixTree
 
 _FRACTION_EDGES = (0.0, 0.5, 0.9)  # cached fraction of the prompt
 _LENGTH_EDGES = (0, 4, 16)  # full blocks in the prompt
+_TURN_EDGES = (0, 1, 4)  # earlier turns of the conversation
 _UNKNOWN = -1  # the class of blocks put without a hint
 _GAP_EDGES = [2 ** (i / 2) for i in range(64)]  # gap histogram bins, in operations: sqrt(2) apart
 _PRIOR_GAPS = 20.0
@@ -49,7 +51,8 @@ def reuse_class(hint: ReuseHint | None) -> int:
     fraction = min(hint.hit_blocks, hint.blocks) / hint.blocks
     f = bisect.bisect_right(_FRACTION_EDGES, fraction) - 1
     n = bisect.bisect_right(_LENGTH_EDGES, hint.blocks) - 1
-    return f * len(_LENGTH_EDGES) + n
+    t = bisect.bisect_right(_TURN_EDGES, hint.turn) - 1
+    return (f * len(_LENGTH_EDGES) + n) * len(_TURN_EDGES) + t
 
 
 class _Gaps:
@@ -95,7 +98,11 @@ class PrefixReuse(EvictionPolicy):
         self._size[key] = size
         self._bytes += size
         self._tree.add(key, parent)
-        self._use(key, reuse_class(hint))
+        self._use(key, self.classify(hint))
+
+    def classify(self, hint: ReuseHint | None) -> int:
+        """The class of a block put with `hint` (a hook for the benchmark that tries other classes)."""
+        return reuse_class(hint)
 
     def access(self, key) -> None:
         if key not in self._size:

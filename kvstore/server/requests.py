@@ -62,7 +62,7 @@ def reuse_hint(head: pb.PutHead) -> ReuseHint | None:
         return None
     if head.request_hit_blocks > head.request_blocks:
         raise RequestError(f"PutHead says {head.request_hit_blocks} of {head.request_blocks} blocks were cached")
-    return ReuseHint(head.request_hit_blocks, head.request_blocks)
+    return ReuseHint(head.request_hit_blocks, head.request_blocks, head.request_turn)
 
 
 def parse_record_header(header_bytes: bytes, declared: int, known_classes: Sequence[str]) -> RecordHeader:

@@ -116,20 +116,21 @@ def test_several_requests_share_steps_and_all_finish(tiny, daemons):
             _check(tiny, result, list(result.request.tokens))
 
 
-@pytest.mark.parametrize("tokens, message", [
-    ([], "empty prompt"),
-    ([1, 2, VOCAB], "outside the vocabulary"),
-    ([-1, 2], "outside the vocabulary"),
-    ([1, 2.5], "integers"),
-    ([1] * 1025, "exceeds the model's context"),
+@pytest.mark.parametrize("tokens, turn, message", [
+    ([], 0, "empty prompt"),
+    ([1, 2, VOCAB], 0, "outside the vocabulary"),
+    ([-1, 2], 0, "outside the vocabulary"),
+    ([1, 2.5], 0, "integers"),
+    ([1] * 1025, 0, "exceeds the model's context"),
+    ([1, 2], -1, "turn must be a non-negative integer"),
 ])
-def test_bad_input_is_refused_and_disturbs_nothing(tiny_models, tokens, message):
+def test_bad_input_is_refused_and_disturbs_nothing(tiny_models, tokens, turn, message):
     tiny = tiny_models["gpt_oss"]
     engine = _engine(tiny, None)
     good = _tokens(50)
     engine.submit(PrefillRequest(good))
     with pytest.raises(PrefillError, match=message):
-        engine.submit(PrefillRequest(tokens))
+        engine.submit(PrefillRequest(tokens, turn=turn))
     (result,) = engine.run()
     _check(tiny, result, good)
 

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from kvstore.analytics.trace import TraceError, read_trace
+from kvstore.analytics.trace import Request, TraceError, conversation_turns, read_trace
 
 pytestmark = pytest.mark.unit
 
@@ -54,3 +54,19 @@ def test_the_cli_replays_a_trace_and_fails_precisely(tmp_path):
     skipped = subprocess.run([sys.executable, "-m", "kvstore.cli", "analytics", "replay", str(bad), "--skip-bad",
                               "--capacity", "5"], capture_output=True, text=True)
     assert skipped.returncode == 0 and "1 bad lines skipped" in skipped.stdout
+
+
+def test_conversation_turns_follow_the_prompts_that_hold_an_earlier_prompt():
+    def request(*ids: int) -> Request:
+        return Request(0, 512 * len(ids) + 100, 10, (*ids, 999))  # full blocks, then a partial one
+
+    trace = [
+        request(0, 1, 2),        # a first turn
+        request(0, 1, 2, 3, 4),  # holds the first: turn 1
+        request(0, 5),           # another conversation under the same system prompt (block 0)
+        request(0, 1, 2, 3),     # holds the first, not the second: a branch at turn 1
+        request(0, 1, 2, 3, 4, 6),  # holds the second (and the branch): turn 2
+        request(0),              # the system prompt alone: a first turn, and nobody's predecessor
+        request(0, 7),           # block 0 was the last prompt's end, but first blocks do not count
+    ]
+    assert conversation_turns(trace) == [0, 1, 0, 1, 2, 0, 0]

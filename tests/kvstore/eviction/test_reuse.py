@@ -15,6 +15,11 @@ def test_classes_by_cached_fraction_and_length():
     assert reuse_class(None) == reuse_class(ReuseHint(0, 0)) == -1
     assert reuse_class(ReuseHint(9, 10)) == reuse_class(CONTINUING) != reuse_class(ReuseHint(8, 10))
     assert reuse_class(ReuseHint(0, 3)) != reuse_class(FRESH) != reuse_class(ReuseHint(0, 16))
+    assert reuse_class(ReuseHint(0, 10, 1)) == reuse_class(ReuseHint(0, 10, 3)) != reuse_class(ReuseHint(0, 10, 4))
+    assert reuse_class(FRESH) != reuse_class(ReuseHint(0, 10, 1))
+    every = {reuse_class(ReuseHint(hit, blocks, turn)) for blocks in (3, 10, 20) for hit in (0, blocks // 2 + 1, blocks)
+             for turn in (0, 1, 4)}
+    assert len(every) == 27, "3 cached fractions x 3 lengths x 3 turn depths, no two alike"
 
 
 def test_only_leaves_go_and_without_hints_it_is_lru():
