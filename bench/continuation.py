@@ -14,9 +14,13 @@ On a Mooncake-format trace, at 1-50% of its unique full blocks, each over Belady
   previous turn, and output length. The probability of each feature combination is counted over the whole trace, in hindsight:
   no predictor built on these features, learned online, can class better;
 * `oracle_classes`: the same policy told, per request, whether it is continued.
+* `advised_100/95/90/80`: the same policy as the daemon runs it, with engines that advise the store once
+  each reply is done whether its conversation goes on (`client.advise`), right 100/95/90/80% of the time
+  (simulated: the trace does not record it).
 
-`hindsight_classes` against `oracle_classes` says whether the policy or the information is missing.
-Also P(continued) by single features, and the AUC of the hindsight predictor.
+`hindsight_classes` against `oracle_classes` says whether the policy or the information is missing;
+the advised columns, how good a signal from the engines must be to close the gap. Also P(continued) by
+single features, and the AUC of the hindsight predictor.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvstore.analytics.simulate import replay  # noqa: E402
-from kvstore.analytics.trace import Request, conversation_turns, read_trace  # noqa: E402
+from kvstore.analytics.trace import Request, continued_requests, conversation_turns, read_trace  # noqa: E402
 from kvstore.eviction import LRU, EvictionPolicy, PrefixReuse, ReuseHint  # noqa: E402
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "conversation_trace.jsonl"
@@ -119,17 +123,6 @@ def request_features(requests: Sequence[Request]) -> list[Features]:
     return features
 
 
-def continued_requests(requests: Sequence[Request]) -> list[bool]:
-    """Whether each request's last full block is used again later: its conversation goes on."""
-    later: set = set()
-    continued = [False] * len(requests)
-    for number in range(len(requests) - 1, -1, -1):
-        ids = requests[number].hash_ids[: requests[number].input_length // BLOCK_TOKENS]
-        continued[number] = bool(ids) and ids[-1] in later
-        later.update(ids)
-    return continued
-
-
 def hindsight_classes(features: Sequence[Features], continued: Sequence[bool]) -> tuple[list[int], float]:
     """Per request, P(continued | its feature buckets) counted over the whole trace, in twentieths; and
     the AUC of that probability as a predictor of continuation."""
@@ -183,10 +176,13 @@ def main() -> None:
                                                        admit=lambda number, key: last_use[key] > number),
         "oracle_request": lambda capacity: replay_policy(requests, capacity, LRU(),
                                                          admit=lambda number, key: continued[number]),
-        "prefix_reuse": lambda capacity: replay_policy(requests, capacity, PrefixReuse()),
+        "prefix_reuse": lambda capacity: replay(requests, "prefix-reuse", capacity).token_hit_rate,
         "hindsight_classes": lambda capacity: replay_policy(requests, capacity, ClassGiven(), classes=classes),
         "oracle_classes": lambda capacity: replay_policy(requests, capacity, ClassGiven(),
                                                          classes=[int(c) for c in continued]),
+        **{f"advised_{right:.0%}"[:-1]: lambda capacity, right=right: replay(
+            requests, "prefix-reuse", capacity, continuation_signal=right).token_hit_rate
+           for right in (1.0, 0.95, 0.9, 0.8)},
     }
     figures: dict = {"trace": str(args.trace), "unique_blocks": unique, "hindsight_auc": auc, "capacities": {}}
     print(f"{args.trace.name}: {len(requests):,} requests, {unique:,} unique full blocks")

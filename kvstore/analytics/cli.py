@@ -48,6 +48,10 @@ def add_parser(subparsers) -> None:
     play.add_argument("--servers", help="also drive the trace through these running daemons (host:port,...) and "
                                         "set their hit rate beside the simulator's at the first --capacity")
     play.add_argument("--payload-bytes", type=parse_size, default=4096, help="payload per block with --servers")
+    play.add_argument("--continuation-signal", type=probability, metavar="Q",
+                      help="simulate engines that advise the store once each reply is done whether its "
+                           "conversation goes on, right with probability Q; traces do not record it, so it "
+                           "is drawn from the trace's own future (what such advice would be worth)")
     play.set_defaults(run=run_replay)
 
     live = sub.add_parser("live", help="hit rates, capacity and churn of running daemons, refreshed in place")
@@ -73,6 +77,13 @@ def run_log(args: argparse.Namespace) -> int:
         args.json.write_text(json.dumps(report, indent=2))
         print(f"figures written to {args.json}")
     return 0
+
+
+def probability(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text} is not a probability in [0, 1]")
+    return value
 
 
 def parse_capacities(text: str, unique_blocks: int, block_bytes: int) -> list[tuple[str, int]]:
@@ -132,11 +143,15 @@ def run_replay(args: argparse.Namespace) -> int:
         row = {"capacity": label, "capacity_blocks": blocks}
         for policy in [*policies, "belady"]:
             row[policy] = replay(requests, policy, blocks, args.block_tokens, ttl,
-                                 ProgressLine(f"{policy} at {label}", len(requests))).as_dict()
+                                 ProgressLine(f"{policy} at {label}", len(requests)),
+                                 continuation_signal=args.continuation_signal).as_dict()
         rows.append(row)
     print(f"\n{args.trace}: {len(requests):,} requests, {sum(r.input_length for r in requests):,} input tokens, "
           f"{unique:,} unique full blocks; infinite cache: {infinite.token_hit_rate:.2%} of tokens"
           + (f"; {len(skipped)} bad lines skipped" if skipped else ""))
+    if args.continuation_signal is not None:
+        print(f"engines simulated advising whether each conversation goes on, right {args.continuation_signal:.0%} "
+              "of the time (policies that take advice: prefix-reuse)")
     print("token-weighted hit rate (ratio to Belady at the same capacity):")
     header = f"{'capacity':>10} {'blocks':>8} " + " ".join(f"{p:>17}" for p in policies) + f" {'belady':>8}"
     print(header)
@@ -146,7 +161,8 @@ def run_replay(args: argparse.Namespace) -> int:
                          for p in policies)
         print(f"{row['capacity']:>10} {row['capacity_blocks']:>8,} {cells} {opt:>8.2%}")
     report = {"trace": str(args.trace), "requests": len(requests), "unique_full_blocks": unique,
-              "skipped_lines": skipped, "ttl_s": ttl, "infinite": infinite.as_dict(), "rows": rows}
+              "skipped_lines": skipped, "ttl_s": ttl, "continuation_signal": args.continuation_signal,
+              "infinite": infinite.as_dict(), "rows": rows}
     if args.reuse:
         report["reuse"] = reuse_statistics(requests)
         distance, gap = report["reuse"]["reuse_distance_blocks"], report["reuse"]["reuse_time_s"]
@@ -157,7 +173,8 @@ def run_replay(args: argparse.Namespace) -> int:
         label, blocks = capacities[0]
         simulated = rows[0][policies[0]]
         driven = replay_through_daemons(requests, args.servers, args.payload_bytes, args.block_tokens,
-                                        ProgressLine(f"daemons at {args.servers}", len(requests))).as_dict()
+                                        ProgressLine(f"daemons at {args.servers}", len(requests)),
+                                        args.continuation_signal).as_dict()
         report["daemons"] = driven
         print(f"through the daemons: {driven['token_hit_rate']:.2%} of tokens, {driven['block_hit_rate']:.2%} of "
               f"blocks; the simulator's {policies[0]} at {label} ({blocks:,} blocks): "

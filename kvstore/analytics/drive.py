@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from kvstore.analytics.simulate import Progress, ReplayResult
+from kvstore.analytics.simulate import Progress, ReplayResult, continuation_signals
 from kvstore.analytics.trace import Request, conversation_turns
 from kvstore.block import KVLayout, Namespace
 from kvstore.client import ClientConfig, KVClient
@@ -18,13 +18,15 @@ from kvstore.eviction import ReuseHint
 
 
 def replay_through_daemons(requests: Sequence[Request], servers: str, payload_bytes: int = 4096,
-                           block_tokens: int = 512, progress: Progress | None = None) -> ReplayResult:
+                           block_tokens: int = 512, progress: Progress | None = None,
+                           continuation_signal: float | None = None) -> ReplayResult:
     layout = KVLayout(num_layers=1, kv_heads=1, head_dim=max(1, payload_bytes // 8), dtype="float16")
     namespace = Namespace("kvstore-analytics-replay", layout, block_tokens=2)
     payload = bytes(namespace.block_bytes)
     result = ReplayResult("daemons", None)
     config = ClientConfig(tuple(s for s in servers.split(",") if s), timeout_s=30)
     turns = conversation_turns(requests, block_tokens)
+    signals = None if continuation_signal is None else continuation_signals(requests, continuation_signal, block_tokens)
     with KVClient(config) as client:
         for number, request in enumerate(requests):
             full = request.input_length // block_tokens
@@ -39,6 +41,8 @@ def replay_through_daemons(requests: Sequence[Request], servers: str, payload_by
             if blocks[hit:]:
                 client.put([(block, payload) for block in blocks[hit:]], layout.num_layers, request.traffic_class,
                            ReuseHint(hit, full, turns[number]))
+                if signals is not None:  # the reply is done: the engine says whether the conversation goes on
+                    client.advise(blocks[hit:], signals[number])
             if progress is not None:
                 progress(number + 1)
         result.evictions = int(sum((s or {}).get("kvstore_evictions_total", 0) for s in client.server_stats().values()))

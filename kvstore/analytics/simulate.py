@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from kvstore.analytics.trace import Request, conversation_turns
+from kvstore.analytics.trace import Request, continued_requests, conversation_turns
 from kvstore.eviction import ReuseHint, make_policy
 
 Progress = Callable[[int], None]
@@ -53,11 +53,15 @@ class ReplayResult:
 
 def replay(requests: Sequence[Request], policy: str, capacity_blocks: int | None, block_tokens: int = 512,
            ttl_s: dict[str, float] | None = None, progress: Progress | None = None,
-           low_blocks: int | None = None) -> ReplayResult:
+           low_blocks: int | None = None, continuation_signal: float | None = None) -> ReplayResult:
     """Replay through `policy` ("lru", "s3fifo", "sieve", "prefix-lfu", "belady" or "infinite").
 
     With `low_blocks`, eviction works as the daemon's watermarks do: once more than `capacity_blocks`
-    are cached, blocks go until `low_blocks` are left; otherwise one block goes per block admitted."""
+    are cached, blocks go until `low_blocks` are left; otherwise one block goes per block admitted.
+    With `continuation_signal` = q, engines are simulated that advise the store, once each reply is
+    done, whether its conversation goes on (`ReuseHint.continues`), right with probability q: traces
+    do not record it, so it is drawn from the future (seeded, the same for every policy)."""
+
     if policy == "belady":
         return _belady(requests, capacity_blocks, block_tokens, progress)
     if capacity_blocks is not None and capacity_blocks < 1:
@@ -67,6 +71,7 @@ def replay(requests: Sequence[Request], policy: str, capacity_blocks: int | None
     ttl = _Retention(ttl_s) if ttl_s else None
     present: set = set()
     turns = conversation_turns(requests, block_tokens)
+    signals = None if continuation_signal is None else continuation_signals(requests, continuation_signal, block_tokens)
 
     def evict(key) -> None:
         present.discard(key)
@@ -112,9 +117,22 @@ def replay(requests: Sequence[Request], policy: str, capacity_blocks: int | None
                     _make_room(chooser, ttl, now, evict, result)
             if ttl is not None:
                 ttl.touch(key, request.traffic_class, now)
+        if signals is not None and chooser is not None:  # the reply is done: the engine says what it knows
+            advice = hint._replace(continues=signals[number])
+            for key in ids[hit:full]:
+                chooser.advise(key, advice)
         if progress is not None:
             progress(number + 1)
     return result
+
+
+def continuation_signals(requests: Sequence[Request], right: float, block_tokens: int = 512) -> list[bool]:
+    """Per request, a simulated engine's word on whether its conversation goes on, right with
+    probability `right` (seeded: the same for every policy and for the daemons)."""
+    if not 0.0 <= right <= 1.0:
+        raise ValueError(f"the continuation signal is right with a probability, got {right}")
+    flips = np.random.default_rng(0).random(len(requests)) >= right
+    return [bool(truth != flip) for truth, flip in zip(continued_requests(requests, block_tokens), flips)]
 
 
 def _make_room(chooser, ttl: "_Retention | None", now: float, evict, result: ReplayResult) -> None:

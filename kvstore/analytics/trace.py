@@ -100,3 +100,15 @@ def conversation_turns(requests: Sequence[Request], block_tokens: int = 512) -> 
         if len(full) > 1:
             tips[full[-1]] = turn
     return turns
+
+
+def continued_requests(requests: Sequence[Request], block_tokens: int = 512) -> list[bool]:
+    """Whether each request's conversation goes on: a later prompt holds its last full block. (Known
+    only in hindsight; the simulator draws the engines' continuation signal from it.)"""
+    later: set[int] = set()
+    continued = [False] * len(requests)
+    for number in range(len(requests) - 1, -1, -1):
+        full = requests[number].hash_ids[: requests[number].input_length // block_tokens]
+        continued[number] = bool(full) and full[-1] in later
+        later.update(full)
+    return continued

@@ -42,6 +42,8 @@ class Shard:
                                                pb.CountResponse.FromString)
         self._delete = self.channel.unary_unary(method("Delete"), pb.KeysRequest.SerializeToString,
                                                 pb.CountResponse.FromString)
+        self._advise = self.channel.unary_unary(method("Advise"), pb.AdviseRequest.SerializeToString,
+                                                pb.CountResponse.FromString)
         self._stats = self.channel.unary_unary(method("Stats"), pb.StatsRequest.SerializeToString,
                                                pb.StatsResponse.FromString)
         self._info = self.channel.unary_unary(method("Info"), pb.InfoRequest.SerializeToString,
@@ -114,6 +116,10 @@ class Shard:
 
     async def delete(self, keys: list[bytes]) -> int:
         return (await self._delete(pb.KeysRequest(keys=keys), timeout=self.config.lookup_timeout_s)).count
+
+    async def advise(self, keys: list[bytes], continues: bool) -> int:
+        request = pb.AdviseRequest(keys=keys, continues=continues)
+        return (await self._advise(request, timeout=self.config.lookup_timeout_s)).count
 
     async def stats(self) -> dict[str, float]:
         return dict((await self._stats(pb.StatsRequest(), timeout=self.config.lookup_timeout_s)).values)

@@ -129,6 +129,9 @@ class KVClient:
     def touch(self, blocks: Sequence[Block], traffic_class: str = "") -> int:
         return self._run(self._async.touch(blocks, traffic_class))
 
+    def advise(self, blocks: Sequence[Block], continues: bool) -> int:
+        return self._run(self._async.advise(blocks, continues))
+
     def delete(self, blocks: Sequence[Block]) -> int:
         return self._run(self._async.delete(blocks))
 

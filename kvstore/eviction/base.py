@@ -16,11 +16,16 @@ class ReuseHint(NamedTuple):
     were already cached, how many it had, and how many earlier turns of its conversation the prompt
     holds (the assistant messages of a chat prompt; 0 for a first turn or when unknown). A policy may
     use it to guess whether the block will be used again (a prompt mostly cached, or deep into a
-    conversation, is a conversation that goes on); all may ignore it."""
+    conversation, is a conversation that goes on); all may ignore it.
+
+    `continues` is what the engine learned once the reply was done, sent with `advise`: True when the
+    conversation will go on (the reply ended in a tool call its agent will answer), False when it ended
+    (the session was closed); None when it cannot tell."""
 
     hit_blocks: int
     blocks: int
     turn: int = 0
+    continues: bool | None = None
 
 
 class EvictionPolicy(ABC):
@@ -33,6 +38,11 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def access(self, key: bytes) -> None:
         """`key` was read; a no-op for an untracked key."""
+
+    def advise(self, key: bytes, hint: ReuseHint) -> None:
+        """The engine knows more about the request that put `key` (`hint.continues`); not a use of it.
+
+        A no-op for an untracked key, and for policies that take no advice."""
 
     @abstractmethod
     def remove(self, key: bytes) -> None:

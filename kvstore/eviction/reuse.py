@@ -9,7 +9,8 @@ What a KV-prefix cache knows and a generic cache does not:
   cached is continued 73% of the time, one that was < 50% cached 28%, a prompt under 4 blocks 72%
   (`bench/continuation.py`); so does the number of earlier turns its prompt holds: 42% for a first
   turn, 66% with 4-7 earlier turns, 81% with 8 or more. Blocks are classed by (cached fraction, prompt
-  length, turn) of the request that put them.
+  length, turn) of the request that put them, and refined by the engine's advice once the reply is done
+  (`advise`: the conversation goes on, or ended), when it has any.
 
 Each class keeps its leaves in recency order. The victim is the class tail with the lowest probability
 of being used again given its age a (the time since its last use, counted in cache operations):
@@ -38,7 +39,7 @@ from kvstore.eviction.tree import PrefixTree
 _FRACTION_EDGES = (0.0, 0.5, 0.9)  # cached fraction of the prompt
 _LENGTH_EDGES = (0, 4, 16)  # full blocks in the prompt
 _TURN_EDGES = (0, 1, 4)  # earlier turns of the conversation
-_UNKNOWN = -1  # the class of blocks put without a hint
+_ADVICE = {None: 0, True: 1, False: 2}  # the engine said nothing, that the conversation goes on, that it ended
 _GAP_EDGES = [2 ** (i / 2) for i in range(64)]  # gap histogram bins, in operations: sqrt(2) apart
 _PRIOR_GAPS = 20.0
 _GHOSTS_PER_KEY = 4  # ghost entries kept per tracked key (at least _MIN_GHOSTS)
@@ -46,13 +47,21 @@ _MIN_GHOSTS = 1024
 
 
 def reuse_class(hint: ReuseHint | None) -> int:
+    """0 without a hint; else one of 27 (cached fraction x length x turn), refined by the advice."""
     if hint is None or hint.blocks <= 0:
-        return _UNKNOWN
-    fraction = min(hint.hit_blocks, hint.blocks) / hint.blocks
-    f = bisect.bisect_right(_FRACTION_EDGES, fraction) - 1
-    n = bisect.bisect_right(_LENGTH_EDGES, hint.blocks) - 1
-    t = bisect.bisect_right(_TURN_EDGES, hint.turn) - 1
-    return (f * len(_LENGTH_EDGES) + n) * len(_TURN_EDGES) + t
+        shape = 0
+    else:
+        fraction = min(hint.hit_blocks, hint.blocks) / hint.blocks
+        f = bisect.bisect_right(_FRACTION_EDGES, fraction) - 1
+        n = bisect.bisect_right(_LENGTH_EDGES, hint.blocks) - 1
+        t = bisect.bisect_right(_TURN_EDGES, hint.turn) - 1
+        shape = 1 + (f * len(_LENGTH_EDGES) + n) * len(_TURN_EDGES) + t
+    return with_advice(shape * len(_ADVICE), hint.continues if hint is not None else None)
+
+
+def with_advice(klass: int, continues: bool | None) -> int:
+    """`klass` refined by what the engine advised: the same shape of request, told apart by its fate."""
+    return klass - klass % len(_ADVICE) + _ADVICE[continues]
 
 
 class _Gaps:
@@ -110,6 +119,19 @@ class PrefixReuse(EvictionPolicy):
         self._now += 1
         self._learn_reuse(self._last[key], self._class[key])
         self._use(key, self._class[key])
+
+    def advise(self, key, hint: ReuseHint) -> None:
+        if key not in self._size:
+            return
+        old = self._class[key]
+        new = with_advice(old, hint.continues)
+        if new == old:
+            return
+        self._class[key] = new
+        self._uses[old] -= 1  # its last use now counts for the class whose reuse its next use will show
+        self._uses[new] = self._uses.get(new, 0.0) + 1
+        if self._tree.is_leaf(key):
+            heapq.heappush(self._leaves.setdefault(new, []), (self._last[key], key))
 
     def _use(self, key, klass: int) -> None:
         self._last[key] = self._now

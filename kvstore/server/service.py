@@ -77,6 +77,10 @@ class KVStoreService:
         check_keys(request.keys, self.config)
         return pb.CountResponse(count=await self.store.delete(request.keys))
 
+    async def advise(self, request: pb.AdviseRequest, context) -> pb.CountResponse:
+        check_keys(request.keys, self.config)
+        return pb.CountResponse(count=self.store.advise(request.keys, request.continues))
+
     async def stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
         self.store.refresh_gauges()
         return pb.StatsResponse(values=self.metrics.flatten())
@@ -196,6 +200,7 @@ class KVStoreService:
             "Put": grpc.stream_unary_rpc_method_handler(put, None, None),
             "Touch": unary("Touch", pb.KeysRequest, self.touch),
             "Delete": unary("Delete", pb.KeysRequest, self.delete),
+            "Advise": unary("Advise", pb.AdviseRequest, self.advise),
             "Stats": unary("Stats", pb.StatsRequest, self.stats),
             "Info": unary("Info", pb.InfoRequest, self.info),
         })

@@ -409,6 +409,14 @@ class BlockStore:
     async def delete(self, keys: Sequence[bytes]) -> int:
         return len(await self.remove(keys))
 
+    def advise(self, keys: Sequence[bytes], continues: bool) -> int:
+        """Tell the eviction policy whether the conversation that put `keys` goes on; how many it holds."""
+        advice = ReuseHint(0, 0, continues=continues)
+        held = [key for key in keys if key in self.policy]
+        for key in held:
+            self.policy.advise(key, advice)
+        return len(held)
+
     async def flush_access(self) -> None:
         """Persist access times and extended expiries (a crash loses at most one flush interval)."""
         if not self._dirty:

@@ -41,12 +41,12 @@ def test_a_daemon_with_room_for_everything_matches_the_simulator_exactly(daemons
     assert driven.hit_blocks > 100
 
 
-def conversations(n: int = 60, turns: int = 5, seed: int = 3) -> list[Request]:
-    """n conversations of `turns` turns, interleaved at random: a 2-block shared system prompt, then each
-    turn adds 2 blocks to its conversation and ends in a partial block."""
-    rng = random.Random(seed)
+def conversations(n: int = 60, turns: tuple[int, ...] = (5,), seed: int = 3) -> list[Request]:
+    """n conversations of a number of turns drawn from `turns`, interleaved at random: a 2-block shared
+    system prompt, then each turn adds 2 blocks to its conversation and ends in a partial block."""
+    rng, lengths = random.Random(seed), random.Random(seed + 1)
     ids: dict = {}
-    order = [c for c in range(n) for _ in range(turns)]
+    order = [c for c in range(n) for _ in range(lengths.choice(turns))]
     rng.shuffle(order)
     grown = dict.fromkeys(range(n), 0)
     out = []
@@ -62,10 +62,7 @@ def conversations(n: int = 60, turns: int = 5, seed: int = 3) -> list[Request]:
 def test_a_daemon_under_pressure_agrees_with_the_simulator(daemons, policy):
     trace = conversations()
     capacity = 150  # of 722 unique full blocks: LRU hits ~37% of tokens here
-    daemon, = daemons(1, "--capacity-bytes", str(capacity * RECORD_BYTES), "--eviction-policy", policy,
-                      "--high-watermark", "0.99", "--low-watermark", "0.97", "--segment-bytes", "256KiB",
-                      "--sweep-interval-s", "0.05")
-    driven = replay_through_daemons(trace, daemon.address)  # puts carry the requests' hints
+    driven = replay_through_daemons(trace, _pressed(daemons, policy, capacity))  # puts carry the requests' hints
     simulated = replay(trace, policy, int(capacity * 0.99), low_blocks=int(capacity * 0.97))
     assert driven.evictions > 0
     assert abs(driven.token_hit_rate - simulated.token_hit_rate) < 0.02, (driven, simulated)
@@ -75,6 +72,25 @@ def test_a_daemon_under_pressure_agrees_with_the_simulator(daemons, policy):
         others.append(replay(trace, "s3fifo", capacity))
     for other in others:
         assert abs(other.token_hit_rate - simulated.token_hit_rate) > 0.04
+
+
+def test_a_daemon_advised_of_each_conversations_fate_agrees_with_the_simulator(daemons):
+    trace = conversations(turns=(1, 8))  # one-off questions and long chats: their first turns look alike
+    capacity = 150  # of 676 unique full blocks
+    driven = replay_through_daemons(trace, _pressed(daemons, "prefix-reuse", capacity), continuation_signal=1.0)
+    advised, unadvised = (replay(trace, "prefix-reuse", int(capacity * 0.99), low_blocks=int(capacity * 0.97),
+                                 continuation_signal=signal) for signal in (1.0, None))
+    assert driven.evictions > 0
+    assert abs(driven.token_hit_rate - advised.token_hit_rate) < 0.01, (driven, advised)
+    assert advised.token_hit_rate - unadvised.token_hit_rate > 0.02, "the advice is worth something here"
+
+
+def _pressed(daemons, policy: str, capacity_blocks: int) -> str:
+    """The address of one daemon with room for `capacity_blocks` blocks of the driven replay."""
+    daemon, = daemons(1, "--capacity-bytes", str(capacity_blocks * RECORD_BYTES), "--eviction-policy", policy,
+                      "--high-watermark", "0.99", "--low-watermark", "0.97", "--segment-bytes", "256KiB",
+                      "--sweep-interval-s", "0.05")
+    return daemon.address
 
 
 def test_live_and_access_log_reports(daemons, tmp_path, small_trace):

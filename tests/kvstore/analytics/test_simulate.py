@@ -1,6 +1,6 @@
 import pytest
 
-from kvstore.analytics.simulate import replay, reuse_statistics
+from kvstore.analytics.simulate import continuation_signals, replay, reuse_statistics
 from kvstore.analytics.trace import Request
 
 pytestmark = pytest.mark.unit
@@ -60,3 +60,33 @@ def test_reuse_distance_and_time():
     stats = reuse_statistics(requests([1], [2], [3], [1], [1], gap_ms=1000))
     assert stats["reuses"] == 2 and stats["unique_blocks"] == 3
     assert sorted([stats["reuse_distance_blocks"]["p10"], stats["reuse_distance_blocks"]["p99"]])[0] == pytest.approx(0.2)
+
+
+def test_a_simulated_continuation_signal_is_right_as_often_as_asked_and_the_same_each_time():
+    # 200 conversations of two turns: the first goes on, the second ends
+    trace = requests(*(list(range(10 * c, 10 * c + 2 + turn)) for c in range(200) for turn in (0, 1)))
+    truth = [turn == 0 for _ in range(200) for turn in (0, 1)]
+    for right in (1.0, 0.8, 0.0):
+        signals = continuation_signals(trace, right)
+        agreement = sum(s == t for s, t in zip(signals, truth)) / len(truth)
+        assert agreement == pytest.approx(right, abs=0.06)
+        assert signals == continuation_signals(trace, right)
+    with pytest.raises(ValueError, match="probability"):
+        continuation_signals(trace, 1.2)
+
+
+def test_only_policies_that_take_advice_change_with_it():
+    # 20 chats that go on, between one-off questions that look alike when they arrive
+    prompts, turns = [], [0] * 20
+    for step in range(600):
+        if step % 2:
+            prompts.append([0] + [(1000 + step, i) for i in range(2)])  # a one-off question
+        else:
+            chat = (step // 2) % 20
+            turns[chat] += 1
+            prompts.append([0] + [(chat, i) for i in range(2 * turns[chat])])
+    trace = requests(*prompts)
+    for policy, changes in (("lru", False), ("prefix-reuse", True)):
+        plain = replay(trace, policy, 40).hit_tokens
+        advised = replay(trace, policy, 40, continuation_signal=1.0).hit_tokens
+        assert (advised > plain) if changes else (advised == plain), (policy, plain, advised)

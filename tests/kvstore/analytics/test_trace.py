@@ -54,6 +54,14 @@ def test_the_cli_replays_a_trace_and_fails_precisely(tmp_path):
     skipped = subprocess.run([sys.executable, "-m", "kvstore.cli", "analytics", "replay", str(bad), "--skip-bad",
                               "--capacity", "5"], capture_output=True, text=True)
     assert skipped.returncode == 0 and "1 bad lines skipped" in skipped.stdout
+    path.write_text("\n".join(lines) + "\n")
+    advised = subprocess.run([sys.executable, "-m", "kvstore.cli", "analytics", "replay", str(path), "--capacity", "5",
+                              "--continuation-signal", "0.9", "--json", str(out)], capture_output=True, text=True)
+    assert advised.returncode == 0 and "right 90% of the time" in advised.stdout
+    assert json.loads(out.read_text())["continuation_signal"] == 0.9
+    not_a_probability = subprocess.run([sys.executable, "-m", "kvstore.cli", "analytics", "replay", str(path),
+                                        "--continuation-signal", "1.5"], capture_output=True, text=True)
+    assert not_a_probability.returncode == 2 and "not a probability" in not_a_probability.stderr
 
 
 def test_conversation_turns_follow_the_prompts_that_hold_an_earlier_prompt():

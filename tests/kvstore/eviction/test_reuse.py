@@ -12,7 +12,7 @@ FRESH = ReuseHint(0, 10)  # nothing of it cached
 
 
 def test_classes_by_cached_fraction_and_length():
-    assert reuse_class(None) == reuse_class(ReuseHint(0, 0)) == -1
+    assert reuse_class(None) == reuse_class(ReuseHint(0, 0)) != reuse_class(FRESH)
     assert reuse_class(ReuseHint(9, 10)) == reuse_class(CONTINUING) != reuse_class(ReuseHint(8, 10))
     assert reuse_class(ReuseHint(0, 3)) != reuse_class(FRESH) != reuse_class(ReuseHint(0, 16))
     assert reuse_class(ReuseHint(0, 10, 1)) == reuse_class(ReuseHint(0, 10, 3)) != reuse_class(ReuseHint(0, 10, 4))
@@ -20,6 +20,8 @@ def test_classes_by_cached_fraction_and_length():
     every = {reuse_class(ReuseHint(hit, blocks, turn)) for blocks in (3, 10, 20) for hit in (0, blocks // 2 + 1, blocks)
              for turn in (0, 1, 4)}
     assert len(every) == 27, "3 cached fractions x 3 lengths x 3 turn depths, no two alike"
+    advised = {reuse_class(ReuseHint(0, 10, 0, continues)) for continues in (None, True, False)}
+    assert len(advised) == 3 and not advised & (every - {reuse_class(FRESH)}), "advice refines a class"
 
 
 def test_only_leaves_go_and_without_hints_it_is_lru():
@@ -68,3 +70,26 @@ def test_an_evicted_key_used_again_still_counts_as_reused():
     assert policy.pop_victim() == "a" and "a" not in policy
     policy.insert("a", 1, hint=FRESH)  # back from the ghost list: the first use had a reuse after all
     assert policy.reuse_probability(klass, 0) > before
+
+
+def test_advice_moves_a_block_to_its_fate_without_counting_a_use():
+    policy = PrefixReuse()
+    for i in range(8):
+        policy.insert(f"a{i}", 1, hint=FRESH)  # operations 1-8: eight conversations' first turns, alike
+    for i in range(4):
+        policy.advise(f"a{i}", FRESH._replace(continues=True))  # the engine: these go on...
+        policy.access(f"a{i}")  # 9-12: ...and they do
+    for i in range(4, 8):
+        policy.advise(f"a{i}", FRESH._replace(continues=False))  # these ended
+    policy.advise("never put", FRESH._replace(continues=False))  # ignored
+    policy.insert("b", 1, hint=FRESH)  # 13
+    policy.insert("c", 1, hint=FRESH)  # 14
+    policy.advise("b", FRESH._replace(continues=True))
+    policy.advise("c", FRESH._replace(continues=False))
+    goes_on, ended = (reuse_class(FRESH._replace(continues=c)) for c in (True, False))
+    # p(goes on) = (4 reuses + 0.5) / (4 puts + 4 reads + b's put + 1): the puts moved with the advice
+    assert policy.reuse_probability(goes_on, 0) == pytest.approx(4.5 / 10)
+    assert policy.reuse_probability(ended, 0) == pytest.approx(0.5 / 6)  # 4 puts + c's put, no reuse
+    victims = [policy.pop_victim() for _ in range(10)]
+    assert victims[:5] == ["a4", "a5", "a6", "a7", "c"], "the ended go first, oldest first"
+    assert victims[5:] == ["a0", "a1", "a2", "a3", "b"]

@@ -46,7 +46,7 @@ def channel(daemon):
         yield ch
 
 
-def test_put_lookup_get_touch_delete_stats(daemon):
+def test_put_lookup_get_touch_delete_advise_stats(daemon):
     items = prompt(6)
     blocks = [b for b, _ in items]
     with KVClient([daemon.address]) as client:
@@ -60,6 +60,7 @@ def test_put_lookup_get_touch_delete_stats(daemon):
         assert [bytes(g.layer(2)) for g in layered] == [p[2 * NS.layer_bytes : 3 * NS.layer_bytes] for _, p in items]
         assert client.touch(blocks[:3], "agent") == 3
         assert client.delete(blocks[3:4]) == 1
+        assert client.advise(blocks, continues=False) == 5, "advice counts the blocks held"
         assert client.lookup(blocks) == 3
         assert len(client.get(blocks)) == 3, "a get stops at the first missing block"
         stats = client.server_stats()[daemon.address]
@@ -108,8 +109,9 @@ def test_prometheus_endpoint(daemon):
     ("Lookup", b"\xff\xff\xff garbage"),
     ("Touch", pb.KeysRequest(keys=[b"k" * 16], traffic_class="nope").SerializeToString()),
     ("Delete", pb.KeysRequest(keys=[b""]).SerializeToString()),
+    ("Advise", pb.AdviseRequest(keys=[b"k" * 17], continues=True).SerializeToString()),
     ("Stats", b"\x0a\x05abc"),
-], ids=["short-key", "too-many-keys", "not-protobuf", "unknown-class", "empty-key", "truncated-field"])
+], ids=["short-key", "too-many-keys", "not-protobuf", "unknown-class", "empty-key", "advise-long-key", "truncated-field"])
 def test_malformed_unary_requests_are_invalid_argument(channel, name, request_bytes):
     call = channel.unary_unary(method(name), None, None)
     with pytest.raises(grpc.RpcError) as info:
