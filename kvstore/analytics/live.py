@@ -40,6 +40,10 @@ def render(all_stats: dict[str, dict | None]) -> str:
         lines.append("  misses by cause: " + ", ".join(f"{c} {n:,.0f}" for c, n in sorted(causes.items(), key=lambda kv: -kv[1])))
         blocks = _labelled(total, "kvstore_blocks")
         lines.append("  blocks by class: " + ", ".join(f"{c} {n:,.0f}" for c, n in sorted(blocks.items())))
+        advised = _labelled(total, "kvstore_advised_blocks_total")
+        if advised:
+            lines.append("  advised blocks:  " + ", ".join(f"{'going on' if c == 'true' else 'ended'} {n:,.0f}"
+                                                          for c, n in sorted(advised.items(), reverse=True)))
     return "\n".join(lines)
 
 

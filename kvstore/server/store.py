@@ -415,6 +415,7 @@ class BlockStore:
         held = [key for key in keys if key in self.policy]
         for key in held:
             self.policy.advise(key, advice)
+        self.metrics.advised.labels(continues=str(continues).lower()).inc(len(held))
         return len(held)
 
     async def flush_access(self) -> None:

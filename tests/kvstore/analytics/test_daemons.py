@@ -96,9 +96,10 @@ def _pressed(daemons, policy: str, capacity_blocks: int) -> str:
 def test_live_and_access_log_reports(daemons, tmp_path, small_trace):
     log = tmp_path / "access.log"
     daemon, = daemons(1, "--access-log", str(log), "--access-flush-interval-s", "0.05", "--sweep-interval-s", "0.05")
-    replay_through_daemons(small_trace[:100], daemon.address)
+    replay_through_daemons(small_trace[:100], daemon.address, continuation_signal=0.5)  # both kinds of advice
     live = kvstore("analytics", "live", "--servers", daemon.address, "--rounds", "1")
     assert live.returncode == 0 and "hit" in live.stdout and "blocks by class: chat" in live.stdout
+    assert "advised blocks:  going on" in live.stdout and ", ended" in live.stdout
     daemon.stop()  # flushes the log
     out = tmp_path / "log.json"
     report_run = kvstore("analytics", "log", str(log), "--json", str(out))

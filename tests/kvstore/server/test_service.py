@@ -68,6 +68,7 @@ def test_put_lookup_get_touch_delete_advise_stats(daemon):
     assert stats["kvstore_hits_total{tier=dram}"] >= 6
     assert stats["kvstore_misses_total{cause=missing}"] >= 1
     assert stats["kvstore_blocks{traffic_class=chat}"] == 5
+    assert stats["kvstore_advised_blocks_total{continues=false}"] == 5
 
 
 def test_get_streams_layer_major_in_layer_order(channel, daemon):
