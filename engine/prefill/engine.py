@@ -260,9 +260,7 @@ class PrefillEngine:
     def _finish(self, a: _Active, logits: torch.Tensor) -> PrefillResult:
         del self._active[a.id]
         full = len(a.blocks)
-        saved = ()
         if self.client is not None and a.save_from < full:
-            saved = tuple(a.blocks[a.save_from:])
             items = [(a.blocks[i], self._payload(a.kv.block_table[i])) for i in range(a.save_from, full)]
             self.client.save(items, self.layout.num_layers, a.request.traffic_class,
                              ReuseHint(a.stored, full, a.request.turn))
@@ -274,7 +272,7 @@ class PrefillEngine:
         logits = logits.float().cpu()
         return PrefillResult(a.request, int(logits.argmax()), logits, a.kv, len(a.tokens),
                              a.stored * self.block_tokens, a.loaded * self.block_tokens, a.path, a.sources,
-                             time.perf_counter() - a.submitted, a.chunks, saved)
+                             time.perf_counter() - a.submitted, a.chunks, tuple(a.blocks))
 
     def _payload(self, page: int) -> bytes:
         """A stored block's bytes: each full layer's page, layer-major: (full_layers, 2, block_tokens, kv_heads, head_dim)."""

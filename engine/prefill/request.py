@@ -47,5 +47,5 @@ class PrefillResult:
     sources: dict[str, int] = field(default_factory=dict)  # loaded blocks by source: "host" or "daemon"
     ttft_s: float = 0.0  # submit to first token
     chunks: int = 0  # steps that computed part of it
-    saved: tuple[Block, ...] = ()  # the blocks this request computed and queued for the store: once its
-    # reply is done, client.advise(saved, continues) tells the store whether the conversation goes on
+    blocks: tuple[Block, ...] = ()  # the prompt's full blocks: once the reply is done,
+    # client.advise(blocks, continues) tells the store whether the conversation goes on

@@ -41,8 +41,8 @@ def replay_through_daemons(requests: Sequence[Request], servers: str, payload_by
             if blocks[hit:]:
                 client.put([(block, payload) for block in blocks[hit:]], layout.num_layers, request.traffic_class,
                            ReuseHint(hit, full, turns[number]))
-                if signals is not None:  # the reply is done: the engine says whether the conversation goes on
-                    client.advise(blocks[hit:], signals[number])
+            if signals is not None and blocks:  # the reply is done: the engine says if the conversation goes on
+                client.advise(blocks, signals[number])
             if progress is not None:
                 progress(number + 1)
         result.evictions = int(sum((s or {}).get("kvstore_evictions_total", 0) for s in client.server_stats().values()))

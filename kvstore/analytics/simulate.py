@@ -119,7 +119,7 @@ def replay(requests: Sequence[Request], policy: str, capacity_blocks: int | None
                 ttl.touch(key, request.traffic_class, now)
         if signals is not None and chooser is not None:  # the reply is done: the engine says what it knows
             advice = hint._replace(continues=signals[number])
-            for key in ids[hit:full]:
+            for key in ids[:full]:
                 chooser.advise(key, advice)
         if progress is not None:
             progress(number + 1)

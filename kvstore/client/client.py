@@ -331,10 +331,10 @@ class AsyncKVClient:
         return await self._per_shard(blocks, lambda shard, keys: shard.delete(keys))
 
     async def advise(self, blocks: Sequence[Block], continues: bool) -> int:
-        """Once a reply is done: does the conversation whose request put `blocks` go on? (True: the reply
+        """Once a reply is done: does the conversation whose prompt is `blocks` go on? (True: the reply
         ended in a tool call its agent will answer; False: the session was closed.) The daemons' prefix-
-        aware eviction keeps the blocks of conversations that go on and gives up the others first. Pass
-        the blocks that request put, not a prefix shared with other conversations. How many are held."""
+        aware eviction keeps the blocks of conversations that go on and gives up the others first; it
+        leaves alone the blocks several prompts branch from (a shared system prompt). How many are held."""
         return await self._per_shard(blocks, lambda shard, keys: shard.advise(keys, continues))
 
     async def _per_shard(self, blocks: Sequence[Block], call) -> int:

@@ -40,7 +40,8 @@ class EvictionPolicy(ABC):
         """`key` was read; a no-op for an untracked key."""
 
     def advise(self, key: bytes, hint: ReuseHint) -> None:
-        """The engine knows more about the request that put `key` (`hint.continues`); not a use of it.
+        """The engine knows more about the conversation whose prompt holds `key` (`hint.continues`); not
+        a use of it.
 
         A no-op for an untracked key, and for policies that take no advice."""
 

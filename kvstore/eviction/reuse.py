@@ -10,7 +10,8 @@ What a KV-prefix cache knows and a generic cache does not:
   (`bench/continuation.py`); so does the number of earlier turns its prompt holds: 42% for a first
   turn, 66% with 4-7 earlier turns, 81% with 8 or more. Blocks are classed by (cached fraction, prompt
   length, turn) of the request that put them, and refined by the engine's advice once the reply is done
-  (`advise`: the conversation goes on, or ended), when it has any.
+  (`advise`: the conversation goes on, or ended), when it has any. Advice covers the conversation's
+  whole path but for the blocks several prompts branch from.
 
 Each class keeps its leaves in recency order. The victim is the class tail with the lowest probability
 of being used again given its age a (the time since its last use, counted in cache operations):
@@ -121,8 +122,8 @@ class PrefixReuse(EvictionPolicy):
         self._use(key, self._class[key])
 
     def advise(self, key, hint: ReuseHint) -> None:
-        if key not in self._size:
-            return
+        if key not in self._size or self._tree.branches(key) > 1:
+            return  # a prefix several conversations branch from (a system prompt) is not one's to judge
         old = self._class[key]
         new = with_advice(old, hint.continues)
         if new == old:

@@ -21,6 +21,10 @@ class PrefixTree:
     def is_leaf(self, key) -> bool:
         return not self._children.get(key)
 
+    def branches(self, key) -> int:
+        """How many tracked children `key` has: more than one, and several prompts go on from it."""
+        return self._children.get(key, 0)
+
     def remove(self, key):
         """Forget `key`; its parent if that is tracked and has just become a leaf, else None."""
         parent = self._parent.pop(key)

@@ -63,8 +63,8 @@ def test_cold_and_warm_from_the_host_tier(tiny, daemons):
                 assert result.sources == {"host": previous_blocks}
             _check(tiny, result, conversation[:length])
             client.write_behind.flush()
-            assert len(result.saved) == length // BLOCK - result.stored_tokens // BLOCK
-            assert client.advise(result.saved, continues=True) == len(result.saved)  # the store holds them
+            assert len(result.blocks) == length // BLOCK
+            assert client.advise(result.blocks, continues=True) == len(result.blocks)  # the store holds them
         assert engine.pool.free_pages == 128
 
 

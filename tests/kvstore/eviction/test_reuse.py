@@ -93,3 +93,17 @@ def test_advice_moves_a_block_to_its_fate_without_counting_a_use():
     victims = [policy.pop_victim() for _ in range(10)]
     assert victims[:5] == ["a4", "a5", "a6", "a7", "c"], "the ended go first, oldest first"
     assert victims[5:] == ["a0", "a1", "a2", "a3", "b"]
+
+
+def test_advice_leaves_alone_a_block_several_prompts_branch_from():
+    policy = PrefixReuse()
+    policy.insert("c1", 1, parent="sys", hint=FRESH)
+    policy.insert("c2", 1, parent="sys", hint=FRESH)
+    policy.insert("sys", 1, hint=FRESH)
+    policy.insert("d1", 1, parent="c1", hint=FRESH)
+    for key in ("sys", "c1", "d1"):  # conversation 1's prompt, sys -> c1 -> d1, ended
+        policy.advise(key, FRESH._replace(continues=False))
+    # c1 and d1 moved to the ended class (their puts with them); sys, which c1 and c2 branch from, stayed
+    ended = reuse_class(FRESH._replace(continues=False))
+    assert policy.reuse_probability(ended, 0) == pytest.approx(0.5 / (2 + 1))
+    assert policy.reuse_probability(reuse_class(FRESH), 0) == pytest.approx(0.5 / (2 + 1))
