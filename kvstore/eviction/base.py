@@ -45,6 +45,28 @@ class EvictionPolicy(ABC):
 
         A no-op for an untracked key, and for policies that take no advice."""
 
+    # -- what survives a restart: the owner keeps a class (0-255) with each block and a snapshot ------
+
+    def classify(self, hint: ReuseHint | None) -> int:
+        """The class a block put with `hint` gets, for the owner to keep with it; 0 if none."""
+        return 0
+
+    def class_of(self, key: bytes) -> int:
+        """The class `key` has now (advice may change it), for the owner to keep with it; 0 if none."""
+        return 0
+
+    def restore(self, key: bytes, size: int, parent, klass: int) -> None:
+        """Track `key` again after a restart, in the class kept for it; owners restore oldest first.
+        Not a use: what the policy learned comes back with `load`."""
+        self.insert(key, size, parent)
+
+    def snapshot(self) -> dict | None:
+        """What the policy has learned, JSON-able, for the owner to keep; None if nothing."""
+        return None
+
+    def load(self, snapshot: dict) -> None:
+        """Take back a `snapshot` (before any restore); ValueError if it is not one of this policy's."""
+
     @abstractmethod
     def remove(self, key: bytes) -> None:
         """Stop tracking `key` (deleted or expired); a no-op for an untracked key."""

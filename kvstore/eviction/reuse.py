@@ -41,6 +41,7 @@ _FRACTION_EDGES = (0.0, 0.5, 0.9)  # cached fraction of the prompt
 _LENGTH_EDGES = (0, 4, 16)  # full blocks in the prompt
 _TURN_EDGES = (0, 1, 4)  # earlier turns of the conversation
 _ADVICE = {None: 0, True: 1, False: 2}  # the engine said nothing, that the conversation goes on, that it ended
+_CLASSES = (1 + 3 * 3 * 3) * len(_ADVICE)  # (no hint, or fraction x length x turn) x advice
 _GAP_EDGES = [2 ** (i / 2) for i in range(64)]  # gap histogram bins, in operations: sqrt(2) apart
 _PRIOR_GAPS = 20.0
 _GHOSTS_PER_KEY = 4  # ghost entries kept per tracked key (at least _MIN_GHOSTS)
@@ -78,6 +79,15 @@ class _Gaps:
 
     def longer_than(self, age: int) -> float:
         return sum(self.counts[bisect.bisect_right(_GAP_EDGES, age):])
+
+    @staticmethod
+    def of(counts: list) -> "_Gaps":
+        if len(counts) != len(_GAP_EDGES) + 1:
+            raise ValueError(f"{len(counts)} gap bins, expected {len(_GAP_EDGES) + 1}")
+        gaps = _Gaps()
+        gaps.counts = [float(c) for c in counts]
+        gaps.total = sum(gaps.counts)
+        return gaps
 
 
 class PrefixReuse(EvictionPolicy):
@@ -120,6 +130,40 @@ class PrefixReuse(EvictionPolicy):
         self._now += 1
         self._learn_reuse(self._last[key], self._class[key])
         self._use(key, self._class[key])
+
+    def class_of(self, key) -> int:
+        return self._class.get(key, 0)
+
+    def restore(self, key, size: int, parent, klass: int) -> None:
+        if key in self._size:
+            return
+        self._now += 1
+        self._size[key] = size
+        self._bytes += size
+        self._tree.add(key, parent)
+        self._last[key] = self._now
+        self._class[key] = klass = klass if 0 <= klass < _CLASSES else 0
+        if self._tree.is_leaf(key):
+            heapq.heappush(self._leaves.setdefault(klass, []), (self._now, key))
+
+    def snapshot(self) -> dict:
+        return {"policy": "prefix-reuse", "now": self._now, "uses": dict(self._uses), "reuses": dict(self._reuses),
+                "gaps": {klass: list(gaps.counts) for klass, gaps in self._gaps.items()},
+                "all_gaps": list(self._all_gaps.counts)}
+
+    def load(self, snapshot: dict) -> None:
+        try:
+            if snapshot.get("policy") != "prefix-reuse":
+                raise ValueError("not a prefix-reuse snapshot")
+            uses = {int(k): float(v) for k, v in snapshot["uses"].items()}
+            reuses = {int(k): float(v) for k, v in snapshot["reuses"].items()}
+            gaps = {int(k): _Gaps.of(v) for k, v in snapshot["gaps"].items()}
+            all_gaps, now = _Gaps.of(snapshot["all_gaps"]), int(snapshot["now"])
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"a malformed prefix-reuse snapshot: {exc!r}") from None
+        if not all(0 <= k < _CLASSES for k in (*uses, *reuses, *gaps)) or now < 0:
+            raise ValueError("a prefix-reuse snapshot with classes this version does not have")
+        self._uses, self._reuses, self._gaps, self._all_gaps, self._now = uses, reuses, gaps, all_gaps, now
 
     def advise(self, key, hint: ReuseHint) -> None:
         if key not in self._size or self._tree.branches(key) > 1:

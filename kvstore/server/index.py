@@ -28,7 +28,8 @@ from kvstore import faults
 log = logging.getLogger(__name__)
 
 # segment id, offset, header length, payload length, expiry (ms), last access (ms), class id; then the
-# 16-byte parent key (absent in entries written before it was kept, which read as no parent)
+# 16-byte parent key and one byte, the eviction policy's class of the block (entries written before
+# these were kept are shorter, and read as no parent and class 0)
 _ENTRY = struct.Struct("<IQIIQQH")
 _PARENT_BYTES = 16
 _EXPIRY = struct.Struct("<Q")
@@ -50,18 +51,21 @@ class Entry:
     access_ms: int
     class_id: int
     parent: bytes = b""  # the prefix parent's key (the namespace digest for a first block); b"": unknown
+    policy_class: int = 0  # what the eviction policy keeps for the block (EvictionPolicy.class_of); kept only with a parent
 
     @property
     def record_len(self) -> int:
         return self.header_len + self.payload_len
 
     def pack(self) -> bytes:
-        return _ENTRY.pack(self.segment, self.offset, self.header_len, self.payload_len,
-                           self.expires_ms, self.access_ms, self.class_id) + self.parent
+        fixed = _ENTRY.pack(self.segment, self.offset, self.header_len, self.payload_len,
+                            self.expires_ms, self.access_ms, self.class_id)
+        return fixed + self.parent + bytes([self.policy_class]) if self.parent else fixed
 
     @staticmethod
     def unpack(raw: bytes) -> "Entry":
-        return Entry(*_ENTRY.unpack_from(raw), bytes(raw[_ENTRY.size : _ENTRY.size + _PARENT_BYTES]))
+        end = _ENTRY.size + _PARENT_BYTES
+        return Entry(*_ENTRY.unpack_from(raw), bytes(raw[_ENTRY.size : end]), raw[end] if len(raw) > end else 0)
 
     def with_access(self, access_ms: int, expires_ms: int, class_id: int | None = None) -> "Entry":
         return replace(self, expires_ms=max(self.expires_ms, expires_ms), access_ms=max(self.access_ms, access_ms),
@@ -176,6 +180,15 @@ class Index:
             txn.put(key, replace(e, segment=new_at[0], offset=new_at[1],
                                  expires_ms=max(e.expires_ms, expires_ms)).pack(), db=db)
             return True
+        return op
+
+    def meta(self, name: bytes) -> bytes | None:
+        with self._read_lock, self._env.begin(db=self._meta) as txn:
+            return txn.get(name)
+
+    def set_meta_op(self, name: bytes, value: bytes) -> Op:
+        def op(txn: lmdb.Transaction, db: Any) -> None:
+            txn.put(name, value, db=self._meta)
         return op
 
     def class_id(self, name: str) -> int:

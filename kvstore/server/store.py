@@ -12,12 +12,13 @@ from __future__ import annotations
 import asyncio
 import errno
 import fcntl
+import json
 import logging
 import math
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 from kvstore.eviction import EvictionPolicy, ReuseHint, make_policy
@@ -34,6 +35,7 @@ from kvstore.server.segments import Segment, SegmentSet
 log = logging.getLogger(__name__)
 # Evict once the LMDB map is this full at its maximum size: deleting needs free pages as well.
 INDEX_HIGH_FILL = 0.75
+POLICY_STATE = b"policy:learned"  # the index meta key of what the eviction policy has learned
 
 
 class DiskFull(Exception):
@@ -80,6 +82,8 @@ class BlockStore:
         self._class_names: dict[int, str] = {}
         self._class_blocks: dict[int, int] = {}
         self._dirty: dict[bytes, tuple[int, int, int]] = {}  # key -> (access_ms, expires_ms, class_id)
+        self._reclassed: dict[bytes, int] = {}  # key -> its new eviction policy class, to persist
+        self._learned_saved: bytes | None = None  # the policy snapshot last persisted
         self._pending: set[bytes] = set()
         self._disk_limit = config.capacity_bytes  # lowered when the file system turns out smaller
         self.retention = Retention(self)
@@ -126,10 +130,11 @@ class BlockStore:
             segment.live_bytes += entry.record_len
             self.live_bytes += entry.record_len
             self._class_blocks[entry.class_id] = self._class_blocks.get(entry.class_id, 0) + 1
-            order.append((entry.access_ms, key, entry.record_len, entry.parent))
+            order.append((entry.access_ms, key, entry.record_len, entry.parent, entry.policy_class))
         order.sort()
-        for _, key, size, parent in order:  # the prefix tree too, so a prefix-aware policy keeps parents
-            self.policy.insert(key, size, parent or None)
+        self._restore_learned()
+        for _, key, size, parent, policy_class in order:  # the prefix tree and classes too
+            self.policy.restore(key, size, parent or None, policy_class)
         if stale:
             self.index.submit(self.index.remove_op(stale)).result()
         for segment in list(self.segments.segments.values()):
@@ -137,6 +142,16 @@ class BlockStore:
                 self.segments.delete(segment)
         log.info("recovered %d blocks in %d segments (%d stale index entries dropped) in %.1f s",
                  len(order), len(self.segments.segments), len(stale), time.perf_counter() - started)
+
+    def _restore_learned(self) -> None:
+        saved = self.index.meta(POLICY_STATE)
+        if saved is None:
+            return
+        try:
+            self.policy.load(json.loads(saved))
+            self._learned_saved = bytes(saved)
+        except ValueError as exc:  # another policy's, or damaged: learning starts afresh, nothing else is lost
+            log.warning("the eviction policy's learned state was not restored: %s", exc)
 
     async def close(self) -> None:
         if self.closed:
@@ -336,7 +351,7 @@ class BlockStore:
                     raise DiskFull(f"no space left for a {header.record_len}-byte record") from exc
                 raise
             new = Entry(segment.id, offset, len(header_bytes), header.payload_len, expires_ms, now_ms, class_id,
-                        header.parent)
+                        header.parent, self.policy.classify(hint))
             if self.index.fill_ratio() > INDEX_HIGH_FILL:
                 await self.retention.evict_bytes(self.policy.tracked_bytes * 0.05)
             payload = chunks[0] if len(chunks) == 1 else b"".join(chunks)
@@ -392,6 +407,7 @@ class BlockStore:
             self.policy.remove(key)
             self.hot.discard(key)
             self._dirty.pop(key, None)
+            self._reclassed.pop(key, None)
         return removed
 
     async def touch(self, keys: Sequence[bytes], class_name: str = "") -> int:
@@ -415,25 +431,44 @@ class BlockStore:
         held = [key for key in keys if key in self.policy]
         for key in held:
             self.policy.advise(key, advice)
+            self._reclassed[key] = self.policy.class_of(key)
         self.metrics.advised.labels(continues=str(continues).lower()).inc(len(held))
         return len(held)
 
     async def flush_access(self) -> None:
-        """Persist access times and extended expiries (a crash loses at most one flush interval)."""
-        if not self._dirty:
+        """Persist access times, extended expiries, changed policy classes and what the policy has learned
+        (a crash loses at most one flush interval of them)."""
+        snapshot = self.policy.snapshot()
+        learned = json.dumps(snapshot).encode() if snapshot is not None else None
+        if learned == self._learned_saved:
+            learned = None
+        if not (self._dirty or self._reclassed or learned):
             return
         dirty, self._dirty = self._dirty, {}
+        reclassed, self._reclassed = self._reclassed, {}
+        save_learned = self.index.set_meta_op(POLICY_STATE, learned) if learned else None
 
         def op(txn, db) -> None:
             for key, (access_ms, expires_ms, class_id) in dirty.items():
                 raw = txn.get(key, db=db)
                 if raw is not None:
                     txn.put(key, Entry.unpack(raw).with_access(access_ms, expires_ms, class_id).pack(), db=db)
+            for key, policy_class in reclassed.items():
+                raw = txn.get(key, db=db)
+                if raw is not None:
+                    txn.put(key, replace(Entry.unpack(raw), policy_class=policy_class).pack(), db=db)
+            if save_learned is not None:
+                save_learned(txn, db)
         try:
             await self.commit(op)
         except IndexFull:
             for key, value in dirty.items():
                 self._dirty.setdefault(key, value)
+            for key, value in reclassed.items():
+                self._reclassed.setdefault(key, value)
+            return
+        if learned:
+            self._learned_saved = learned
 
     def limit(self) -> int:
         """The byte budget in force: the configured one, or the file system's size if that proved smaller."""

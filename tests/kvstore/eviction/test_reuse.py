@@ -1,5 +1,7 @@
 """PrefixReuse on small hand-computed sequences."""
 
+import json
+
 import pytest
 
 from kvstore.eviction import PrefixReuse, ReuseHint
@@ -107,3 +109,37 @@ def test_advice_leaves_alone_a_block_several_prompts_branch_from():
     ended = reuse_class(FRESH._replace(continues=False))
     assert policy.reuse_probability(ended, 0) == pytest.approx(0.5 / (2 + 1))
     assert policy.reuse_probability(reuse_class(FRESH), 0) == pytest.approx(0.5 / (2 + 1))
+
+
+def test_a_snapshot_round_trips_and_restore_is_not_a_use():
+    policy = PrefixReuse()
+    policy.insert("a", 1, hint=CONTINUING)
+    policy.access("a")
+    policy.insert("b", 1, hint=FRESH)
+    learned = json.loads(json.dumps(policy.snapshot()))  # as the store keeps it
+    again = PrefixReuse()
+    again.load(learned)
+    again.restore("a", 1, None, policy.class_of("a"))
+    again.restore("b", 1, None, policy.class_of("b"))
+    again.restore("c", 1, None, 10**6)  # a class this version does not have: no class
+    assert [again.class_of(k) for k in "abc"] == [policy.class_of("a"), policy.class_of("b"), 0]
+    for klass in {policy.class_of("a"), policy.class_of("b")}:
+        assert again.reuse_probability(klass, 0) == policy.reuse_probability(klass, 0)
+    assert again.snapshot()["uses"] == policy.snapshot()["uses"], "restoring a block is not a use of it"
+
+
+@pytest.mark.parametrize("snapshot", [
+    {"policy": "lru"},
+    {"policy": "prefix-reuse", "now": 3, "uses": {}, "reuses": {}, "gaps": {}},
+    {"policy": "prefix-reuse", "now": 3, "uses": {"x": 1}, "reuses": {}, "gaps": {}, "all_gaps": [0] * 65},
+    {"policy": "prefix-reuse", "now": 3, "uses": {}, "reuses": {}, "gaps": {}, "all_gaps": [0] * 3},
+    {"policy": "prefix-reuse", "now": 3, "uses": {"999": 1}, "reuses": {}, "gaps": {}, "all_gaps": [0] * 65},
+    {"policy": "prefix-reuse", "now": 3, "uses": [], "reuses": {}, "gaps": {}, "all_gaps": [0] * 65},
+], ids=["another-policy", "missing-field", "bad-class", "bad-bins", "unknown-class", "wrong-type"])
+def test_a_malformed_snapshot_is_refused_and_changes_nothing(snapshot):
+    policy = PrefixReuse()
+    policy.insert("a", 1, hint=CONTINUING)
+    before = policy.snapshot()
+    with pytest.raises(ValueError):
+        policy.load(snapshot)
+    assert policy.snapshot() == before

@@ -4,9 +4,11 @@ import os
 
 import pytest
 
+from kvstore.eviction import ReuseHint
 from kvstore.proto import pb
 from kvstore.record import CorruptRecord
-from kvstore.server.store import DataDirInUse, Miss
+from kvstore.server.index import Index
+from kvstore.server.store import POLICY_STATE, DataDirInUse, Miss
 
 from .conftest import NS, put_all, read_all, records
 
@@ -294,3 +296,41 @@ async def test_restart_rebuilds_the_prefix_tree_for_a_prefix_aware_policy(open_s
     for chain in chains:  # every chain goes leaf first: no block is ever chosen before its children
         keys = [block.key for block, *_ in chain]
         assert [k for k in order if k in keys] == keys[::-1]
+
+
+async def test_restart_keeps_prefix_reuse_classes_and_what_it_learned(open_store):
+    store = await open_store(eviction_policy="prefix-reuse")
+    chains = [records(4, seed=s) for s in (1, 2, 3)]
+    for chain, hint in zip(chains, (ReuseHint(0, 4), ReuseHint(4, 4, 2), ReuseHint(2, 4, 5))):
+        for _, header_bytes, header, payload in chain:
+            await store.put(header, header_bytes, [payload], hint)
+    first = [block.key for block, *_ in chains[0]]
+    await store.touch(first)  # reads teach it something: these blocks were used again
+    store.advise([block.key for block, *_ in chains[1]], continues=False)
+    classes = {block.key: store.policy.class_of(block.key) for chain in chains for block, *_ in chain}
+    assert len(set(classes.values())) == 3, "three kinds of request, one of them advised"
+    learned = store.policy.snapshot()
+    await store.close()
+
+    reopened = await open_store(eviction_policy="prefix-reuse")
+    assert {key: reopened.policy.class_of(key) for key in classes} == classes
+    again = reopened.policy.snapshot()
+    assert {k: v for k, v in again.items() if k != "now"} == {k: v for k, v in learned.items() if k != "now"}
+    assert again["uses"] and again["reuses"], "the reuse it had seen came back, not relearned"
+
+
+async def test_a_damaged_learned_state_is_dropped_and_the_blocks_still_come_back(open_store, tmp_path):
+    store = await open_store(eviction_policy="prefix-reuse")
+    chain = records(3, seed=4)
+    for _, header_bytes, header, payload in chain:
+        await store.put(header, header_bytes, [payload], ReuseHint(3, 3, 1))
+    klass = store.policy.class_of(chain[0][0].key)
+    await store.close()
+    index = Index(tmp_path / "data" / "index", 2**24, 2**26, fsync=False)
+    index.submit(index.set_meta_op(POLICY_STATE, b'{"policy": "prefix-reuse", "uses": [1, 2')).result()
+    index.close()
+
+    reopened = await open_store(eviction_policy="prefix-reuse")
+    assert reopened.lookup([block.key for block, *_ in chain]) == 3
+    assert reopened.policy.class_of(chain[0][0].key) == klass != 0
+    assert reopened.policy.snapshot()["uses"] == {}, "learning starts afresh"

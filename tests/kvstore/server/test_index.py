@@ -1,0 +1,27 @@
+"""Index entries as LMDB holds them, including those written by earlier versions."""
+
+import struct
+
+import pytest
+
+from kvstore.server.index import Entry
+
+pytestmark = pytest.mark.unit
+
+FIXED = struct.Struct("<IQIIQQH")  # the fields every version wrote
+PARENT = bytes(range(16))
+
+
+def test_an_entry_round_trips_with_its_parent_and_policy_class():
+    entry = Entry(3, 4096, 120, 65536, 10**12, 10**12 - 5, 1, PARENT, 83)
+    assert Entry.unpack(entry.pack()) == entry
+
+
+@pytest.mark.parametrize("raw, parent", [
+    (FIXED.pack(3, 4096, 120, 65536, 10**12, 10**12 - 5, 1), b""),  # before parents were kept
+    (FIXED.pack(3, 4096, 120, 65536, 10**12, 10**12 - 5, 1) + PARENT, PARENT),  # before policy classes
+], ids=["no-parent", "parent-only"])
+def test_entries_of_earlier_versions_read_as_class_0(raw, parent):
+    entry = Entry.unpack(raw)
+    assert (entry.segment, entry.payload_len, entry.parent, entry.policy_class) == (3, 65536, parent, 0)
+    assert Entry.unpack(entry.pack()) == entry, "and rewritten in the new form without loss"
