@@ -121,7 +121,7 @@ class PrefixReuse(EvictionPolicy):
         self._use(key, self.classify(hint))
 
     def classify(self, hint: ReuseHint | None) -> int:
-        """The class of a block put with `hint` (a hook for the benchmark that tries other classes)."""
+        """The class of a block put with `hint`; the benchmark overrides it to try other classes."""
         return reuse_class(hint)
 
     def access(self, key) -> None:
@@ -173,7 +173,9 @@ class PrefixReuse(EvictionPolicy):
         if new == old:
             return
         self._class[key] = new
-        self._uses[old] -= 1  # its last use now counts for the class whose reuse its next use will show
+        # its last use now counts for the class whose reuse its next use will show (none to move if it
+        # was restored without what was learned)
+        self._uses[old] = max(0.0, self._uses.get(old, 0.0) - 1)
         self._uses[new] = self._uses.get(new, 0.0) + 1
         if self._tree.is_leaf(key):
             heapq.heappush(self._leaves.setdefault(new, []), (self._last[key], key))

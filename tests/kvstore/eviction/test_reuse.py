@@ -143,3 +143,11 @@ def test_a_malformed_snapshot_is_refused_and_changes_nothing(snapshot):
     with pytest.raises(ValueError):
         policy.load(snapshot)
     assert policy.snapshot() == before
+
+
+def test_advice_on_a_block_restored_without_what_was_learned():
+    policy = PrefixReuse()
+    policy.restore("a", 1, None, reuse_class(FRESH))  # the learned state was lost: no use of its class known
+    policy.advise("a", FRESH._replace(continues=False))
+    assert policy.class_of("a") == reuse_class(FRESH._replace(continues=False))
+    assert policy.pop_victim() == "a"
