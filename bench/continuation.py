@@ -11,8 +11,8 @@ On a Mooncake-format trace, at 1-50% of its unique full blocks, each over Belady
 * `prefix_reuse`: our policy, classing blocks by the hint engines send (cached fraction, length, turn);
 * `hindsight_classes`: the same policy, classing each request's blocks by P(continued) given *every*
   feature of the request the trace has: cached fraction, length, turn, time since the conversation's
-  previous turn, and output length. The probability of each feature combination is counted over the whole trace, in hindsight:
-  no predictor built on these features, learned online, can class better;
+  previous turn, and output length. The probability of each combination of their buckets is counted
+  over the whole trace, in hindsight: no predictor on these buckets, learned online, can class better;
 * `oracle_classes`: the same policy told, per request, whether it is continued.
 * `advised_100/95/90/80`: the same policy as the daemon runs it, with engines that advise the store once
   each reply is done whether its conversation goes on (`client.advise`), right 100/95/90/80% of the time
