@@ -22,7 +22,7 @@ from engine.prefill.engine import PrefillEngine
 from engine.prefill.request import PrefillRequest
 from engine.random_model import DEMO, write_random_model
 from kvstore.client import ClientConfig, KVClient
-from kvstore.demo import demo_main, tier_hits
+from kvstore.demo import demo_main, restarted, tier_hits
 from kvstore.server.process import DaemonProcess
 
 BLOCK_TOKENS = 64
@@ -52,11 +52,7 @@ def run(sessions: int, turns: int, workdir: Path) -> None:
     try:
         for turn in range(turns):
             if turn == turns // 2:
-                client.close()
-                for daemon in daemons:
-                    daemon.stop()
-                    daemon.start()
-                client = engine.client = KVClient(config)
+                client = engine.client = restarted(client, daemons, config)
                 print("     -- both daemons and the client restarted: the store's blocks remain on SSD --")
             for number, conversation in enumerate(conversations):
                 traffic_class = "agent" if number % 2 else "chat"

@@ -65,11 +65,7 @@ def run(sessions: int, turns: int, workdir: Path) -> None:
     try:
         for turn in range(turns):
             if turn == turns // 2:
-                client.close()
-                for daemon in daemons:
-                    daemon.stop()
-                    daemon.start()
-                client = KVClient(config)
+                client = restarted(client, daemons, config)
                 buffers = client.shared_buffer(64 * block_bytes)
                 print("      -- both daemons and the client restarted: only the daemons' SSD segments remain --")
             before = tier_hits(client)
@@ -117,6 +113,15 @@ def run(sessions: int, turns: int, workdir: Path) -> None:
         client.close()
         codes = [daemon.stop() for daemon in daemons]
         print(f"daemons stopped (exit codes {codes})")
+
+
+def restarted(client: KVClient, daemons: list[DaemonProcess], config: ClientConfig) -> KVClient:
+    """Close `client`, restart every daemon (their segments and index stay on disk), and connect anew."""
+    client.close()
+    for daemon in daemons:
+        daemon.stop()
+        daemon.start()
+    return KVClient(config)
 
 
 def tier_hits(client: KVClient) -> dict[str, float]:

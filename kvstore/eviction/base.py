@@ -85,3 +85,28 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def tracked_bytes(self) -> int:
         """Sum of the sizes of tracked keys."""
+
+
+class SizedPolicy(EvictionPolicy):
+    """A policy that keeps the size of each key it tracks itself (in `_size`, summed in `_bytes`)."""
+
+    def __init__(self) -> None:
+        self._size: dict = {}
+        self._bytes = 0
+
+    def _track(self, key, size: int) -> None:
+        self._size[key] = size
+        self._bytes += size
+
+    def _untrack(self, key) -> None:
+        self._bytes -= self._size.pop(key)
+
+    def __len__(self) -> int:
+        return len(self._size)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._size
+
+    @property
+    def tracked_bytes(self) -> int:
+        return self._bytes

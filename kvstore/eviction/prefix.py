@@ -18,27 +18,25 @@ from __future__ import annotations
 import heapq
 import itertools
 
-from kvstore.eviction.base import EvictionPolicy, ReuseHint
+from kvstore.eviction.base import ReuseHint, SizedPolicy
 from kvstore.eviction.tree import PrefixTree
 
 
-class PrefixLFU(EvictionPolicy):
+class PrefixLFU(SizedPolicy):
     def __init__(self) -> None:
-        self._size: dict = {}
+        super().__init__()
         self._freq: dict = {}
         self._priority: dict = {}
         self._tree = PrefixTree()
         self._heap: list = []  # (priority, order, key) of leaves; stale entries are skipped
         self._order = itertools.count()
         self._inflation = 0.0
-        self._bytes = 0
 
     def insert(self, key, size: int, parent=None, hint: ReuseHint | None = None) -> None:
         if key in self._size:
             self.access(key)
             return
-        self._size[key] = size
-        self._bytes += size
+        self._track(key, size)
         self._freq[key] = 1
         self._tree.add(key, parent)
         self._prioritise(key)
@@ -56,7 +54,7 @@ class PrefixLFU(EvictionPolicy):
     def remove(self, key) -> None:
         if key not in self._size:
             return
-        self._bytes -= self._size.pop(key)
+        self._untrack(key)
         del self._freq[key], self._priority[key]
         parent = self._tree.remove(key)
         if parent is not None:  # the parent is a leaf now: a candidate
@@ -74,13 +72,3 @@ class PrefixLFU(EvictionPolicy):
             self.remove(key)
             return key
         return None
-
-    def __len__(self) -> int:
-        return len(self._size)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._size
-
-    @property
-    def tracked_bytes(self) -> int:
-        return self._bytes

@@ -34,7 +34,7 @@ import bisect
 import heapq
 from collections import OrderedDict
 
-from kvstore.eviction.base import EvictionPolicy, ReuseHint
+from kvstore.eviction.base import ReuseHint, SizedPolicy
 from kvstore.eviction.tree import PrefixTree
 
 _FRACTION_EDGES = (0.0, 0.5, 0.9)  # cached fraction of the prompt
@@ -90,9 +90,9 @@ class _Gaps:
         return gaps
 
 
-class PrefixReuse(EvictionPolicy):
+class PrefixReuse(SizedPolicy):
     def __init__(self) -> None:
-        self._size: dict = {}
+        super().__init__()
         self._last: dict = {}  # key -> operation count at its last use
         self._class: dict = {}
         self._tree = PrefixTree()
@@ -103,7 +103,6 @@ class PrefixReuse(EvictionPolicy):
         self._gaps: dict[int, _Gaps] = {}
         self._all_gaps = _Gaps()
         self._now = 0
-        self._bytes = 0
 
     # -- what is observed ---------------------------------------------------------------------------
 
@@ -115,8 +114,7 @@ class PrefixReuse(EvictionPolicy):
         ghost = self._ghosts.pop(key, None)
         if ghost is not None:
             self._learn_reuse(*ghost)
-        self._size[key] = size
-        self._bytes += size
+        self._track(key, size)
         self._tree.add(key, parent)
         self._use(key, self.classify(hint))
 
@@ -138,8 +136,7 @@ class PrefixReuse(EvictionPolicy):
         if key in self._size:
             return
         self._now += 1
-        self._size[key] = size
-        self._bytes += size
+        self._track(key, size)
         self._tree.add(key, parent)
         self._last[key] = self._now
         self._class[key] = klass = klass if 0 <= klass < _CLASSES else 0
@@ -234,18 +231,8 @@ class PrefixReuse(EvictionPolicy):
     def remove(self, key) -> None:
         if key not in self._size:
             return
-        self._bytes -= self._size.pop(key)
+        self._untrack(key)
         del self._last[key], self._class[key]
         parent = self._tree.remove(key)
         if parent is not None:  # the parent is a leaf now: a candidate
             heapq.heappush(self._leaves.setdefault(self._class[parent], []), (self._last[parent], parent))
-
-    def __len__(self) -> int:
-        return len(self._size)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._size
-
-    @property
-    def tracked_bytes(self) -> int:
-        return self._bytes

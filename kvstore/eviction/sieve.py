@@ -7,32 +7,31 @@ New objects enter at the head; hits only set the bit, so nothing moves on a hit.
 
 from __future__ import annotations
 
-from kvstore.eviction.base import EvictionPolicy, ReuseHint
+from kvstore.eviction.base import ReuseHint, SizedPolicy
 
 
-class SIEVE(EvictionPolicy):
+class SIEVE(SizedPolicy):
     def __init__(self) -> None:
+        super().__init__()
         self._newer: dict = {}  # key -> the next newer key (None at the head)
         self._older: dict = {}
-        self._size: dict = {}
         self._visited: dict = {}
         self._head = None  # newest
         self._tail = None  # oldest
         self._hand = None
-        self._bytes = 0
 
     def insert(self, key, size: int, parent=None, hint: ReuseHint | None = None) -> None:
         if key in self._size:
             self.access(key)
             return
-        self._size[key], self._visited[key] = size, False
+        self._track(key, size)
+        self._visited[key] = False
         self._older[key], self._newer[key] = self._head, None
         if self._head is not None:
             self._newer[self._head] = key
         self._head = key
         if self._tail is None:
             self._tail = key
-        self._bytes += size
 
     def access(self, key) -> None:
         if key in self._visited:
@@ -52,7 +51,7 @@ class SIEVE(EvictionPolicy):
             self._older[newer] = older
         else:
             self._head = older
-        self._bytes -= self._size.pop(key)
+        self._untrack(key)
         del self._visited[key]
 
     def pop_victim(self):
@@ -65,13 +64,3 @@ class SIEVE(EvictionPolicy):
         self._hand = hand
         self.remove(hand)  # the hand moves on to the next newer object (None: back to the oldest)
         return hand
-
-    def __len__(self) -> int:
-        return len(self._size)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._size
-
-    @property
-    def tracked_bytes(self) -> int:
-        return self._bytes
