@@ -40,6 +40,12 @@ def encode_tokens(tokens: Sequence[int] | np.ndarray) -> bytes:
     return array.astype("<u4").tobytes()
 
 
+def tenant_of(salt: bytes | str) -> bytes:
+    """The tenant digest of a namespace salt: what a daemon's tokens are scoped to (`kvstore tenant SALT`)."""
+    salt_bytes = salt.encode() if isinstance(salt, str) else bytes(salt)
+    return xxhash.xxh3_128_digest(b"salt\x00" + salt_bytes)
+
+
 @dataclass(frozen=True, slots=True)
 class KVLayout:
     """What one token's persisted KV looks like; part of the namespace, so layouts never mix."""
@@ -72,6 +78,7 @@ class Block:
     key: bytes  # (16,)
     parent: bytes  # (16,) the previous block's key, or the namespace digest for the first block
     tokens: tuple[int, ...]
+    tenant: bytes = bytes(16)  # (16,) the digest of the namespace's salt: who owns the block (Namespace.tenant)
 
 
 class Namespace:
@@ -80,7 +87,7 @@ class Namespace:
     The raw salt is folded into the digest and then dropped; it is never stored, logged or exposed.
     """
 
-    __slots__ = ("model_id", "layout", "block_tokens", "digest")
+    __slots__ = ("model_id", "layout", "block_tokens", "digest", "tenant")
 
     def __init__(self, model_id: str, layout: KVLayout, block_tokens: int, salt: bytes | str = b"") -> None:
         if not model_id:
@@ -105,8 +112,10 @@ class Namespace:
             sort_keys=True,
             separators=(",", ":"),
         ).encode()
-        # The salt enters only through its own digest, so the namespace digest reveals nothing of it.
-        self.digest = xxhash.xxh3_128_digest(identity + b"\x00" + xxhash.xxh3_128_digest(b"salt\x00" + salt_bytes))
+        # The salt enters only through its own digest, so the namespace digest reveals nothing of it. That
+        # digest is the tenant: daemons scope tokens to it and keep it with every block.
+        self.tenant = tenant_of(salt_bytes)
+        self.digest = xxhash.xxh3_128_digest(identity + b"\x00" + self.tenant)
 
     @property
     def layer_bytes(self) -> int:
@@ -129,7 +138,7 @@ class Namespace:
         for i in range(full):
             chunk = array[i * self.block_tokens : (i + 1) * self.block_tokens]
             key = chain_hash(parent, chunk)
-            out.append(Block(self.digest, key, parent, tuple(int(t) for t in chunk)))
+            out.append(Block(self.digest, key, parent, tuple(int(t) for t in chunk), self.tenant))
             parent = key
         return out
 

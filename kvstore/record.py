@@ -6,6 +6,10 @@
 All integers little-endian. Checksums are xxh3-64. A record is self-certifying: its key must equal
 chain_hash(parent, tokens), so a reader that knows only the key can still detect a substituted block.
 Reading layer l is one contiguous range: header_len + l * layer_bytes.
+
+Format 2 adds the tenant (the digest of the namespace's salt, `Namespace.tenant`) to the fixed part, so a
+daemon can scope access by tenant and an index rebuilt from the segments still knows each block's owner.
+Format 1 records (no tenant) are still read, as tenant NO_TENANT.
 """
 
 from __future__ import annotations
@@ -20,11 +24,15 @@ import xxhash
 from kvstore.block import Block, chain_hash, encode_tokens
 
 MAGIC = b"KVB1"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 CLASS_NAME_BYTES = 16
+NO_TENANT = bytes(16)
 # magic, version, flags, header_len, namespace, parent, key, class, n_tokens, n_layers, layer_bytes
-_FIXED = struct.Struct("<4sHHI16s16s16s16sIIQ")
-FIXED_HEADER_BYTES = _FIXED.size
+_FIXED_V1 = struct.Struct("<4sHHI16s16s16s16sIIQ")
+_TENANT = struct.Struct("<16s")  # format 2: then the tenant
+# The shortest fixed part: enough to learn the header's length (bytes 8..12) whatever the version.
+FIXED_HEADER_BYTES = _FIXED_V1.size
+_FIXED_BYTES = {1: _FIXED_V1.size, 2: _FIXED_V1.size + _TENANT.size}
 MAX_TOKENS_PER_BLOCK = 1 << 20
 MAX_LAYERS = 1 << 12
 
@@ -48,6 +56,7 @@ class RecordHeader:
     layer_bytes: int
     layer_sums: tuple[int, ...]  # (n_layers,) xxh3-64 of each layer's bytes
     header_len: int
+    tenant: bytes = NO_TENANT  # (16,) the namespace salt's digest; NO_TENANT for format 1 records
 
     @property
     def payload_len(self) -> int:
@@ -93,8 +102,8 @@ class RecordHeader:
                 raise CorruptRecord("checksum", f"layer {layer} checksum mismatch")
 
 
-def header_len_for(n_tokens: int, n_layers: int) -> int:
-    return FIXED_HEADER_BYTES + 4 * n_tokens + 8 * n_layers + 8
+def header_len_for(n_tokens: int, n_layers: int, version: int = FORMAT_VERSION) -> int:
+    return _FIXED_BYTES[version] + 4 * n_tokens + 8 * n_layers + 8
 
 
 def encode_header(
@@ -108,10 +117,11 @@ def encode_header(
     token_bytes = encode_tokens(block.tokens)
     header_len = header_len_for(len(block.tokens), n_layers)
     body = (
-        _FIXED.pack(
+        _FIXED_V1.pack(
             MAGIC, FORMAT_VERSION, 0, header_len, block.namespace, block.parent, block.key,
             class_bytes.ljust(CLASS_NAME_BYTES, b"\x00"), len(block.tokens), n_layers, layer_bytes,
         )
+        + _TENANT.pack(block.tenant)
         + token_bytes
         + struct.pack(f"<{n_layers}Q", *layer_sums)
     )
@@ -123,21 +133,22 @@ def decode_header(buf: bytes | memoryview) -> RecordHeader:
     view = memoryview(buf)
     if len(view) < FIXED_HEADER_BYTES:
         raise CorruptRecord("truncated", f"{len(view)} bytes is shorter than a record header")
-    magic, version, _flags, header_len, namespace, parent, key, cls, n_tokens, n_layers, layer_bytes = _FIXED.unpack_from(view)
+    magic, version, _flags, header_len, namespace, parent, key, cls, n_tokens, n_layers, layer_bytes = _FIXED_V1.unpack_from(view)
     if magic != MAGIC:
         raise CorruptRecord("bad_magic", f"magic {bytes(magic)!r}")
-    if version != FORMAT_VERSION:
+    if version not in _FIXED_BYTES:
         raise CorruptRecord("bad_version", f"format version {version}")
     if not (0 < n_tokens <= MAX_TOKENS_PER_BLOCK and 0 < n_layers <= MAX_LAYERS and layer_bytes > 0):
         raise CorruptRecord("bad_header", f"n_tokens={n_tokens} n_layers={n_layers} layer_bytes={layer_bytes}")
-    if header_len != header_len_for(n_tokens, n_layers):
+    if header_len != header_len_for(n_tokens, n_layers, version):
         raise CorruptRecord("bad_header", f"header_len {header_len} inconsistent with its counts")
     if len(view) < header_len:
         raise CorruptRecord("truncated", f"header needs {header_len} bytes, got {len(view)}")
     (stored_sum,) = struct.unpack_from("<Q", view, header_len - 8)
     if xxhash.xxh3_64_intdigest(view[: header_len - 8]) != stored_sum:
         raise CorruptRecord("checksum", "header checksum mismatch")
-    tokens_at = FIXED_HEADER_BYTES
+    tenant = _TENANT.unpack_from(view, _FIXED_V1.size)[0] if version >= 2 else NO_TENANT
+    tokens_at = _FIXED_BYTES[version]
     sums_at = tokens_at + 4 * n_tokens
     tokens = np.frombuffer(view[tokens_at:sums_at], dtype="<u4").copy()
     layer_sums = struct.unpack_from(f"<{n_layers}Q", view, sums_at)
@@ -146,7 +157,8 @@ def decode_header(buf: bytes | memoryview) -> RecordHeader:
     except UnicodeDecodeError as exc:
         raise CorruptRecord("bad_header", "traffic class is not UTF-8") from exc
     return RecordHeader(
-        bytes(namespace), bytes(parent), bytes(key), traffic_class, tokens, n_layers, layer_bytes, layer_sums, header_len
+        bytes(namespace), bytes(parent), bytes(key), traffic_class, tokens, n_layers, layer_bytes, layer_sums, header_len,
+        bytes(tenant),
     )
 
 

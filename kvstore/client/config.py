@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 
@@ -20,6 +21,12 @@ class ClientConfig:
     host_tier_pinned: bool = False  # allocate the host tier in pinned memory (CUDA engines; needs torch)
     write_behind_bytes: int = 256 * 2**20  # bound of the queue of saves not yet stored
     shared_memory: str = "auto"  # lend shared buffers to daemons: "auto": on this host; "on": always; "off"
+    # Security (docs/operations.md, "Running a secured cluster"): what daemons with tokens and TLS expect.
+    token: str | None = None  # bearer token sent with every call; never logged
+    tls_ca: str | None = None  # PEM CA bundle that signed the daemons' certificates; set: speak TLS
+    tls_cert: str | None = None  # PEM client certificate and key, for daemons that require mutual TLS
+    tls_key: str | None = None
+    tls_server_name: str | None = None  # the name the daemons' certificates carry, if not their address
 
     def __post_init__(self) -> None:
         if isinstance(self.servers, str):
@@ -42,5 +49,24 @@ class ClientConfig:
         if self.host_tier_bytes and not 0 < self.host_block_bytes <= self.host_tier_bytes:
             raise ValueError("a host tier needs host_block_bytes, the engine's block payload size, "
                              "between 1 and host_tier_bytes")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("ClientConfig.tls_cert and tls_key go together (mutual TLS)")
+        if self.tls_cert is not None and self.tls_ca is None:
+            raise ValueError("ClientConfig.tls_cert needs tls_ca: a client certificate is only sent over TLS")
+        for name in ("tls_ca", "tls_cert", "tls_key"):
+            path = getattr(self, name)
+            if path is not None and not os.path.isfile(path):
+                raise ValueError(f"ClientConfig.{name}: {path} is not a readable file")
+        if self.token is not None and (not self.token or any(c.isspace() for c in self.token)):
+            raise ValueError("ClientConfig.token must be a non-empty token without whitespace")
         if self.put_chunk_bytes < 1 or self.max_message_bytes < 1 or self.write_behind_bytes < 1:
             raise ValueError("ClientConfig.put_chunk_bytes, max_message_bytes, write_behind_bytes must be positive")
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """gRPC metadata of every call: the bearer token, if any."""
+        return (("authorization", f"Bearer {self.token}"),) if self.token else ()
+
+    def __repr__(self) -> str:  # the token stays out of logs and tracebacks
+        shown = {f: getattr(self, f) for f in self.__dataclass_fields__ if f != "token"}
+        return f"ClientConfig({', '.join(f'{k}={v!r}' for k, v in shown.items())}, token={'***' if self.token else None})"

@@ -26,14 +26,8 @@ class Shard:
     def __init__(self, address: str, config: ClientConfig) -> None:
         self.address = address
         self.config = config
-        self.channel = grpc.aio.insecure_channel(address, options=[
-            ("grpc.max_receive_message_length", config.max_message_bytes),
-            ("grpc.max_send_message_length", config.max_message_bytes),
-            ("grpc.initial_reconnect_backoff_ms", 200),
-            ("grpc.max_reconnect_backoff_ms", 2000),
-            ("grpc.min_reconnect_backoff_ms", 200),
-            ("grpc.enable_retries", 0),
-        ])
+        self.channel = open_channel(address, config)
+        self.metadata = config.metadata
         self._lookup = self.channel.unary_unary(method("Lookup"), pb.LookupRequest.SerializeToString,
                                                 pb.LookupResponse.FromString)
         self._get = self.channel.unary_stream(method("Get"), pb.GetRequest.SerializeToString, None)
@@ -81,7 +75,7 @@ class Shard:
         if self.config.transport == "grpc":
             return None
         if not self._data_checked:
-            info = await self._info(pb.InfoRequest(), timeout=self.config.lookup_timeout_s)
+            info = await self._info(pb.InfoRequest(), timeout=self.config.lookup_timeout_s, metadata=self.metadata)
             host = self.address.rpartition(":")[0].strip("[]")
             mode = self.config.shared_memory
             same_host = mode == "on" or (mode == "auto" and info.host_id != "" and info.host_id == host_id())
@@ -99,31 +93,57 @@ class Shard:
         self._data, self._data_checked = None, False
 
     async def lookup(self, keys: list[bytes]) -> int:
-        response = await self._lookup(pb.LookupRequest(keys=keys), timeout=self.config.lookup_timeout_s)
+        response = await self._lookup(pb.LookupRequest(keys=keys), timeout=self.config.lookup_timeout_s, metadata=self.metadata)
         return response.hits
 
     def get(self, request: pb.GetRequest) -> AsyncIterator[bytes]:
-        return self._get(request, timeout=self.config.timeout_s)
+        return self._get(request, timeout=self.config.timeout_s, metadata=self.metadata)
 
     async def put(self, messages: Iterable[bytes]) -> list[int]:
-        response = await self._put(iter(messages), timeout=self.config.timeout_s)
+        response = await self._put(iter(messages), timeout=self.config.timeout_s, metadata=self.metadata)
         return list(response.results)
 
     async def touch(self, keys: list[bytes], traffic_class: str) -> int:
         response = await self._touch(pb.KeysRequest(keys=keys, traffic_class=traffic_class),
-                                     timeout=self.config.lookup_timeout_s)
+                                     timeout=self.config.lookup_timeout_s, metadata=self.metadata)
         return response.count
 
     async def delete(self, keys: list[bytes]) -> int:
-        return (await self._delete(pb.KeysRequest(keys=keys), timeout=self.config.lookup_timeout_s)).count
+        return (await self._delete(pb.KeysRequest(keys=keys), timeout=self.config.lookup_timeout_s, metadata=self.metadata)).count
 
     async def advise(self, keys: list[bytes], continues: bool) -> int:
         request = pb.AdviseRequest(keys=keys, continues=continues)
-        return (await self._advise(request, timeout=self.config.lookup_timeout_s)).count
+        return (await self._advise(request, timeout=self.config.lookup_timeout_s, metadata=self.metadata)).count
 
     async def stats(self) -> dict[str, float]:
-        return dict((await self._stats(pb.StatsRequest(), timeout=self.config.lookup_timeout_s)).values)
+        return dict((await self._stats(pb.StatsRequest(), timeout=self.config.lookup_timeout_s, metadata=self.metadata)).values)
 
     async def close(self) -> None:
         self._forget_data_channel()
         await self.channel.close()
+
+
+def open_channel(address: str, config: ClientConfig) -> grpc.aio.Channel:
+    """A gRPC channel to one daemon: TLS (mutual, with a client certificate) where the config says so."""
+    options = [
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.initial_reconnect_backoff_ms", 200),
+        ("grpc.max_reconnect_backoff_ms", 2000),
+        ("grpc.min_reconnect_backoff_ms", 200),
+        ("grpc.enable_retries", 0),
+    ]
+    if config.tls_ca is None:
+        return grpc.aio.insecure_channel(address, options=options)
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=_read(config.tls_ca), private_key=_read(config.tls_key), certificate_chain=_read(config.tls_cert))
+    if config.tls_server_name:
+        options.append(("grpc.ssl_target_name_override", config.tls_server_name))
+    return grpc.aio.secure_channel(address, credentials, options=options)
+
+
+def _read(path: str | None) -> bytes | None:
+    if path is None:
+        return None
+    with open(path, "rb") as f:
+        return f.read()

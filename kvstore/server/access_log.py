@@ -6,6 +6,7 @@
     1764403200123  get  9f2c...  chat  hit  dram  4194304
     1764403200130  put  77ab...  agent  stored  -  4198400
 
+`key` is the daemon's keyed digest of the block key (kvstore/server/key_digest.py), never the key.
 `op` is lookup (every key asked: the leading run "hit", the rest "missing"), get (each block read: hit
 with its tier, or a miss cause such as expired or checksum) or put (stored or exists).
 Written through a buffer and flushed by the maintenance loop; rotated once to `<path>.1` at a bound.
@@ -15,17 +16,18 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Callable
 
 
 class AccessLog:
-    def __init__(self, path: Path, max_bytes: int) -> None:
-        self.path, self.max_bytes = Path(path), max_bytes
+    def __init__(self, path: Path, max_bytes: int, digest: Callable[[bytes], str]) -> None:
+        self.path, self.max_bytes, self.digest = Path(path), max_bytes, digest
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a", buffering=1 << 16)
         self._size = self.path.stat().st_size
 
     def write(self, time_ms: int, op: str, key: bytes, traffic_class: str, result: str, tier: str, nbytes: int) -> None:
-        line = f"{time_ms}\t{op}\t{key.hex()}\t{traffic_class or '-'}\t{result}\t{tier or '-'}\t{nbytes}\n"
+        line = f"{time_ms}\t{op}\t{self.digest(key)}\t{traffic_class or '-'}\t{result}\t{tier or '-'}\t{nbytes}\n"
         self._file.write(line)
         self._size += len(line)
         if self._size >= self.max_bytes:

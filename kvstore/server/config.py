@@ -84,12 +84,36 @@ class ServerConfig:
     data_frame_timeout_s: float = 30.0  # a data-channel client stalled inside a frame this long is dropped
     log_level: str = "INFO"
 
+    # Security (docs/operations.md, "Running a secured cluster"). Off by default for loopback development.
+    auth_tokens: Path | None = None  # TOML token file (kvstore/server/auth.py); None: no authentication
+    tls_cert: Path | None = None  # PEM certificate chain; with tls_key, gRPC and the data channel speak TLS
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = None  # PEM CA bundle; when set, clients must present a certificate it signed
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert is not None
+
+    @property
+    def loopback_only(self) -> bool:
+        return self.host in ("127.0.0.1", "localhost", "::1") or self.host.startswith("127.")
+
     def __post_init__(self) -> None:
         self.data_dir = Path(self.data_dir)
         if self.port_file is not None:
             self.port_file = Path(self.port_file)
         if self.access_log is not None:
             self.access_log = Path(self.access_log)
+        for name in ("auth_tokens", "tls_cert", "tls_key", "tls_client_ca"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, Path(value))
+                if not getattr(self, name).is_file():
+                    raise ValueError(f"{name}: {value} is not a readable file")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together: give both (PEM files) or neither")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("tls_client_ca (mutual TLS) needs tls_cert and tls_key as well")
         if self.eviction_policy not in POLICIES:
             raise ValueError(f"eviction_policy must be one of {', '.join(POLICIES)}, got {self.eviction_policy!r}")
         if not 0 <= self.port <= 65535:
@@ -149,7 +173,8 @@ _FIELDS = {f.name: f for f in dataclasses.fields(ServerConfig)}
 def _coerce(name: str, value: Any) -> Any:
     if name not in _FIELDS:
         raise ValueError(f"unknown setting {name!r}; known: {', '.join(sorted(_FIELDS))}")
-    if name in ("metrics_port", "data_port", "port_file", "access_log") and (value is None or str(value).lower() in ("", "none", "off")):
+    if name in ("metrics_port", "data_port", "port_file", "access_log", "auth_tokens", "tls_cert", "tls_key",
+                "tls_client_ca") and (value is None or str(value).lower() in ("", "none", "off")):
         return None
     try:
         if name in _SIZE_FIELDS:

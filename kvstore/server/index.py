@@ -28,10 +28,12 @@ from kvstore import faults
 log = logging.getLogger(__name__)
 
 # segment id, offset, header length, payload length, expiry (ms), last access (ms), class id; then the
-# 16-byte parent key and one byte, the eviction policy's class of the block (entries written before
-# these were kept are shorter, and read as no parent and class 0)
+# 16-byte parent key, one byte, the eviction policy's class of the block, and the u16 tenant id (entries
+# written before these were kept are shorter, and read as no parent, class 0 and tenant 0)
 _ENTRY = struct.Struct("<IQIIQQH")
 _PARENT_BYTES = 16
+_TENANT_ID = struct.Struct("<H")
+TENANT_AT = _ENTRY.size + _PARENT_BYTES + 1  # offset of the tenant id in a packed entry
 _EXPIRY = struct.Struct("<Q")
 _EXPIRY_AT = 20  # offset of the expiry in a packed entry
 _BATCH_MAX = 1024
@@ -52,6 +54,7 @@ class Entry:
     class_id: int
     parent: bytes = b""  # the prefix parent's key (the namespace digest for a first block); b"": unknown
     policy_class: int = 0  # what the eviction policy keeps for the block (EvictionPolicy.class_of); kept only with a parent
+    tenant_id: int = 0  # Index.tenant_id of the record's tenant; 0: a record without one (format 1)
 
     @property
     def record_len(self) -> int:
@@ -60,16 +63,25 @@ class Entry:
     def pack(self) -> bytes:
         fixed = _ENTRY.pack(self.segment, self.offset, self.header_len, self.payload_len,
                             self.expires_ms, self.access_ms, self.class_id)
-        return fixed + self.parent + bytes([self.policy_class]) if self.parent else fixed
+        if not (self.parent or self.tenant_id):
+            return fixed
+        return fixed + self.parent.ljust(_PARENT_BYTES, b"\x00") + bytes([self.policy_class]) + _TENANT_ID.pack(self.tenant_id)
 
     @staticmethod
     def unpack(raw: bytes) -> "Entry":
         end = _ENTRY.size + _PARENT_BYTES
-        return Entry(*_ENTRY.unpack_from(raw), bytes(raw[_ENTRY.size : end]), raw[end] if len(raw) > end else 0)
+        parent = bytes(raw[_ENTRY.size : end])
+        return Entry(*_ENTRY.unpack_from(raw), b"" if parent == bytes(_PARENT_BYTES) else parent,
+                     raw[end] if len(raw) > end else 0, tenant_id_of(raw))
 
     def with_access(self, access_ms: int, expires_ms: int, class_id: int | None = None) -> "Entry":
         return replace(self, expires_ms=max(self.expires_ms, expires_ms), access_ms=max(self.access_ms, access_ms),
                        class_id=self.class_id if class_id is None else class_id)
+
+
+def tenant_id_of(raw: bytes | memoryview) -> int:
+    """The tenant id of a packed entry, without unpacking the rest (lookups filter on it)."""
+    return _TENANT_ID.unpack_from(raw, TENANT_AT)[0] if len(raw) >= TENANT_AT + _TENANT_ID.size else 0
 
 
 Op = Callable[[lmdb.Transaction, Any], Any]
@@ -99,8 +111,10 @@ class Index:
         with self._read_lock, self._env.begin(db=self._blocks, buffers=False) as txn:
             return [None if raw is None else Entry.unpack(raw) for raw in map(txn.get, keys)]
 
-    def live_prefix(self, keys: Sequence[bytes], now_ms: int, extended: dict[bytes, tuple[int, int, int]]) -> int:
-        """How many leading keys exist and expire after `now_ms` (or were extended past it)."""
+    def live_prefix(self, keys: Sequence[bytes], now_ms: int, extended: dict[bytes, tuple[int, int, int]],
+                    tenants: frozenset[int] | None = None) -> int:
+        """How many leading keys exist and expire after `now_ms` (or were extended past it), counting only
+        blocks of `tenants` (ids) when given: another tenant's block is as absent as a missing one."""
         expiry = _EXPIRY.unpack_from
         with self._read_lock, self._env.begin(db=self._blocks, buffers=True) as txn:
             get = txn.get
@@ -109,6 +123,8 @@ class Index:
                 if raw is None:
                     return i
                 if expiry(raw, _EXPIRY_AT)[0] <= now_ms and extended.get(key, (0, 0))[1] <= now_ms:
+                    return i
+                if tenants is not None and tenant_id_of(raw) not in tenants:
                     return i
         return len(keys)
 
@@ -121,6 +137,11 @@ class Index:
     def classes(self) -> dict[str, int]:
         with self._read_lock, self._env.begin(db=self._meta) as txn:
             return {k[6:].decode(): int(v) for k, v in txn.cursor() if k.startswith(b"class:")}
+
+    def tenants(self) -> dict[bytes, int]:
+        """Tenant digest -> its small id in entries (ids from 1; 0 is a record without a tenant)."""
+        with self._read_lock, self._env.begin(db=self._meta) as txn:
+            return {bytes(k[7:]): int(v) for k, v in txn.cursor() if k.startswith(b"tenant:")}
 
     def fill_ratio(self) -> float:
         """Pages in use (all databases) over the largest map allowed; deletes need headroom too."""
@@ -196,15 +217,23 @@ class Index:
         known = self.classes()
         if name in known:
             return known[name]
+        return self.submit(self._assign_id_op(b"class:", name.encode(), first=0)).result()
 
+    def tenant_id_op(self, tenant: bytes) -> Op:
+        """Assign `tenant` (a 16-byte digest) its stable small id, or find the one it has."""
+        return self._assign_id_op(b"tenant:", tenant, first=1)
+
+    def _assign_id_op(self, prefix: bytes, name: bytes, first: int) -> Op:
         def op(txn: lmdb.Transaction, db: Any) -> int:
-            existing = txn.get(b"class:" + name.encode(), db=self._meta)
+            existing = txn.get(prefix + name, db=self._meta)
             if existing is not None:
                 return int(existing)
-            new_id = sum(1 for k, _ in txn.cursor(db=self._meta) if k.startswith(b"class:"))
-            txn.put(b"class:" + name.encode(), str(new_id).encode(), db=self._meta)
+            new_id = first + sum(1 for k, _ in txn.cursor(db=self._meta) if k.startswith(prefix))
+            if new_id > 0xFFFF:
+                raise ValueError(f"more than 65535 distinct {prefix[:-1].decode()} names in one index")
+            txn.put(prefix + name, str(new_id).encode(), db=self._meta)
             return new_id
-        return self.submit(op).result()
+        return op
 
     def _write_loop(self) -> None:
         while True:

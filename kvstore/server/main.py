@@ -18,6 +18,7 @@ from kvstore.proto import SERVICE
 from kvstore.server.dataplane import DataPlaneServer
 from kvstore.server.config import ServerConfig, load_config
 from kvstore.server.metrics import Metrics
+from kvstore.server.security import Security
 from kvstore.server.service import ByteBudget, KVStoreService
 from kvstore.server.store import BlockStore, DataDirInUse
 
@@ -29,6 +30,10 @@ class StartupError(Exception):
 
 
 async def serve(config: ServerConfig, stop: asyncio.Event | None = None) -> None:
+    try:
+        security = Security.from_config(config)
+    except ValueError as exc:  # AuthConfigError included
+        raise StartupError(str(exc)) from None
     metrics = Metrics()
     store = BlockStore(config, metrics)
     try:
@@ -44,6 +49,7 @@ async def serve(config: ServerConfig, stop: asyncio.Event | None = None) -> None
             ("grpc.http2.max_pings_without_data", 0),
         ],
         maximum_concurrent_rpcs=config.max_concurrent_rpcs,
+        interceptors=security.interceptors,
     )
     put_budget = ByteBudget(config.max_inflight_put_bytes)
     data_plane = DataPlaneServer(store, config, put_budget)
@@ -55,7 +61,11 @@ async def serve(config: ServerConfig, stop: asyncio.Event | None = None) -> None
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         reflection.enable_server_reflection(
             [SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server)
-        port = server.add_insecure_port(f"{config.host}:{config.port}")
+        address = f"{config.host}:{config.port}"
+        if security.grpc_credentials is not None:
+            port = server.add_secure_port(address, security.grpc_credentials)
+        else:
+            port = server.add_insecure_port(address)
         if port == 0:
             raise OSError(f"cannot listen on {config.host}:{config.port}")
     except (OSError, RuntimeError) as exc:
@@ -75,8 +85,10 @@ async def serve(config: ServerConfig, stop: asyncio.Event | None = None) -> None
         tmp = config.port_file.with_suffix(".tmp")
         tmp.write_text(f"{port}\n{metrics_port or ''}\n{data_port or ''}\n")
         os.replace(tmp, config.port_file)  # readers never see a half-written file
-    log.info("kvstore-server serving on %s:%d (data channel %s, metrics %s), data in %s",
-             config.host, port, data_port or "off", metrics_port or "off", config.data_dir)
+    log.info("kvstore-server serving on %s:%d (data channel %s, metrics %s, TLS %s, tokens %s), data in %s",
+             config.host, port, data_port or "off", metrics_port or "off",
+             "mutual" if config.tls_client_ca else "on" if config.tls else "off",
+             "on" if security.authenticator else "off", config.data_dir)
 
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()

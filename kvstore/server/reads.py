@@ -14,7 +14,7 @@ from typing import AsyncIterator, Callable
 
 from kvstore.proto import pb
 from kvstore.record import CorruptRecord
-from kvstore.server.store import BlockStore, Miss, OpenBlock
+from kvstore.server.store import BlockStore, Miss, OpenBlock, Scope
 
 READ_AHEAD = 3  # blocks of a block-major Get read ahead of the one being sent
 Part = tuple[pb.GetPartHead, "bytes | bytearray | memoryview | None"]
@@ -22,14 +22,16 @@ Part = tuple[pb.GetPartHead, "bytes | bytearray | memoryview | None"]
 Target = Callable[[int, int, int], "memoryview | None"]
 
 
-async def get_parts(store: BlockStore, request: pb.GetRequest, target: Target | None = None) -> AsyncIterator[Part]:
+async def get_parts(store: BlockStore, request: pb.GetRequest, target: Target | None = None,
+                    scope: Scope = None) -> AsyncIterator[Part]:
+    """The parts of `request`; blocks of tenants outside `scope` are MISSING, like absent ones."""
     opened: list[tuple[int, OpenBlock, int, int]] = []
     served: list[OpenBlock] = []
     served_bytes = 0
     try:
         if request.order == pb.LAYER_MAJOR:
             for index, key in enumerate(request.keys):
-                found = await _open(store, request, index, key)
+                found = await _open(store, request, index, key, scope)
                 if isinstance(found, pb.GetPartHead):
                     yield found, None
                     if request.stop_at_miss:
@@ -59,7 +61,7 @@ async def get_parts(store: BlockStore, request: pb.GetRequest, target: Target | 
             served = [block for _, block, *_ in alive]
         else:
             async def fetch(index: int) -> tuple[OpenBlock | None, Part]:
-                found = await _open(store, request, index, request.keys[index])
+                found = await _open(store, request, index, request.keys[index], scope)
                 if isinstance(found, pb.GetPartHead):
                     return None, (found, None)
                 opened.append(found)
@@ -93,8 +95,8 @@ async def get_parts(store: BlockStore, request: pb.GetRequest, target: Target | 
 
 
 async def _open(store: BlockStore, request: pb.GetRequest, index: int,
-                key: bytes) -> tuple[int, OpenBlock, int, int] | pb.GetPartHead:
-    found = await store.open_block(key)
+                key: bytes, scope: Scope) -> tuple[int, OpenBlock, int, int] | pb.GetPartHead:
+    found = await store.open_block(key, scope)
     if isinstance(found, Miss):
         return head(index, found.status, 0, 0, b"", 0, found.cause)
     n_layers = found.header.n_layers

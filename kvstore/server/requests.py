@@ -22,6 +22,25 @@ class RequestError(Exception):
         super().__init__(message)
         self.exhausted = exhausted
 
+    @property
+    def code(self) -> str:
+        """The gRPC status code name this error is answered with."""
+        return "RESOURCE_EXHAUSTED" if self.exhausted else "INVALID_ARGUMENT"
+
+
+class PermissionDenied(RequestError):
+    """The caller's token does not reach what the request names (another tenant, a verb it lacks)."""
+
+    @property
+    def code(self) -> str:
+        return "PERMISSION_DENIED"
+
+
+def check_tenant(header: RecordHeader, scope: frozenset[bytes] | None) -> None:
+    """A record may be put only by a caller whose token reaches the record's tenant."""
+    if scope is not None and header.tenant not in scope:
+        raise PermissionDenied("this token may not write blocks of the record's tenant")
+
 
 def parse(message_type, raw: bytes):
     """A protobuf message from bytes a client sent, or a RequestError saying it is not one."""

@@ -17,9 +17,16 @@ from kvstore.eviction import ReuseHint
 from kvstore.proto import SERVICE, pb
 from kvstore.server.config import ServerConfig
 from kvstore.server.reads import get_parts
-from kvstore.server.requests import (RequestError, check_get, check_keys, check_payload, check_put_head, parse,
-                                     parse_record_header, reuse_hint)
-from kvstore.server.store import BlockStore, DiskFull
+from kvstore.server.grpc_auth import current_principal
+from kvstore.server.requests import (RequestError, check_get, check_keys, check_payload, check_put_head,
+                                     check_tenant, parse, parse_record_header, reuse_hint)
+from kvstore.server.store import BlockStore, DiskFull, Scope
+
+
+def caller_scope() -> Scope:
+    """The tenants the current call may reach: its token's, or all where authentication is off."""
+    principal = current_principal()
+    return None if principal is None else principal.tenants
 
 
 class ByteBudget:
@@ -58,28 +65,27 @@ class KVStoreService:
         await context.abort(code, details)
 
     async def _reject(self, context, method: str, error: RequestError):
-        code = grpc.StatusCode.RESOURCE_EXHAUSTED if error.exhausted else grpc.StatusCode.INVALID_ARGUMENT
-        await self._abort(context, method, code, str(error))
+        await self._abort(context, method, getattr(grpc.StatusCode, error.code), str(error))
 
     # -- unary RPCs -------------------------------------------------------------------------------
 
     async def lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
         check_keys(request.keys, self.config)
-        return pb.LookupResponse(hits=self.store.lookup(request.keys))
+        return pb.LookupResponse(hits=self.store.lookup(request.keys, caller_scope()))
 
     async def touch(self, request: pb.KeysRequest, context) -> pb.CountResponse:
         check_keys(request.keys, self.config)
         if request.traffic_class and not self.store.class_known(request.traffic_class):
             raise RequestError(f"unknown traffic class {request.traffic_class!r}; known: {sorted(self.config.classes)}")
-        return pb.CountResponse(count=await self.store.touch(request.keys, request.traffic_class))
+        return pb.CountResponse(count=await self.store.touch(request.keys, request.traffic_class, caller_scope()))
 
     async def delete(self, request: pb.KeysRequest, context) -> pb.CountResponse:
         check_keys(request.keys, self.config)
-        return pb.CountResponse(count=await self.store.delete(request.keys))
+        return pb.CountResponse(count=await self.store.delete(request.keys, caller_scope()))
 
     async def advise(self, request: pb.AdviseRequest, context) -> pb.CountResponse:
         check_keys(request.keys, self.config)
-        return pb.CountResponse(count=self.store.advise(request.keys, request.continues))
+        return pb.CountResponse(count=self.store.advise(request.keys, request.continues, caller_scope()))
 
     async def stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
         self.store.refresh_gauges()
@@ -97,7 +103,7 @@ class KVStoreService:
         check_get(request, self.config)
         if request.region_id:
             raise RequestError("shared-memory regions are only served on the data channel")
-        async for head, payload in get_parts(self.store, request):
+        async for head, payload in get_parts(self.store, request, scope=caller_scope()):
             yield head.SerializeToString()
             if payload is not None:
                 yield payload if isinstance(payload, bytes) else bytes(payload)
@@ -108,6 +114,7 @@ class KVStoreService:
         tasks: list[asyncio.Task] = []
         held = 0
         messages = request_iterator.__aiter__()
+        scope = caller_scope()
 
         async def next_message(what: str, received: int = 0, expected: int = 0) -> bytes:
             try:
@@ -129,6 +136,7 @@ class KVStoreService:
                 held += declared
                 header_bytes = await next_message("the record header")
                 header = parse_record_header(header_bytes, declared, list(self.config.classes))
+                check_tenant(header, scope)
                 chunks: list[bytes] = []
                 received = 0
                 while received < header.payload_len:

@@ -23,16 +23,18 @@ from typing import Callable, Sequence
 
 from kvstore.eviction import EvictionPolicy, ReuseHint, make_policy
 from kvstore.proto import pb
-from kvstore.record import CorruptRecord, RecordHeader, decode_header
+from kvstore.record import NO_TENANT, CorruptRecord, RecordHeader, decode_header
 from kvstore.server.access_log import AccessLog
 from kvstore.server.config import ServerConfig
 from kvstore.server.hot_tier import HotEntry, HotTier
 from kvstore.server.index import Entry, Index, IndexFull
+from kvstore.server.key_digest import KeyDigest
 from kvstore.server.metrics import Metrics
 from kvstore.server.retention import Retention
 from kvstore.server.segments import Segment, SegmentSet
 
 log = logging.getLogger(__name__)
+Scope = frozenset[bytes] | None  # the tenant digests a caller may reach; None: all (no authentication)
 # Evict once the LMDB map is this full at its maximum size: deleting needs free pages as well.
 INDEX_HIGH_FILL = 0.75
 POLICY_STATE = b"policy:learned"  # the index meta key of what the eviction policy has learned
@@ -81,6 +83,7 @@ class BlockStore:
         self._class_ids: dict[str, int] = {}
         self._class_names: dict[int, str] = {}
         self._class_blocks: dict[int, int] = {}
+        self._tenant_ids: dict[bytes, int] = {}  # tenant digest -> its id in index entries
         self._dirty: dict[bytes, tuple[int, int, int]] = {}  # key -> (access_ms, expires_ms, class_id)
         self._reclassed: dict[bytes, int] = {}  # key -> its new eviction policy class, to persist
         self._learned_saved: bytes | None = None  # the policy snapshot last persisted
@@ -90,7 +93,9 @@ class BlockStore:
         self._executor = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvstore-io")
         self._lock_fd: int | None = None
         self.closed = False
-        self.access_log = AccessLog(config.access_log, config.access_log_max_bytes) if config.access_log else None
+        self.key_digest = KeyDigest(config.data_dir / "log-digest.key")  # stands for keys in every log line
+        self.access_log = (AccessLog(config.access_log, config.access_log_max_bytes, self.key_digest)
+                           if config.access_log else None)
         self.index: Index
         self.segments: SegmentSet
 
@@ -110,6 +115,7 @@ class BlockStore:
         for name in self.config.classes:
             self._class_ids[name] = self.index.class_id(name)
         self._class_names = {v: k for k, v in self.index.classes().items()}
+        self._tenant_ids = self.index.tenants()
         await asyncio.get_running_loop().run_in_executor(self._executor, self._recover)
         self.refresh_gauges()
 
@@ -187,6 +193,24 @@ class BlockStore:
     def class_known(self, name: str) -> bool:
         return name in self._class_ids
 
+    def tenant_ids(self, scope: Scope) -> frozenset[int] | None:
+        """The index's ids of the tenants in `scope` (None: every tenant, as without authentication)."""
+        if scope is None:
+            return None
+        return frozenset(self._tenant_ids[t] for t in scope if t in self._tenant_ids)
+
+    def visible(self, entry: Entry | None, scope: Scope) -> bool:
+        """Whether a caller limited to `scope` may see `entry`; another tenant's block is as good as absent."""
+        return entry is not None and (scope is None or entry.tenant_id in self.tenant_ids(scope))
+
+    async def tenant_id(self, tenant: bytes) -> int:
+        if tenant == NO_TENANT:
+            return 0
+        known = self._tenant_ids.get(tenant)
+        if known is None:
+            known = self._tenant_ids[tenant] = await self.commit(self.index.tenant_id_op(tenant))
+        return known
+
     async def run_io(self, fn: Callable, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
@@ -195,10 +219,10 @@ class BlockStore:
 
     # -- reads ------------------------------------------------------------------------------------
 
-    def lookup(self, keys: Sequence[bytes]) -> int:
-        """How many leading keys exist and have not expired."""
+    def lookup(self, keys: Sequence[bytes], scope: Scope = None) -> int:
+        """How many leading keys exist, have not expired, and belong to a tenant in `scope`."""
         now_ms = self.now_ms()
-        hits = self.index.live_prefix(keys, now_ms, self._dirty)
+        hits = self.index.live_prefix(keys, now_ms, self._dirty, self.tenant_ids(scope))
         if self.access_log is not None:
             for position, key in enumerate(keys):
                 self.access_log.write(now_ms, "lookup", key, "", "hit" if position < hits else "missing", "", 0)
@@ -206,10 +230,10 @@ class BlockStore:
         self.metrics.lookup_hits.inc(hits)
         return hits
 
-    async def open_block(self, key: bytes) -> OpenBlock | Miss:
-        """Find a block and verify its header; the caller must `close_block` an OpenBlock."""
+    async def open_block(self, key: bytes, scope: Scope = None) -> OpenBlock | Miss:
+        """Find a block of a tenant in `scope` and verify its header; the caller must `close_block` an OpenBlock."""
         entry = self.index.get(key)
-        if entry is None:
+        if not self.visible(entry, scope):
             return self.miss(pb.MISSING, "missing", key)
         if self.effective_expiry(key, entry) <= self.now_ms():
             return self.miss(pb.EXPIRED, "expired", key, entry)
@@ -314,7 +338,7 @@ class BlockStore:
         return self._class_names.get(entry.class_id, "") if entry is not None else ""
 
     async def drop_corrupt(self, key: bytes, entry: Entry) -> None:
-        log.warning("dropping corrupt block %s in segment %d at %d", key.hex(), entry.segment, entry.offset)
+        log.warning("dropping corrupt block %s in segment %d at %d", self.key_digest(key), entry.segment, entry.offset)
         await self.remove([key], only_at={key: (entry.segment, entry.offset)})
 
     # -- writes -----------------------------------------------------------------------------------
@@ -326,8 +350,14 @@ class BlockStore:
         `hint` (from the engine, about the request that computed the block) goes to the eviction policy."""
         key = header.key
         class_id = self._class_ids[header.traffic_class]
+        tenant_id = await self.tenant_id(header.tenant)
         now_ms = self.now_ms()
         entry = self.index.get(key)
+        if entry is not None and entry.tenant_id != tenant_id:
+            # Only a writer who learned another tenant's key gets here. The block stays as it is, and the
+            # answer is the one a new block gets, so the writer learns nothing of what the other tenant holds.
+            self.metrics.puts.labels(result="foreign").inc()
+            return pb.STORED
         if entry is not None and self.effective_expiry(key, entry) > now_ms:
             self._extend(key, entry, now_ms, class_id)
             self.metrics.puts.labels(result="exists").inc()
@@ -351,7 +381,7 @@ class BlockStore:
                     raise DiskFull(f"no space left for a {header.record_len}-byte record") from exc
                 raise
             new = Entry(segment.id, offset, len(header_bytes), header.payload_len, expires_ms, now_ms, class_id,
-                        header.parent, self.policy.classify(hint))
+                        header.parent, self.policy.classify(hint), tenant_id)
             if self.index.fill_ratio() > INDEX_HIGH_FILL:
                 await self.retention.evict_bytes(self.policy.tracked_bytes * 0.05)
             payload = chunks[0] if len(chunks) == 1 else b"".join(chunks)
@@ -410,11 +440,11 @@ class BlockStore:
             self._reclassed.pop(key, None)
         return removed
 
-    async def touch(self, keys: Sequence[bytes], class_name: str = "") -> int:
+    async def touch(self, keys: Sequence[bytes], class_name: str = "", scope: Scope = None) -> int:
         now_ms = self.now_ms()
         touched = 0
         for key, entry in zip(keys, self.index.get_many(keys)):
-            if entry is None or self.effective_expiry(key, entry) <= now_ms:
+            if not self.visible(entry, scope) or self.effective_expiry(key, entry) <= now_ms:
                 continue
             class_id = self._class_ids[class_name] if class_name else entry.class_id
             self._extend(key, entry, now_ms, class_id)
@@ -422,13 +452,19 @@ class BlockStore:
             touched += 1
         return touched
 
-    async def delete(self, keys: Sequence[bytes]) -> int:
-        return len(await self.remove(keys))
+    async def delete(self, keys: Sequence[bytes], scope: Scope = None) -> int:
+        return len(await self.remove(self.in_scope(keys, scope)))
 
-    def advise(self, keys: Sequence[bytes], continues: bool) -> int:
+    def in_scope(self, keys: Sequence[bytes], scope: Scope) -> Sequence[bytes]:
+        """The keys whose blocks a caller limited to `scope` may act on."""
+        if scope is None:
+            return keys
+        return [key for key, entry in zip(keys, self.index.get_many(keys)) if self.visible(entry, scope)]
+
+    def advise(self, keys: Sequence[bytes], continues: bool, scope: Scope = None) -> int:
         """Tell the eviction policy whether the conversation that put `keys` goes on; how many it holds."""
         advice = ReuseHint(0, 0, continues=continues)
-        held = [key for key in keys if key in self.policy]
+        held = [key for key in self.in_scope(keys, scope) if key in self.policy]
         for key in held:
             self.policy.advise(key, advice)
             self._reclassed[key] = self.policy.class_of(key)

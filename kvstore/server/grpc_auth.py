@@ -1,0 +1,92 @@
+"""Token authentication on the gRPC port: an interceptor, and the caller's principal for the service.
+
+Every call but the health check must carry `authorization: Bearer <token>`. A call without a known
+token ends UNAUTHENTICATED; a token without the call's verb ends PERMISSION_DENIED, before the service
+sees the request. The service reads the caller's principal (its tenants) with `current_principal()`.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+
+import grpc
+
+from kvstore.proto import SERVICE
+from kvstore.server.auth import Authenticator, Principal, bearer
+
+log = logging.getLogger(__name__)
+
+# The verb each RPC needs; "" is any authenticated caller (Info: clients need the data port and limits).
+VERB_OF = {"Lookup": "read", "Get": "read", "Put": "write", "Touch": "write", "Advise": "write",
+           "Delete": "delete", "Stats": "admin", "Info": ""}
+OPEN_PREFIXES = ("/grpc.health.v1.Health/",)  # probes carry no token
+
+_principal: contextvars.ContextVar[Principal | None] = contextvars.ContextVar("kvstore_principal", default=None)
+
+
+def current_principal() -> Principal | None:
+    """The principal of the call being served; None where authentication is off."""
+    return _principal.get()
+
+
+def verb_of(method: str) -> str:
+    """The verb a full method name needs ("": any authenticated caller); admin for a method not listed."""
+    service, _, name = method.strip("/").partition("/")
+    if service == SERVICE:
+        return VERB_OF.get(name, "admin")
+    return ""  # reflection: any authenticated caller
+
+
+class TokenInterceptor(grpc.aio.ServerInterceptor):
+    def __init__(self, authenticator: Authenticator) -> None:
+        self.authenticator = authenticator
+
+    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(OPEN_PREFIXES):
+            return handler
+        principal = self.authenticator.authenticate(bearer(details.invocation_metadata))
+        if principal is None:
+            return _refusal(handler, grpc.StatusCode.UNAUTHENTICATED,
+                            "a valid token is required: send 'authorization: Bearer <token>'")
+        verb = verb_of(details.method)
+        if verb and not principal.may(verb):
+            log.warning("token %r refused %s: it lacks the %r verb", principal.name, details.method, verb)
+            return _refusal(handler, grpc.StatusCode.PERMISSION_DENIED,
+                            f"token {principal.name!r} may not {verb} ({details.method})")
+        return _bound(handler, principal)
+
+
+def _refusal(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, details: str) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as `handler` that ends the call with `code`."""
+    async def unary(request, context):
+        await context.abort(code, details)
+
+    async def streaming(request, context):
+        await context.abort(code, details)
+        yield  # pragma: no cover - makes this an async generator, as a streaming handler must be
+
+    kind = ("stream_" if handler.request_streaming else "unary_") + ("stream" if handler.response_streaming else "unary")
+    behaviour = streaming if handler.response_streaming else unary
+    return handler._replace(**{kind: behaviour})
+
+
+def _bound(handler: grpc.RpcMethodHandler, principal: Principal) -> grpc.RpcMethodHandler:
+    """`handler` with `principal` set as the current one while it runs (each call runs in its own task)."""
+    if handler.response_streaming:
+        inner = handler.unary_stream or handler.stream_stream
+
+        async def streaming(request, context):
+            _principal.set(principal)
+            async for message in inner(request, context):
+                yield message
+        kind, behaviour = ("unary_stream" if handler.unary_stream else "stream_stream"), streaming
+    else:
+        inner = handler.unary_unary or handler.stream_unary
+
+        async def unary(request, context):
+            _principal.set(principal)
+            return await inner(request, context)
+        kind, behaviour = ("unary_unary" if handler.unary_unary else "stream_unary"), unary
+    return handler._replace(**{kind: behaviour})
