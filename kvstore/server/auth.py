@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import secrets
 import tomllib
 from dataclasses import dataclass
@@ -134,3 +135,11 @@ def bearer(metadata) -> str | None:
         if key == "authorization" and isinstance(value, str) and value.startswith("Bearer "):
             return value[len("Bearer "):]
     return None
+
+
+def token_entry(name: str, token: str, tenants: list[bytes] | None, verbs: list[str]) -> str:
+    """The TOML entry of a token file that accepts `token` (`kvstore token new` prints it)."""
+    listed = [ALL_TENANTS] if tenants is None else [t.hex() for t in tenants]
+    # A TOML array of strings is written like a JSON one.
+    return (f"[[tokens]]\nname = {json.dumps(name)}\nsha256 = \"{token_digest(token).hex()}\"\n"
+            f"tenants = {json.dumps(listed)}\nverbs = {json.dumps(verbs)}\n")

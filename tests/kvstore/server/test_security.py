@@ -1,0 +1,168 @@
+"""Who may do what, on real daemons: tokens scoped to tenants and verbs, TLS and mutual TLS, logs."""
+
+import os
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvstore.block import Block, KVLayout, Namespace, tenant_of
+from kvstore.client import ClientConfig, KVClient
+from kvstore.proto import method, pb
+from kvstore.record import build_record
+from kvstore.server.auth import new_token, token_entry
+from tests.pki import make_pki
+
+pytestmark = pytest.mark.integration
+
+LAYOUT = KVLayout(num_layers=2, kv_heads=1, head_dim=32, dtype="float16")
+ALICE = Namespace("security-test", LAYOUT, block_tokens=16, salt="alice's salt")
+BOB = Namespace("security-test", LAYOUT, block_tokens=16, salt="bob's salt")
+TOKENS = {name: new_token() for name in ("alice", "bob", "reader", "ops")}
+
+
+@pytest.fixture
+def token_file(tmp_path):
+    path = tmp_path / "tokens.toml"
+    path.write_text(
+        token_entry("alice", TOKENS["alice"], [ALICE.tenant], ["read", "write", "delete"])
+        + token_entry("bob", TOKENS["bob"], [BOB.tenant], ["read", "write", "delete"])
+        + token_entry("reader", TOKENS["reader"], [ALICE.tenant], ["read"])
+        + token_entry("ops", TOKENS["ops"], None, ["read", "admin"]))
+    return path
+
+
+def items(namespace, n=3, seed=0):
+    return [(b, os.urandom(namespace.block_bytes)) for b in namespace.blocks(range(seed, seed + 16 * n))]
+
+
+def client(daemon, token=None, **tls):
+    return KVClient(ClientConfig((daemon.address,), token=token, transport="grpc", lookup_timeout_s=5, **tls))
+
+
+def call(daemon, name, request, token=None, response=pb.CountResponse):
+    metadata = (("authorization", f"Bearer {token}"),) if token else ()
+    with grpc.insecure_channel(daemon.address) as channel:
+        return channel.unary_unary(method(name), None, response.FromString)(
+            request.SerializeToString(), metadata=metadata, timeout=5)
+
+
+def code_of(fn):
+    with pytest.raises(grpc.RpcError) as caught:
+        fn()
+    return caught.value.code()
+
+
+def test_every_call_needs_a_known_token_and_the_verb_it_uses(daemons, token_file):
+    daemon, = daemons(1, "--auth-tokens", str(token_file))
+    keys = [b.key for b, _ in items(ALICE)]
+    lookup = pb.LookupRequest(keys=keys)
+    assert code_of(lambda: call(daemon, "Lookup", lookup, response=pb.LookupResponse)) == grpc.StatusCode.UNAUTHENTICATED
+    assert code_of(lambda: call(daemon, "Lookup", lookup, "kvs_guess", pb.LookupResponse)) == grpc.StatusCode.UNAUTHENTICATED
+    assert call(daemon, "Lookup", lookup, TOKENS["reader"], pb.LookupResponse).hits == 0
+    assert code_of(lambda: call(daemon, "Delete", pb.KeysRequest(keys=keys), TOKENS["reader"])) \
+        == grpc.StatusCode.PERMISSION_DENIED
+    assert code_of(lambda: call(daemon, "Stats", pb.StatsRequest(), TOKENS["alice"], pb.StatsResponse)) \
+        == grpc.StatusCode.PERMISSION_DENIED
+    assert call(daemon, "Stats", pb.StatsRequest(), TOKENS["ops"], pb.StatsResponse).values
+    with client(daemon, TOKENS["reader"]) as reader:  # a read-only token's puts are refused
+        assert reader.put(items(ALICE), LAYOUT.num_layers).stored == 0
+    with grpc.insecure_channel(daemon.address) as channel:  # probes need no token
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_a_tenant_can_neither_reach_nor_learn_of_another_tenants_blocks(daemons, token_file):
+    daemon, = daemons(1, "--auth-tokens", str(token_file))
+    alices = items(ALICE)
+    with client(daemon, TOKENS["alice"]) as alice, client(daemon, TOKENS["bob"]) as bob:
+        assert alice.put(alices, LAYOUT.num_layers).stored == 3
+        blocks = [b for b, _ in alices]
+        # Bob knows Alice's keys, token ids and parents (say, from a leaked log): he still sees nothing.
+        assert bob.lookup(blocks) == 0 and bob.get(blocks) == []
+        assert bob.delete(blocks) == 0 and bob.touch(blocks) == 0
+        # He cannot write as Alice's tenant ...
+        forged = [(b, os.urandom(ALICE.block_bytes)) for b in blocks]
+        assert bob.put(forged, LAYOUT.num_layers).stored == 0
+        # ... and a record of his own tenant under her key is answered as stored but replaces nothing.
+        as_bob = [(Block(b.namespace, b.key, b.parent, b.tokens, BOB.tenant), os.urandom(ALICE.block_bytes))
+                  for b in blocks]
+        assert _raw_put(daemon, TOKENS["bob"], as_bob) == [pb.STORED] * 3
+        assert bob.lookup(blocks) == 0
+        got = alice.get(blocks)
+        assert [g.payload for g in got] == [p for _, p in alices]
+        # Bob's own blocks are his.
+        bobs = items(BOB, seed=1000)
+        assert bob.put(bobs, LAYOUT.num_layers).stored == 3
+        assert bob.lookup([b for b, _ in bobs]) == 3 and alice.lookup([b for b, _ in bobs]) == 0
+    with client(daemon, TOKENS["ops"]) as ops:  # a token for every tenant sees both
+        assert ops.lookup(blocks) == 3 and ops.lookup([b for b, _ in bobs]) == 3
+
+
+def _raw_put(daemon, token, records):
+    messages = []
+    for block, payload in records:
+        header, body = build_record(block, payload, LAYOUT.num_layers, "chat")
+        messages += [pb.PutHead(record_bytes=len(header) + len(body)).SerializeToString(), header, body]
+    with grpc.insecure_channel(daemon.address) as channel:
+        put = channel.stream_unary(method("Put"), None, pb.PutResponse.FromString)
+        return list(put(iter(messages), metadata=(("authorization", f"Bearer {token}"),), timeout=5).results)
+
+
+def test_tls_and_mutual_tls_on_grpc(daemons, tmp_path, token_file):
+    pki = make_pki(tmp_path / "pki")
+    daemon, = daemons(1, "--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key),
+                      "--tls-client-ca", str(pki.ca), "--auth-tokens", str(token_file))
+    blocks = items(ALICE)
+    good = dict(tls_ca=str(pki.ca), tls_cert=str(pki.client_cert), tls_key=str(pki.client_key))
+    with client(daemon, TOKENS["alice"], **good) as alice:
+        assert alice.put(blocks, LAYOUT.num_layers).stored == 3
+        assert [g.payload for g in alice.get([b for b, _ in blocks])] == [p for _, p in blocks]
+    refused = [
+        {},  # plaintext to a TLS port
+        dict(tls_ca=str(pki.ca)),  # TLS without a client certificate
+        dict(tls_ca=str(pki.ca), tls_cert=str(pki.rogue_cert), tls_key=str(pki.rogue_key)),  # another CA's
+    ]
+    for tls in refused:
+        with client(daemon, TOKENS["alice"], **tls) as other:
+            assert other.lookup([b for b, _ in blocks]) == 0
+            assert other.last_errors(), f"{tls} should have been refused"
+
+
+def test_tls_without_client_certificates(daemons, tmp_path):
+    pki = make_pki(tmp_path / "pki")
+    daemon, = daemons(1, "--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key))
+    blocks = items(ALICE)
+    with client(daemon, tls_ca=str(pki.ca)) as tls:
+        assert tls.put(blocks, LAYOUT.num_layers).stored == 3
+        assert tls.lookup([b for b, _ in blocks]) == 3
+
+
+def test_a_daemon_beyond_loopback_without_tokens_warns_loudly(daemons):
+    daemon, = daemons(1, "--host", "0.0.0.0")
+    assert "WITHOUT AUTHENTICATION" in daemon.log()
+
+
+def test_bad_security_settings_stop_the_daemon_with_a_message(daemons, tmp_path):
+    bad = tmp_path / "tokens.toml"
+    bad.write_text("[[tokens]]\nname = 'x'\n")
+    with pytest.raises(RuntimeError, match="sha256") as caught:
+        daemons(1, "--auth-tokens", str(bad))
+    assert "Traceback" not in str(caught.value)
+    with pytest.raises(RuntimeError, match="tls_cert and tls_key go together"):
+        daemons(1, "--tls-cert", str(bad))
+
+
+def test_logs_carry_no_key_a_reader_could_use(daemons, tmp_path):
+    log_path = tmp_path / "access.log"
+    daemon, = daemons(1, "--access-log", str(log_path))
+    blocks = items(ALICE)
+    with client(daemon) as anyone:
+        anyone.put(blocks, LAYOUT.num_layers)
+        anyone.get([b for b, _ in blocks])
+    daemon.stop()
+    written = log_path.read_text() + daemon.log()
+    assert len(written.splitlines()) >= 6
+    for block, _ in blocks:
+        assert block.key.hex() not in written and block.parent.hex() not in written
+    assert "alice's salt" not in written and tenant_of("alice's salt").hex() not in written
