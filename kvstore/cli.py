@@ -4,7 +4,7 @@
     kvstore lookup --servers ... --text "some prompt"
     kvstore get    --servers ... --text "some prompt" [--layers 0:2] [--out DIR]
     kvstore stats  --servers ... [--json] [--grep hits]
-    kvstore fsck   DATA_DIR
+    kvstore fsck   DATA_DIR [--rebuild]
     kvstore analytics replay TRACE.jsonl [--capacity 1%,10%] [--plot PNG] [--json PATH]
 
 Prompts are given as token ids (--tokens 1,2,3 or --tokens-file) or as --text, whose UTF-8 bytes
@@ -126,13 +126,26 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 
 def cmd_fsck(args: argparse.Namespace) -> int:
-    from kvstore.server.fsck import check
-    if not (args.data_dir / "index").is_dir():
-        raise ValueError(f"{args.data_dir} is not a kvstore data directory (no index/ inside)")
+    from kvstore.server.fsck import DataDirBusy, check, rebuild
+    from kvstore.server.index import IndexUnavailable
+    if not ((args.data_dir / "index").is_dir() or (args.data_dir / "segments").is_dir()):
+        raise ValueError(f"{args.data_dir} is not a kvstore data directory (no index/ or segments/ inside)")
+    if args.rebuild:
+        import logging
+        logging.basicConfig(level=logging.INFO, format="kvstore fsck: %(message)s")  # progress, on stderr
+        try:
+            result = rebuild(args.data_dir)
+        except (DataDirBusy, IndexUnavailable) as exc:
+            print(f"kvstore fsck: {exc}", file=sys.stderr)
+            return 1
+        if result.set_aside is not None:
+            print(f"the damaged index was moved aside to {result.set_aside} (delete it once you no longer need it)")
+        print(f"index rebuilt: {result.stats}; {result.dropped} entries that did not match their record dropped")
     report = check(args.data_dir, verify_payloads=not args.no_payload)
     print(f"{report.entries} index entries, {report.verified} verified, {len(report.problems)} problems; "
           f"{report.segments} segments ({report.open_segments} left open), "
-          f"{report.segment_bytes:,} segment bytes, {report.live_bytes:,} live")
+          f"{report.segment_bytes:,} segment bytes, {report.live_bytes:,} live; "
+          f"{report.unindexed} records not in the index")
     for problem in report.problems[:50]:
         print("  " + problem)
     return 0 if report.ok else 1
@@ -163,6 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
     fsck = sub.add_parser("fsck", help="check a stopped daemon's data directory")
     fsck.add_argument("data_dir", type=Path)
     fsck.add_argument("--no-payload", action="store_true", help="check headers only (faster)")
+    fsck.add_argument("--rebuild", action="store_true",
+                      help="first make the index know every verifiable record in the segments (a lost or damaged "
+                           "index; a damaged one is moved aside)")
     fsck.set_defaults(run=cmd_fsck)
     from kvstore.analytics.cli import add_parser as add_analytics
     add_analytics(sub)

@@ -1,12 +1,20 @@
-"""Offline check of a stopped daemon's data directory: do the index and the segments agree?
+"""Offline check (and rebuild) of a stopped daemon's data directory: do the index and the segments agree?
 
-Every index entry must point at a whole record in an existing segment whose header names the same
-key and whose payload matches its checksums. Run as `kvstore fsck DATA_DIR`; the crash tests run it
-after every kill -9 and restart.
+`check` (`kvstore fsck DATA_DIR`): the index must be a sound LMDB file (walked page by page without
+handing it to LMDB, so damage is reported, never crashes the tool), and every entry must point at a
+whole record in an existing segment whose header names the same key and whose payload matches its
+checksums. Records that no entry points at are counted; they are a problem only when the index is
+missing or new while the segments hold records, the case in which a daemon rebuilds at start-up.
+The crash tests run it after every kill -9 and restart.
+
+`rebuild` (`kvstore fsck --rebuild DATA_DIR`): what a daemon does at start-up with a lost or damaged
+index (kvstore/server/recovery.py), offline: a damaged index is moved aside, entries that do not match
+their record are dropped, and every verifiable record the index lacks is indexed.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,7 +22,11 @@ from pathlib import Path
 import lmdb
 
 from kvstore.record import CorruptRecord, decode_header
-from kvstore.server.index import Entry
+from kvstore.server.config import ServerConfig
+from kvstore.server.index import Entry, Index, IndexDamaged, is_damage, structural_damage
+from kvstore.server.recovery import (RebuildStats, drop_stale, rebuild_index, replace_damaged, set_aside,
+                                     verify_entries)
+from kvstore.server.segments import Segment, SegmentSet
 
 
 @dataclass
@@ -26,10 +38,17 @@ class FsckReport:
     open_segments: int = 0
     segment_bytes: int = 0
     live_bytes: int = 0
+    unindexed: int = 0  # whole records with a valid header whose key has no entry
+    index_damage: str = ""  # why the index cannot be read, if it cannot
+    index_used: bool = False  # a daemon has opened the index (it names its traffic classes in it)
 
     @property
     def ok(self) -> bool:
         return not self.problems
+
+
+class DataDirBusy(Exception):
+    """A daemon holds the data directory's lock."""
 
 
 def check(data_dir: Path, verify_payloads: bool = True) -> FsckReport:
@@ -42,10 +61,46 @@ def check(data_dir: Path, verify_payloads: bool = True) -> FsckReport:
             report.segments += 1
             report.open_segments += path.suffix == ".open"
             report.segment_bytes += path.stat().st_size
-    env = lmdb.open(str(data_dir / "index"), readonly=True, lock=False, max_dbs=4)
+    index_dir = data_dir / "index"
+    advice = _REBUILD_ADVICE.format(data_dir=data_dir)
+    try:
+        report.index_damage = structural_damage(index_dir)
+    except OSError as exc:
+        report.problems.append(f"the index cannot be read ({exc})")
+        return report
+    if not report.index_damage:
+        try:
+            _check_index(index_dir, segments, verify_payloads, report)
+        except lmdb.Error as exc:
+            if not is_damage(exc):
+                raise
+            report.index_damage = str(exc).removeprefix(f"{index_dir}: ")
+    if report.index_damage:
+        report.problems.append(f"the index is damaged ({report.index_damage}): {advice}")
+    elif report.unindexed and not report.entries and not report.index_used:
+        report.problems.append(f"the index is missing or new, but the segments hold {report.unindexed} records: "
+                               f"{advice}")
+    return report
+
+
+_REBUILD_ADVICE = ("rebuild it from the segments with `kvstore fsck --rebuild {data_dir}` (a damaged index is moved "
+                   "aside, never deleted), or start the daemon, which does the same")
+
+
+def _check_index(index_dir: Path, segments: dict[int, Path], verify_payloads: bool, report: FsckReport) -> None:
+    data = index_dir / "data.mdb"
+    if not data.exists() or data.stat().st_size == 0:  # no index: LMDB would create a new one
+        _check_unindexed(None, segments, report)
+        return
+    env = lmdb.open(str(index_dir), readonly=True, lock=False, max_dbs=4)
     fds: dict[int, int] = {}
     try:
-        blocks = env.open_db(b"blocks", create=False)
+        report.index_used = _named_classes(env)
+        try:
+            blocks = env.open_db(b"blocks", create=False)
+        except lmdb.NotFoundError:  # created, never written
+            _check_unindexed(None, segments, report)
+            return
         with env.begin(db=blocks) as txn:
             for key, raw in txn.cursor():
                 report.entries += 1
@@ -56,11 +111,34 @@ def check(data_dir: Path, verify_payloads: bool = True) -> FsckReport:
                 else:
                     report.verified += 1
                     report.live_bytes += entry.record_len
+            _check_unindexed(txn, segments, report)
     finally:
         env.close()
         for fd in fds.values():
             os.close(fd)
-    return report
+
+
+def _named_classes(env: lmdb.Environment) -> bool:
+    """Whether a daemon has used the index: each names its traffic classes in it as it opens it."""
+    try:
+        meta = env.open_db(b"meta", create=False)
+    except lmdb.NotFoundError:
+        return False
+    with env.begin(db=meta) as txn:
+        return any(key.startswith(b"class:") for key, _ in txn.cursor())
+
+
+def _check_unindexed(txn: lmdb.Transaction | None, segments: dict[int, Path], report: FsckReport) -> None:
+    """Count the whole records with a valid header that no index entry points at."""
+    for seg_id, path in sorted(segments.items()):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            segment = Segment(seg_id, 0, path, fd, os.fstat(fd).st_size, sealed=True)
+            for _, header in SegmentSet.scan(segment):
+                if txn is None or txn.get(header.key) is None:
+                    report.unindexed += 1
+        finally:
+            os.close(fd)
 
 
 def _check_entry(key: bytes, entry: Entry, segments: dict[int, Path], fds: dict[int, int], verify: bool) -> str:
@@ -83,3 +161,56 @@ def _check_entry(key: bytes, entry: Entry, segments: dict[int, Path], fds: dict[
     except CorruptRecord as exc:
         return str(exc)
     return ""
+
+
+@dataclass
+class RebuildResult:
+    stats: RebuildStats
+    dropped: int  # entries that did not match their record
+    set_aside: Path | None  # where a damaged index was moved
+
+
+def rebuild(data_dir: Path) -> RebuildResult:
+    """Make a stopped daemon's index know every verifiable record in its segments (see the module doc).
+
+    Raises DataDirBusy if a daemon holds the directory, IndexUnavailable if the index can be neither
+    opened nor moved aside."""
+    data_dir = Path(data_dir)
+    lock_fd = os.open(data_dir / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise DataDirBusy(f"a kvstore-server is using {data_dir}; stop it first (a daemon rebuilds a missing "
+                              "or damaged index by itself as it starts)") from None
+        return _rebuild_locked(data_dir)
+    finally:
+        os.close(lock_fd)
+
+
+def _rebuild_locked(data_dir: Path) -> RebuildResult:
+    defaults = ServerConfig()
+    index_dir = data_dir / "index"
+    sizes = (defaults.lmdb_map_bytes, defaults.lmdb_max_map_bytes, True)
+    aside = None
+    try:
+        index = Index(index_dir, *sizes)
+    except IndexDamaged as exc:
+        aside = set_aside(index_dir, "damaged", exc)
+        index = Index(index_dir, *sizes)
+    segments = SegmentSet(data_dir / "segments", defaults.segment_bytes, fsync=True)
+    try:
+        segments.open_existing()
+        try:
+            _, stale = verify_entries(index, segments, {})
+        except IndexDamaged as exc:
+            index, aside = replace_damaged(index, index_dir, *sizes, exc)
+            stale = {}
+        drop_stale(index, stale)
+        _, stats = rebuild_index(index, segments)
+    finally:
+        for segment in list(segments.segments.values()):
+            os.close(segment.fd)
+        index.close()
+    return RebuildResult(stats, len(stale), aside)
+

@@ -2,7 +2,8 @@
 
 Each segment holds records whose expiry falls in one time bucket, so that expiry is mostly a file
 deletion. Appends to a segment are serialised and a failed append is truncated away, so a segment is
-always a clean sequence of whole records, except for a torn tail after a crash, which start-up cuts off.
+always a clean sequence of whole records, except for a torn tail after a crash, which start-up cuts off,
+and damage from outside (a bad sector, a stray write), which a scan skips to the next valid header.
 
 File names say the state: `<id>-<bucket_end>.open` while appended to, `.sealed` once full (and synced,
 with durability "fsync"). Only `.open` files are scanned after a crash: a daemon crash leaves sealed
@@ -24,7 +25,9 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from kvstore import faults
-from kvstore.record import FIXED_HEADER_BYTES, CorruptRecord, RecordHeader, decode_header
+from kvstore.record import FIXED_HEADER_BYTES, MAGIC, CorruptRecord, RecordHeader, decode_header
+
+_RESYNC_CHUNK = 1 << 20  # bytes read at a time looking for the next record past a damaged one
 
 
 @dataclass(eq=False)
@@ -87,22 +90,47 @@ class SegmentSet:
         self._rename(segment, ".sealed")
         return records
 
-    def scan(self, segment: Segment) -> Iterator[tuple[int, RecordHeader]]:
-        """(offset, header) of each whole record, in order; stops at the first torn or foreign byte."""
+    @staticmethod
+    def scan(segment: Segment) -> Iterator[tuple[int, RecordHeader]]:
+        """(offset, header) of each whole record with a valid header, in order.
+
+        A damaged stretch (a corrupted header, or a torn record at the end) is skipped to the next
+        valid header, so one bad record never hides the whole records after it."""
         offset = 0
         while offset + FIXED_HEADER_BYTES <= segment.size:
-            fixed = os.pread(segment.fd, FIXED_HEADER_BYTES, offset)
-            header_len = int.from_bytes(fixed[8:12], "little")
-            if not FIXED_HEADER_BYTES <= header_len <= segment.size - offset:
-                return
-            try:
-                header = decode_header(os.pread(segment.fd, header_len, offset))
-            except CorruptRecord:
-                return
-            if offset + header.record_len > segment.size:
-                return
+            header = SegmentSet._header_at(segment, offset)
+            if header is None:
+                offset = SegmentSet._next_magic(segment, offset + 1)
+                continue
             yield offset, header
             offset += header.record_len
+
+    @staticmethod
+    def _header_at(segment: Segment, offset: int) -> RecordHeader | None:
+        """The verified header of a whole record starting at `offset`, or None."""
+        fixed = os.pread(segment.fd, FIXED_HEADER_BYTES, offset)
+        header_len = int.from_bytes(fixed[8:12], "little")
+        if fixed[:4] != MAGIC or not FIXED_HEADER_BYTES <= header_len <= segment.size - offset:
+            return None
+        try:
+            header = decode_header(os.pread(segment.fd, header_len, offset))
+        except CorruptRecord:
+            return None
+        return header if offset + header.record_len <= segment.size else None
+
+    @staticmethod
+    def _next_magic(segment: Segment, offset: int) -> int:
+        """Where the next record magic lies at or after `offset` (the segment's size if nowhere)."""
+        overlap = len(MAGIC) - 1
+        while offset + FIXED_HEADER_BYTES <= segment.size:
+            chunk = os.pread(segment.fd, _RESYNC_CHUNK, offset)
+            found = chunk.find(MAGIC)
+            if found >= 0:
+                return offset + found
+            if len(chunk) < _RESYNC_CHUNK:
+                break
+            offset += len(chunk) - overlap
+        return segment.size
 
     # -- appends (I/O threads) ----------------------------------------------------------------
 
