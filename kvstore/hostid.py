@@ -1,4 +1,5 @@
-"""An identity of this host (and boot), so a client can tell that a daemon shares its memory."""
+"""An identity of this host (and boot), so a client can tell that a daemon runs beside it: then it uses the
+daemon's Unix socket (Info.data_socket), where shared memory is offered, when it can connect to it."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Framing of the bulk data channel, shared by daemon and client (docs/protocol.md).
+"""Framing of the bulk data channel (TCP or Unix socket), shared by daemon and client (docs/protocol.md).
 
 Every frame is a 12-byte prefix — magic "KVD1", kind (u8), 3 zero bytes, length of the protobuf head
 (u32, little-endian) — then the head, then raw payload bytes whose length the head declares.
@@ -23,7 +23,7 @@ PUT = 4  # client: head PutHead, then record_bytes raw bytes (header, then paylo
 PUT_END = 5  # client: no more records; daemon answers PUT_RESULT
 PUT_RESULT = 6  # daemon: head PutResponse
 ERROR = 7  # daemon: head DataError; the daemon closes the connection after it
-REGISTER = 8  # client: head RegisterRegion; daemon answers REGISTERED (same host only)
+REGISTER = 8  # client: head RegisterRegion, then the memory's fd (Unix socket only); daemon answers REGISTERED
 REGISTERED = 9  # daemon: head RegionRegistered
 
 SOCKET_BUFFER_BYTES = 4 * 2**20
@@ -38,6 +38,8 @@ def frame(kind: int, head: bytes = b"") -> bytes:
 
 
 def parse_prefix(prefix: bytes | memoryview) -> tuple[int, int]:
+    if len(prefix) != PREFIX.size:  # a peer that hung up mid-prefix, or a caller's short read
+        raise FrameError(f"a frame prefix is {PREFIX.size} bytes, got {len(prefix)}")
     magic, kind, head_len = PREFIX.unpack(prefix)
     if magic != MAGIC:
         raise FrameError(f"bad frame magic {bytes(magic)!r}")
@@ -47,6 +49,7 @@ def parse_prefix(prefix: bytes | memoryview) -> tuple[int, int]:
 
 
 def tune(sock: socket.socket) -> None:
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if sock.family != socket.AF_UNIX:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)

@@ -28,6 +28,10 @@ from kvstore.client.host_tier import HostTier
 from kvstore.record import CorruptRecord, build_record, decode_header
 
 
+# A Get the data channel could not serve, before any part arrived, is repeated over gRPC with these codes.
+_RETRY_GET_CODES = frozenset({"RESOURCE_EXHAUSTED", "UNAVAILABLE"})
+
+
 @dataclass(slots=True)
 class PutSummary:
     stored: int = 0
@@ -42,6 +46,7 @@ class ClientStats:
     miss_causes: Counter = field(default_factory=Counter)  # verified-miss and error causes
     tier_hits: Counter = field(default_factory=Counter)  # blocks served by "host" (this process) or "daemon"
     shard_errors: Counter = field(default_factory=Counter)  # address -> failed calls
+    data_fallbacks: Counter = field(default_factory=Counter)  # address -> calls its data channel refused, sent by gRPC
     bytes_read: int = 0
     bytes_written: int = 0
 
@@ -56,6 +61,10 @@ class AsyncKVClient:
                              self.config.host_tier_pinned) if self.config.host_tier_bytes else None
         self.bandwidth = BandwidthMeter()
         self._shared: list[SharedBuffer] = []
+        try:  # where gRPC fallbacks of data-channel calls made on worker threads run
+            self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            self._loop = None
 
     async def close(self) -> None:
         await asyncio.gather(*(shard.close() for shard in self.shards.values()))
@@ -125,6 +134,7 @@ class AsyncKVClient:
         from_host = self._get_from_host(blocks, layer_begin, layer_end, into)
         if len(from_host) == len(blocks):
             return from_host
+        self._loop = asyncio.get_running_loop()
         rest = len(from_host)
         plans = self._plan_get(blocks[rest:], layer_begin, layer_end, layer_major, into[rest:] if into else None)
 
@@ -216,21 +226,46 @@ class AsyncKVClient:
         may be used after close().
         """
         shared = SharedBuffer(nbytes)
-        try:
-            for shard in self.shards.values():
-                try:
-                    channel = await shard.data_channel()
-                    if channel is not None and channel.same_host:
-                        await asyncio.to_thread(channel.adopt, shared, self.config.timeout_s)
-                except (grpc.RpcError, TransportError) as exc:
-                    self._failed(shard, exc)
-        finally:
-            shared.unlink()
+        for shard in self.shards.values():
+            try:
+                channel = await shard.data_channel()
+                if channel is not None and channel.same_host:
+                    await asyncio.to_thread(channel.adopt, shared, self.config.timeout_s)
+            except (grpc.RpcError, TransportError) as exc:
+                self._failed(shard, exc)
         self._shared.append(shared)
         return shared.view
 
     def _get_over_channel(self, channel: DataChannel, plan: ShardGet) -> None:
-        channel.get(plan.request, plan.assembly.sink, plan.assembly.received, self.config.timeout_s, plan.shared)
+        self._channel_get(channel, plan.shard, plan.request, plan.assembly, plan.shared)
+
+    def _channel_get(self, channel: DataChannel, shard: Shard, request: pb.GetRequest, assembly,
+                     shared: SharedPlacement | None = None) -> None:
+        """A Get over the data channel, from a worker thread (never the event loop's). Refused or unavailable
+        before any part arrived (the daemon's connection or memory limits, a data channel that is gone), it
+        goes over gRPC instead (reads are safe to repeat): counted in stats.data_fallbacks, and the daemon is
+        not marked down for it. `assembly`: a GetAssembly or the loader's LoadAssembly."""
+        parts = 0
+
+        def sink(head: pb.GetPartHead):
+            nonlocal parts
+            parts += 1
+            return assembly.sink(head)
+
+        try:
+            channel.get(request, sink, assembly.received, self.config.timeout_s, shared)
+        except TransportError as exc:
+            if parts or exc.code not in _RETRY_GET_CODES or self._loop is None:
+                raise
+            self._fell_back(shard, exc)
+            try:
+                asyncio.run_coroutine_threadsafe(self._get_grpc(shard, request, assembly), self._loop).result()
+            except grpc.RpcError as rpc:  # reported like the data channel's failures
+                raise TransportError(rpc.code().name, rpc.details() or "") from rpc
+
+    def _fell_back(self, shard: Shard, error: TransportError) -> None:
+        shard.data_refused(error)
+        self.stats.data_fallbacks[shard.address] += 1
 
     def _measured(self, plan: ShardGet, seconds: float) -> None:
         self.bandwidth.record(plan.shard.address, plan.assembly.bytes_received, seconds)
@@ -293,9 +328,15 @@ class AsyncKVClient:
             mine = [records[i] for i in positions]
             try:
                 channel = await shard.data_channel()
+                results = None
                 if channel is not None:
-                    results = await asyncio.to_thread(channel.put, mine, self.config.timeout_s, hint)
-                else:
+                    try:
+                        results = await asyncio.to_thread(channel.put, mine, self.config.timeout_s, hint)
+                    except TransportError as exc:  # refused before anything was stored: gRPC carries it
+                        if not exc.refused:
+                            raise
+                        self._fell_back(shard, exc)
+                if results is None:
                     results = await shard.put(self._put_messages(mine, hint))
             except (grpc.RpcError, TransportError) as exc:
                 self._failed(shard, exc)

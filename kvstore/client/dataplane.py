@@ -3,18 +3,20 @@
 Calls run on worker threads (the socket calls release the GIL), so shards are read in parallel and
 each payload is received with recv_into straight into its destination buffer.
 
-On the daemon's own host, a client can lend the daemon memory (SharedBuffer, registered on every
-pooled connection): a Get whose destinations lie in it is answered by the daemon writing the payloads
-straight into place, from its DRAM tier or its segment files, and only part heads cross the socket.
-The buffer's name is unlinked as soon as the daemons have mapped it, and a daemon drops its mapping
-when the connection closes, so nothing outlives a client that dies.
+On the daemon's own host the channel runs on the daemon's Unix socket, and a client can lend the daemon
+memory (SharedBuffer, registered on every pooled connection): a Get whose destinations lie in it is
+answered by the daemon writing the payloads straight into place, from its DRAM tier or its segment
+files, and only part heads cross the socket. The memory is a memfd sealed against shrinking, passed by
+descriptor: it has no name anyone else could open, and a daemon drops its mapping when the connection
+closes, so nothing outlives a client that dies.
 """
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
-import secrets
+import select
 import socket
 import threading
 import time
@@ -27,16 +29,16 @@ from kvstore import wire
 from kvstore.eviction import ReuseHint
 from kvstore.proto import pb
 
-SHM_DIR = "/dev/shm"
-
-
 class TransportError(Exception):
-    """A data-channel call failed; `code` is a gRPC status code name."""
+    """A data-channel call failed; `code` is a gRPC status code name. `refused`: the daemon's data channel
+    did nothing of the call (it could not be reached, or refused the connection at its limits), so the
+    call may go over gRPC instead."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, refused: bool = False) -> None:
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
+        self.refused = refused
 
 
 # head -> (where its payload goes, the chunk size to hand over as it arrives), or None to drop it.
@@ -47,14 +49,23 @@ ChunkDone = Callable[[pb.GetPartHead, int, memoryview], None]
 
 
 class DataChannel:
-    """Connections to one daemon's data port; `same_host` daemons can be lent shared buffers."""
+    """Connections to one daemon's data channel: its TCP port, or its Unix socket (`unix_path`) on the same
+    host, where it can be lent shared buffers."""
 
-    def __init__(self, host: str, port: int, pool_size: int = 8, same_host: bool = False) -> None:
+    def __init__(self, host: str, port: int, pool_size: int = 8, unix_path: str | None = None) -> None:
         self.host, self.port = host, port
-        self.same_host = same_host
+        self.unix_path = unix_path
         self._idle: list[_Connection] = []
         self._pool_size = pool_size
         self._lock = threading.Lock()
+
+    @property
+    def same_host(self) -> bool:
+        return self.unix_path is not None
+
+    @property
+    def address(self) -> str:
+        return self.unix_path or f"{self.host}:{self.port}"
 
     def get(self, request: pb.GetRequest, sink: PartSink, done: ChunkDone, timeout_s: float,
             shared: SharedPlacement | None = None) -> None:
@@ -115,23 +126,39 @@ class DataChannel:
                     raise
                 except Exception:  # noqa: BLE001 - no ERROR frame to read: report the send failure
                     pass
-                raise TransportError("UNAVAILABLE", f"sending to {self.host}:{self.port} failed: {exc}") from exc
+                raise TransportError("UNAVAILABLE", f"sending to {self.address} failed: {exc}") from exc
             kind, head = read_frame(sock, deadline)
             if kind != wire.PUT_RESULT:
                 raise TransportError("INTERNAL", f"unexpected frame kind {kind} after a Put")
             return list(pb.PutResponse.FromString(head).results)
 
     def _connection(self, deadline: float) -> "_Lease":
-        with self._lock:
-            connection = self._idle.pop() if self._idle else None
+        while True:
+            with self._lock:
+                connection = self._idle.pop() if self._idle else None
+            if connection is None or not connection.dropped():
+                break
+            connection.close()  # the daemon closed it while it was idle (its idle timeout)
         if connection is None:
-            try:
-                sock = socket.create_connection((self.host, self.port), timeout=max(deadline - time.monotonic(), 0.01))
-            except OSError as exc:
-                raise TransportError("UNAVAILABLE", f"cannot connect to {self.host}:{self.port}: {exc}") from exc
-            wire.tune(sock)
-            connection = _Connection(sock)
+            connection = _Connection(self._connect(max(deadline - time.monotonic(), 0.01)))
         return _Lease(self, connection)
+
+    def _connect(self, timeout_s: float) -> socket.socket:
+        try:
+            if self.unix_path is not None:
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                try:
+                    sock.settimeout(timeout_s)
+                    sock.connect(self.unix_path)
+                except BaseException:
+                    sock.close()
+                    raise
+            else:
+                sock = socket.create_connection((self.host, self.port), timeout=timeout_s)
+        except OSError as exc:
+            raise TransportError("UNAVAILABLE", f"cannot connect to {self.address}: {exc}", refused=True) from exc
+        wire.tune(sock)
+        return sock
 
     def _release(self, connection: "_Connection", reusable: bool) -> None:
         with self._lock:
@@ -150,7 +177,7 @@ class DataChannel:
                 idle.append(self._connection(deadline).connection)
             for connection in idle:
                 if id(buffer) not in connection.lent:
-                    connection.lent[id(buffer)] = connection.register(buffer.name, buffer.size, deadline)
+                    connection.lent[id(buffer)] = connection.register(buffer, deadline)
         finally:
             for connection in idle:
                 self._release(connection, reusable=True)
@@ -166,22 +193,23 @@ class SharedBuffer:
     """Memory of this client that daemons on its host write into directly (3FS's USRBIO idea).
 
     Get into views of it (`KVClient.shared_buffer`) and the payloads land there with no copy on this
-    side. Its name is unlinked once every daemon has mapped it, so nothing outlives the process.
+    side. It is an anonymous memfd, sealed so that it can neither shrink (a daemon writing into pages
+    that are gone would die of SIGBUS, so daemons refuse memory without this seal) nor grow; daemons get
+    it by descriptor over their Unix socket, and it is freed when the last mapping goes.
     """
 
+    SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
     def __init__(self, nbytes: int) -> None:
-        self.name = f"kvstore-{os.getpid()}-{secrets.token_hex(8)}"
         self.size = nbytes
-        path = os.path.join(SHM_DIR, self.name)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        self.fd = os.memfd_create(f"kvstore-{os.getpid()}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
-            os.ftruncate(fd, nbytes)
-            self.mapping = mmap.mmap(fd, nbytes)
+            os.ftruncate(self.fd, nbytes)
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, self.SEALS)
+            self.mapping = mmap.mmap(self.fd, nbytes)
         except BaseException:
-            os.unlink(path)
+            os.close(self.fd)
             raise
-        finally:
-            os.close(fd)
         self.view = memoryview(self.mapping)
         self.view[:: mmap.PAGESIZE] = bytes(len(range(0, nbytes, mmap.PAGESIZE)))  # fault it in now
         self.base = np.frombuffer(self.view, dtype=np.uint8).ctypes.data
@@ -194,13 +222,10 @@ class SharedBuffer:
         offset = np.frombuffer(view, dtype=np.uint8).ctypes.data - self.base
         return offset if 0 <= offset and offset + len(view) <= self.size else None
 
-    def unlink(self) -> None:
-        try:
-            os.unlink(os.path.join(SHM_DIR, self.name))
-        except FileNotFoundError:
-            pass
-
     def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
         self.view.release()
         try:
             self.mapping.close()
@@ -225,9 +250,11 @@ class _Connection:
         self.lent: dict[int, int] = {}  # id(SharedBuffer) -> its region id on this connection
         self.reading: memoryview | None = None  # the shared buffer the current Get writes into
 
-    def register(self, name: str, nbytes: int, deadline: float, unlink: bool = False) -> int:
-        head = pb.RegisterRegion(name=name, size=nbytes, unlink=unlink).SerializeToString()
-        _send(self.sock, wire.frame(wire.REGISTER, head), deadline)
+    def register(self, buffer: SharedBuffer, deadline: float) -> int:
+        """Lend `buffer` to the daemon for this connection: the frame, then its descriptor in a 1-byte
+        message of its own (the daemon reads that one byte with recvmsg)."""
+        _send(self.sock, wire.frame(wire.REGISTER, pb.RegisterRegion(size=buffer.size).SerializeToString()), deadline)
+        socket.send_fds(self.sock, [b"\0"], [buffer.fd])
         kind, answer = read_frame(self.sock, deadline)
         if kind != wire.REGISTERED:
             raise TransportError("INTERNAL", f"unexpected frame kind {kind} after REGISTER")
@@ -250,6 +277,12 @@ class _Connection:
                     chunk[:] = source[start : start + len(chunk)]
                 done(part, start, chunk)
 
+    def dropped(self) -> bool:
+        """Whether the daemon closed this idle connection (or sent on it unasked): not to be reused."""
+        poller = select.poll()
+        poller.register(self.sock, select.POLLIN)
+        return bool(poller.poll(0))
+
     def close(self) -> None:
         self.sock.close()
         self.reading = None
@@ -267,7 +300,7 @@ class _Lease:
     def __exit__(self, exc_type, exc, tb) -> None:
         self.channel._release(self.connection, reusable=exc_type is None)
         if isinstance(exc, (OSError, EOFError)) and not isinstance(exc, TransportError):
-            raise TransportError("UNAVAILABLE", f"{self.channel.host}:{self.channel.port}: {exc}") from exc
+            raise TransportError("UNAVAILABLE", f"{self.channel.address}: {exc}") from exc
 
 
 def put_head(record_bytes: int, hint: ReuseHint | None) -> bytes:
@@ -290,7 +323,7 @@ def read_frame(sock: socket.socket, deadline: float) -> tuple[int, bytes]:
     _recv_exact(sock, memoryview(head), deadline)
     if kind == wire.ERROR:
         error = pb.DataError.FromString(bytes(head))
-        raise TransportError(error.code or "UNKNOWN", error.message)
+        raise TransportError(error.code or "UNKNOWN", error.message, error.connection_refused)
     return kind, bytes(head)
 
 

@@ -128,8 +128,7 @@ class Loader:
         try:
             channel = asyncio.run_coroutine_threadsafe(shard.data_channel(), self.loop).result()
             if channel is not None:
-                channel.get(request, assembly.sink, assembly.received, self.client.config.timeout_s,
-                            shared=self._placement(destination, positions))
+                self.client._channel_get(channel, shard, request, assembly, self._placement(destination, positions))
             else:
                 asyncio.run_coroutine_threadsafe(
                     self.client._get_grpc(shard, request, assembly), self.loop).result()

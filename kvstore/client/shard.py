@@ -3,10 +3,15 @@
 A daemon that fails a call (unreachable, deadline passed, overloaded) is marked down for a backoff
 period, during which calls to it are skipped without waiting; the first call after the backoff is the
 probe. gRPC reconnects the channel underneath, so a daemon that returns is used again.
+
+A daemon whose data channel refuses a call (too many connections, too many bytes in flight) is not
+down: the call goes over gRPC, and so do the next ones for a backoff period.
 """
 
 from __future__ import annotations
 
+import asyncio
+import socket
 import time
 from typing import AsyncIterator, Iterable
 
@@ -44,6 +49,7 @@ class Shard:
                                               pb.InfoResponse.FromString)
         self._data: DataChannel | None = None
         self._data_checked = False
+        self._data_refused_until = 0.0
         self._down_until = 0.0
         self._backoff = config.down_backoff_s
         self.last_error = ""
@@ -71,21 +77,35 @@ class Shard:
             self._forget_data_channel()  # a restarted daemon may listen on another data port
 
     async def data_channel(self) -> DataChannel | None:
-        """The daemon's raw-TCP data channel, asked for once; None for gRPC-only transport."""
-        if self.config.transport == "grpc":
+        """The daemon's data channel, asked for once; None for gRPC-only transport, and for a while after
+        the data channel refused a call.
+
+        On the daemon's host (same host_id, and its Unix socket can be connected to) the channel runs on
+        the Unix socket, where buffers can be lent; elsewhere, or with shared_memory "off", on TCP."""
+        if self.config.transport == "grpc" or time.monotonic() < self._data_refused_until:
             return None
         if not self._data_checked:
             info = await self._info(pb.InfoRequest(), timeout=self.config.lookup_timeout_s, metadata=self.metadata)
             host = self.address.rpartition(":")[0].strip("[]")
             mode = self.config.shared_memory
-            same_host = mode == "on" or (mode == "auto" and info.host_id != "" and info.host_id == host_id())
-            self._data = DataChannel(host, info.data_port, same_host=same_host) if info.data_port else None
+            local = info.data_socket and (mode == "on" or (mode == "auto" and info.host_id == host_id() != ""))
+            if local and await asyncio.to_thread(_connectable, info.data_socket, self.config.lookup_timeout_s):
+                self._data = DataChannel(host, info.data_port, unix_path=info.data_socket)
+            else:
+                self._data = DataChannel(host, info.data_port) if info.data_port else None
             self._data_checked = True
         return self._data
 
     def known_data_channel(self) -> DataChannel | None:
-        """The data channel if it is already known and the daemon is up; never blocks."""
-        return self._data if self._data_checked and self.up else None
+        """The data channel if it is already known, usable and the daemon is up; never blocks."""
+        usable = self._data_checked and self.up and time.monotonic() >= self._data_refused_until
+        return self._data if usable else None
+
+    def data_refused(self, error: TransportError) -> None:
+        """The data channel refused a call that gRPC will carry: use gRPC for a while. The daemon is not down."""
+        self._data_refused_until = time.monotonic() + self.config.down_backoff_s
+        if error.code == "UNAVAILABLE":
+            self._forget_data_channel()  # a restarted daemon may serve it elsewhere; ask Info again
 
     def _forget_data_channel(self) -> None:
         if self._data is not None:
@@ -147,3 +167,14 @@ def _read(path: str | None) -> bytes | None:
         return None
     with open(path, "rb") as f:
         return f.read()
+
+
+def _connectable(path: str, timeout_s: float) -> bool:
+    """Whether a Unix socket at `path` accepts connections from this process (same host, same file system)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(timeout_s)
+        try:
+            probe.connect(path)
+        except OSError:
+            return False
+    return True

@@ -1,16 +1,18 @@
-"""The raw-TCP bulk data channel: used when offered, precise errors for hostile frames, bounded memory."""
+"""The bulk data channel (TCP, or the Unix socket on the same host): used when offered, precise errors for
+hostile frames, bounded memory (hostile clients: tests/faults/test_data_channel.py)."""
 
 import os
 import socket
 import struct
 import time
 
+import grpc
 import pytest
 
 from kvstore import wire
 from kvstore.block import KVLayout, Namespace
 from kvstore.client import ClientConfig, KVClient
-from kvstore.proto import pb
+from kvstore.proto import method, pb
 from kvstore.record import build_record
 
 pytestmark = pytest.mark.integration
@@ -31,16 +33,41 @@ def data_calls(client: KVClient, address: str, method: str) -> float:
     return client.server_stats()[address].get(f"kvstore_rpc_seconds_count{{method={method}}}", 0)
 
 
-@pytest.mark.parametrize("transport, channel_used", [("auto", True), ("grpc", False)])
-def test_transport_choice(daemon, transport, channel_used):
+@pytest.mark.parametrize("transport, shared_memory, channel", [("auto", "auto", "unix"), ("auto", "off", "tcp"),
+                                                                ("grpc", "auto", None)])
+def test_transport_choice(daemon, transport, shared_memory, channel):
     items = prompt(5)
-    with KVClient(ClientConfig((daemon.address,), transport=transport)) as client:
+    with KVClient(ClientConfig((daemon.address,), transport=transport, shared_memory=shared_memory)) as client:
         assert client.put(items, NS.num_layers).stored == 5
         assert [g.payload for g in client.get([b for b, _ in items])] == [p for _, p in items]
         layered = client.get([b for b, _ in items], 2, 4, layer_major=True)
         assert [bytes(g.payload) for g in layered] == [p[2 * NS.layer_bytes :] for _, p in items]
-        assert (data_calls(client, daemon.address, "data.Get") > 0) == channel_used
-        assert (data_calls(client, daemon.address, "data.Put") > 0) == channel_used
+        assert (data_calls(client, daemon.address, "data.Get") > 0) == (channel is not None)
+        assert (data_calls(client, daemon.address, "data.Put") > 0) == (channel is not None)
+        used = client._async.shards[daemon.address].known_data_channel()
+        assert (None if used is None else "unix" if used.same_host else "tcp") == channel
+        assert not client.stats.data_fallbacks
+
+
+def test_info_names_the_unix_socket(daemon):
+    with grpc.insecure_channel(daemon.address) as channel:
+        info = channel.unary_unary(method("Info"), pb.InfoRequest.SerializeToString,
+                                   pb.InfoResponse.FromString)(pb.InfoRequest(), timeout=10)
+    assert info.data_socket == str(daemon.data_dir.absolute() / "data.sock") and info.host_id
+    assert info.data_port == daemon.data_port
+
+
+@pytest.mark.parametrize("shared_memory", ["auto", "off"])
+def test_pooled_connections_the_daemon_closed_while_idle_are_not_reused(daemons, shared_memory):
+    daemon, = daemons(1, "--data-idle-timeout-s", "0.5")
+    items = prompt(2, start=1000)
+    with KVClient(ClientConfig((daemon.address,), shared_memory=shared_memory)) as client:
+        assert client.put(items, NS.num_layers).stored == 2
+        assert len(client.get([b for b, _ in items])) == 2
+        time.sleep(1.0)  # the daemon closes the pooled connections meanwhile
+        assert len(client.get([b for b, _ in items])) == 2
+        assert not client.stats.data_fallbacks and not client.stats.shard_errors
+        assert data_calls(client, daemon.address, "data.Get") == 2
 
 
 def test_get_into_caller_buffers(daemon):

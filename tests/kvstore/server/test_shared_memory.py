@@ -1,5 +1,9 @@
-"""The same-host data plane: the daemon writes payloads straight into a client's shared memory."""
+"""The same-host data plane: the daemon writes payloads straight into a client's shared memory.
 
+Shared memory is a sealed memfd the client passes by descriptor over the daemon's Unix socket
+(tests/faults/test_shared_memory.py pins what that protects against)."""
+
+import fcntl
 import os
 import signal
 import socket
@@ -44,16 +48,37 @@ def test_same_host_gets_into_shared_buffers_go_through_shared_memory(daemons, mo
         private = client.get([b for b, _ in items], into=[bytearray(NS.block_bytes) for _ in items])
         assert [bytes(g.payload) for g in private] == [p for _, p in items], "other memory: over the socket"
         del buffers, got, layered
-    assert not [name for name in os.listdir("/dev/shm") if name.startswith("kvstore-")]
+    wait_until_unmapped(daemon, os.getpid())
 
 
-def lend(sock, size: int, name: str) -> int:
-    with open(f"/dev/shm/{name}", "wb") as f:
-        f.truncate(size)
-    sock.sendall(wire.frame(wire.REGISTER, pb.RegisterRegion(name=name, size=size, unlink=True).SerializeToString()))
+def unix_connection(daemon) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    sock.connect(str(daemon.data_dir / "data.sock"))
+    return sock
+
+
+def sealed_memfd(size: int) -> int:
+    fd = os.memfd_create(f"kvstore-{os.getpid()}-test", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+    return fd
+
+
+def send_register(sock, size: int, fd: int | None) -> None:
+    sock.sendall(wire.frame(wire.REGISTER, pb.RegisterRegion(size=size).SerializeToString()))
+    if fd is not None:
+        socket.send_fds(sock, [b"\0"], [fd])
+
+
+def lend(sock, size: int) -> int:
+    fd = sealed_memfd(size)
+    try:
+        send_register(sock, size, fd)
+    finally:
+        os.close(fd)  # the daemon's mapping keeps the memory
     kind, head = wire.parse_prefix(_recv(sock, wire.PREFIX.size))
     assert kind == wire.REGISTERED, kind
-    assert not os.path.exists(f"/dev/shm/{name}"), "the daemon unlinks the name once mapped"
     return pb.RegionRegistered.FromString(_recv(sock, head)).region_id
 
 
@@ -75,10 +100,9 @@ def error_code(sock) -> str:
 @pytest.mark.parametrize("case", ["outside the region", "another connection's region", "no offsets"])
 def test_offsets_outside_a_registered_region_are_rejected(daemon_with_block, case):
     daemon, key = daemon_with_block
-    with socket.create_connection(("127.0.0.1", daemon.data_port)) as sock, \
-            socket.create_connection(("127.0.0.1", daemon.data_port)) as other:
-        region_id = lend(sock, 64 * 1024, f"kvstore-test-{os.getpid()}-a")
-        other_id = lend(other, 64 * 1024, f"kvstore-test-{os.getpid()}-b")
+    with unix_connection(daemon) as sock, unix_connection(daemon) as other:
+        region_id = lend(sock, 64 * 1024)
+        other_id = lend(other, 64 * 1024)
         request = {
             "outside the region": pb.GetRequest(keys=[key] * 2, region_id=region_id, region_offsets=[0, 70_000]),
             "another connection's region": pb.GetRequest(keys=[key], region_id=other_id + 7, region_offsets=[0]),
@@ -90,13 +114,16 @@ def test_offsets_outside_a_registered_region_are_rejected(daemon_with_block, cas
 
 def test_oversized_or_missing_regions_are_refused(daemons):
     daemon, = daemons(1, "--max-region-bytes", "1MiB")
-    with socket.create_connection(("127.0.0.1", daemon.data_port)) as sock:
-        sock.sendall(wire.frame(wire.REGISTER, pb.RegisterRegion(name="kvstore-big", size=2**21).SerializeToString()))
+    with unix_connection(daemon) as sock:
+        send_register(sock, 2**21, None)
         assert error_code(sock) == "RESOURCE_EXHAUSTED"
-    with socket.create_connection(("127.0.0.1", daemon.data_port)) as sock:
-        sock.sendall(wire.frame(wire.REGISTER, pb.RegisterRegion(name="no-such-object", size=4096)
-                                .SerializeToString()))
+    with unix_connection(daemon) as sock:  # the frame, then a message without a descriptor
+        send_register(sock, 4096, None)
+        sock.sendall(b"\0")
         assert error_code(sock) == "INVALID_ARGUMENT"
+    with socket.create_connection(("127.0.0.1", daemon.data_port)) as sock:  # not offered over TCP
+        send_register(sock, 4096, None)
+        assert error_code(sock) == "PERMISSION_DENIED"
 
 
 @pytest.fixture
@@ -108,9 +135,17 @@ def daemon_with_block(daemons):
     return daemon, items[0][0].key
 
 
-def mapped_regions(pid: int) -> list[str]:
-    with open(f"/proc/{pid}/maps") as f:
-        return [line for line in f if "/dev/shm/kvstore-" in line]
+def mapped_regions(daemon, client_pid: int) -> list[str]:
+    """The daemon's mappings of memory lent by `client_pid` (its memfds are named kvstore-<pid>)."""
+    with open(f"/proc/{daemon.proc.pid}/maps") as f:
+        return [line for line in f if f"/memfd:kvstore-{client_pid} " in line]
+
+
+def wait_until_unmapped(daemon, client_pid: int) -> None:
+    deadline = time.monotonic() + 10
+    while mapped_regions(daemon, client_pid):
+        assert time.monotonic() < deadline, "the daemon kept a closed client's region"
+        time.sleep(0.05)
 
 
 def test_a_client_that_dies_leaves_no_region_behind(daemon_with_block, tmp_path):
@@ -130,14 +165,10 @@ def test_a_client_that_dies_leaves_no_region_behind(daemon_with_block, tmp_path)
     child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline().strip() == "ready"
-        assert [m for m in mapped_regions(daemon.proc.pid) if f"kvstore-{child.pid}-" in m]
-        assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"kvstore-{child.pid}-")]
+        assert mapped_regions(daemon, child.pid), "lent: the daemon maps it"
         child.send_signal(signal.SIGKILL)
         child.wait()
-        deadline = time.monotonic() + 10
-        while [m for m in mapped_regions(daemon.proc.pid) if f"kvstore-{child.pid}-" in m]:
-            assert time.monotonic() < deadline, "the daemon kept the dead client's region"
-            time.sleep(0.05)
+        wait_until_unmapped(daemon, child.pid)
     finally:
         child.kill()
 
@@ -148,7 +179,7 @@ def test_gets_into_a_shared_buffer_land_in_place(daemons):
     with KVClient([daemon.address]) as client:
         client.put(items, NS.num_layers)
         shared = client.shared_buffer(4 * NS.block_bytes)
-        assert not [n for n in os.listdir("/dev/shm") if n.startswith("kvstore-")], "named only while lent"
+        assert not [n for n in os.listdir("/dev/shm") if n.startswith("kvstore-")], "memory with no name at all"
         views = [shared[i * NS.block_bytes : (i + 1) * NS.block_bytes] for i in range(4)]
         before = region_bytes(client, daemon.address)
         got = client.get([b for b, _ in items], into=views)
