@@ -39,12 +39,12 @@ class Request:
 def read_trace(path: Path | str, block_tokens: int = 512, skip_bad: bool = False,
                errors: list[str] | None = None) -> Iterator[Request]:
     """The trace's requests in order; a bad line raises TraceError naming it, or is skipped with `skip_bad`."""
-    with open(path) as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
+    with open(path, "rb") as f:  # decoded line by line, so a line that is not UTF-8 is named like any other
+        for number, raw in enumerate(f, start=1):
+            if not raw.strip():
                 continue
             try:
-                yield parse_line(line, block_tokens)
+                yield parse_line(raw.decode(), block_tokens)
             except ValueError as exc:
                 if not skip_bad:
                     raise TraceError(path, number, str(exc)) from None
@@ -63,15 +63,17 @@ def parse_line(line: str, block_tokens: int) -> Request:
         if name not in record:
             raise ValueError(f"missing {name!r}")
     timestamp, length, ids = record["timestamp"], record["input_length"], record["hash_ids"]
-    if not isinstance(timestamp, (int, float)) or timestamp < 0:
+    if (not isinstance(timestamp, (int, float)) or timestamp < 0
+            or isinstance(timestamp, float) and not math.isfinite(timestamp)):  # JSON's NaN and 1e999 included
         raise ValueError(f"timestamp must be a non-negative number of ms, got {timestamp!r}")
     if not isinstance(length, int) or length < 1:
         raise ValueError(f"input_length must be a positive integer, got {length!r}")
     if not isinstance(ids, list) or not all(isinstance(h, int) and not isinstance(h, bool) for h in ids):
         raise ValueError("hash_ids must be a list of integers")
-    if len(ids) != math.ceil(length / block_tokens):
+    blocks = -(-length // block_tokens)  # ceil in integers: a float overflows on a huge length
+    if len(ids) != blocks:
         raise ValueError(f"{len(ids)} hash_ids for {length} input tokens; expected ceil({length}/{block_tokens})"
-                         f" = {math.ceil(length / block_tokens)}")
+                         f" = {blocks}")
     output = record.get("output_length", 0)
     if not isinstance(output, int) or output < 0:
         raise ValueError(f"output_length must be a non-negative integer, got {output!r}")

@@ -9,6 +9,7 @@ bytes a reader holds.
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
 
 from kvstore.eviction import LRU, EvictionPolicy
@@ -44,16 +45,21 @@ class HotTier:
         if entry.evicted and entry.pins == 0:
             self._recycle(entry.payload)
 
-    def buffer(self, nbytes: int) -> bytearray:
+    def buffer(self, nbytes: int) -> bytearray | mmap.mmap:
         """A writable buffer of exactly `nbytes`, recycled when one is free."""
+        recycled = self.reuse(nbytes)
+        return bytearray(nbytes) if recycled is None else recycled
+
+    def reuse(self, nbytes: int) -> bytearray | mmap.mmap | None:
+        """A free buffer of exactly `nbytes` (memory the process holds already), or None."""
         free = self._free.get(nbytes)
-        return free.pop() if free else bytearray(nbytes)
+        return free.pop() if free else None
 
     def put(self, key: bytes, header: bytes, payload: bytes | bytearray) -> None:
         size = len(header) + len(payload)
         if size > self.capacity_bytes:
-            if isinstance(payload, bytearray):
-                self._recycle(payload)
+            # Not recycled: the caller still sends from it (a read of a block too big for the tier), and a
+            # recycled buffer is refilled by the next read while this one is being sent.
             return
         old = self._entries.pop(key, None)
         if old is not None:
@@ -77,8 +83,8 @@ class HotTier:
         if entry.pins == 0:
             self._recycle(entry.payload)
 
-    def _recycle(self, payload: bytes | bytearray) -> None:
-        if isinstance(payload, bytearray):
+    def _recycle(self, payload: bytes | bytearray | mmap.mmap) -> None:
+        if isinstance(payload, (bytearray, mmap.mmap)):  # mmap: a large payload from the data channel
             free = self._free.setdefault(len(payload), [])
             if len(free) < FREE_BUFFERS_PER_SIZE:
                 free.append(payload)
