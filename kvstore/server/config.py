@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
+import math
 import os
 import re
 import tomllib
@@ -29,17 +31,29 @@ def parse_size(value: Any) -> int:
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
     if not match or match.group(2).lower() not in _SIZE_UNITS:
         raise ValueError(f"{value!r} is not a size; write bytes or e.g. '512MiB', '2GiB', '1TB'")
-    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+    number = float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()]
+    if not math.isfinite(number):  # "9" * 400 reads as inf
+        raise ValueError(f"{value!r} is too large a size")
+    return int(number)
 
 
 def parse_duration(value: Any) -> float:
     if isinstance(value, (int, float)):
-        return float(value)
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
-    if not match or match.group(2).lower() not in _TIME_UNITS:
-        raise ValueError(f"{value!r} is not a duration; write seconds or e.g. '90s', '12h', '3d'")
-    return float(match.group(1)) * _TIME_UNITS[match.group(2).lower()]
+        try:
+            seconds = float(value)
+        except OverflowError:  # an int too large for a float
+            seconds = math.inf
+    else:
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
+        if not match or match.group(2).lower() not in _TIME_UNITS:
+            raise ValueError(f"{value!r} is not a duration; write seconds or e.g. '90s', '12h', '3d'")
+        seconds = float(match.group(1)) * _TIME_UNITS[match.group(2).lower()]
+    if not math.isfinite(seconds):  # expiry and TTL arithmetic need a number of seconds
+        raise ValueError(f"{value!r} is not a finite duration")
+    return seconds
 
+
+UNIX_PATH_MAX = 107  # sun_path is 108 bytes, NUL included
 
 DEFAULT_CLASSES = {"agent": 3 * 86400.0, "chat": 7 * 86400.0}
 
@@ -52,6 +66,9 @@ class ServerConfig:
     port_file: Path | None = None  # written with the bound port once serving
     metrics_port: int | None = None  # Prometheus /metrics; None: off, 0: the OS picks one
     data_port: int | None = 50052  # raw-TCP bulk data channel; None: off (gRPC only), 0: the OS picks one
+    # The data channel on a Unix socket, for clients on this host and the only path to shared memory;
+    # relative to data_dir unless absolute; None: off. At most 107 bytes as an absolute path (sun_path).
+    data_socket: Path | None = Path("data.sock")
 
     capacity_bytes: int = 64 * 2**30
     high_watermark: float = 0.95
@@ -82,6 +99,10 @@ class ServerConfig:
     io_threads: int = 8
     grace_s: float = 5.0
     data_frame_timeout_s: float = 30.0  # a data-channel client stalled inside a frame this long is dropped
+    data_idle_timeout_s: float = 60.0  # a data connection silent between frames this long is closed
+    max_data_connections: int = 512  # data-channel connections at once (TCP and Unix socket together)
+    max_data_connections_per_peer: int = 64  # of them from one address (TCP) or one user (Unix socket)
+    max_unfinished_frame_bytes: int = 256 * 2**20  # bytes held daemon-wide for frames still arriving
     log_level: str = "INFO"
 
     # Security (docs/operations.md, "Running a secured cluster"). Off by default for loopback development.
@@ -104,6 +125,13 @@ class ServerConfig:
             self.port_file = Path(self.port_file)
         if self.access_log is not None:
             self.access_log = Path(self.access_log)
+        if self.data_socket is not None:
+            self.data_socket = Path(os.path.abspath(self.data_dir / self.data_socket))
+            if "\x00" in str(self.data_socket):
+                raise ValueError("data_socket must be a path without NUL bytes")
+            if len(os.fsencode(self.data_socket)) > UNIX_PATH_MAX:
+                raise ValueError(f"data_socket {self.data_socket} is longer than the {UNIX_PATH_MAX} bytes a Unix "
+                                 "socket path may have; set data_socket to a shorter absolute path (or 'off')")
         for name in ("auth_tokens", "tls_cert", "tls_key", "tls_client_ca"):
             value = getattr(self, name)
             if value is not None:
@@ -148,7 +176,8 @@ class ServerConfig:
             raise ValueError(f"default_class {self.default_class!r} is not one of the classes {sorted(self.classes)}")
         for name in ("capacity_bytes", "segment_bytes", "max_block_bytes", "max_message_bytes",
                      "max_inflight_put_bytes", "lmdb_map_bytes", "max_keys_per_request", "max_region_bytes",
-                     "max_concurrent_rpcs", "io_threads"):
+                     "max_concurrent_rpcs", "io_threads", "access_log_max_bytes", "max_data_connections",
+                     "max_data_connections_per_peer", "max_unfinished_frame_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.hot_tier_bytes < 0:
@@ -157,24 +186,33 @@ class ServerConfig:
             raise ValueError("lmdb_max_map_bytes must be >= lmdb_map_bytes")
         if self.max_block_bytes > self.max_inflight_put_bytes:
             raise ValueError("max_inflight_put_bytes must be >= max_block_bytes, or no block could ever be put")
+        if self.max_block_bytes > self.max_unfinished_frame_bytes:
+            raise ValueError("max_unfinished_frame_bytes must be >= max_block_bytes, or no block could ever arrive "
+                             "on the data channel")
+        if self.max_data_connections_per_peer > self.max_data_connections:
+            raise ValueError("max_data_connections_per_peer must be <= max_data_connections")
         for name in ("expiry_bucket_s", "sweep_interval_s", "access_flush_interval_s", "grace_s",
-                     "data_frame_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+                     "data_frame_timeout_s", "data_idle_timeout_s"):
+            if not 0 < getattr(self, name) < math.inf:
+                raise ValueError(f"{name} must be a positive number of seconds, got {getattr(self, name)}")
+        if not isinstance(self.log_level, str) or self.log_level.upper() not in logging.getLevelNamesMapping():
+            raise ValueError(f"log_level must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL, got {self.log_level!r}")
 
 
 _SIZE_FIELDS = {"capacity_bytes", "segment_bytes", "hot_tier_bytes", "lmdb_map_bytes", "lmdb_max_map_bytes",
                 "access_log_max_bytes",
-                "max_block_bytes", "max_message_bytes", "max_inflight_put_bytes", "max_region_bytes"}
-_TIME_FIELDS = {"expiry_bucket_s", "sweep_interval_s", "access_flush_interval_s", "grace_s", "data_frame_timeout_s"}
+                "max_block_bytes", "max_message_bytes", "max_inflight_put_bytes", "max_region_bytes",
+                "max_unfinished_frame_bytes"}
+_TIME_FIELDS = {"expiry_bucket_s", "sweep_interval_s", "access_flush_interval_s", "grace_s", "data_frame_timeout_s",
+                "data_idle_timeout_s"}
 _FIELDS = {f.name: f for f in dataclasses.fields(ServerConfig)}
 
 
 def _coerce(name: str, value: Any) -> Any:
     if name not in _FIELDS:
         raise ValueError(f"unknown setting {name!r}; known: {', '.join(sorted(_FIELDS))}")
-    if name in ("metrics_port", "data_port", "port_file", "access_log", "auth_tokens", "tls_cert", "tls_key",
-                "tls_client_ca") and (value is None or str(value).lower() in ("", "none", "off")):
+    if name in ("metrics_port", "data_port", "data_socket", "port_file", "access_log", "auth_tokens", "tls_cert",
+                "tls_key", "tls_client_ca") and (value is None or str(value).lower() in ("", "none", "off")):
         return None
     try:
         if name in _SIZE_FIELDS:
@@ -190,8 +228,10 @@ def _coerce(name: str, value: Any) -> Any:
             return int(value)
         if "float" in kind:
             return float(value)
+        if not isinstance(value, str):  # a TOML number, list or table where a name or a path belongs
+            raise ValueError(f"expected a string, got {value!r}")
         return value
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, OverflowError) as exc:
         raise ValueError(f"setting {name}: {exc}") from exc
 
 

@@ -12,6 +12,7 @@ only to resize the map (LMDB forbids resizing while a transaction of this proces
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import logging
 import os
 import queue
@@ -22,6 +23,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import lmdb
+from lmdb.verify import VerifyError
+from lmdb.verify import verify as verify_lmdb
 
 from kvstore import faults
 
@@ -37,10 +40,44 @@ TENANT_AT = _ENTRY.size + _PARENT_BYTES + 1  # offset of the tenant id in a pack
 _EXPIRY = struct.Struct("<Q")
 _EXPIRY_AT = 20  # offset of the expiry in a packed entry
 _BATCH_MAX = 1024
+# LMDB reports a write cut short by a full disk as EIO; with less free than this, that is what it was.
+_SHORT_WRITE_FREE_BYTES = 64 * 2**20
 
 
 class IndexFull(Exception):
     """The LMDB map is at its configured maximum; the caller should evict and retry."""
+
+
+class IndexNoSpace(OSError):
+    """The file system has no room for the pages a commit writes; nothing of it was applied.
+
+    An OSError with errno ENOSPC, like a segment append that met a full disk."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(errno.ENOSPC, f"no space left for an index commit ({detail})")
+
+
+class IndexUnavailable(Exception):
+    """The index cannot be opened (a file system error, or damage it could not be set aside for)."""
+
+
+class IndexDamaged(IndexUnavailable):
+    """The index files are not a readable LMDB database: a damaged page, or not LMDB at all.
+
+    Nothing in them can be trusted, but every record in the segments describes itself, so the index can
+    be rebuilt from them (`kvstore fsck --rebuild`, or a daemon at start-up; docs/operations.md)."""
+
+
+# What LMDB says about files it cannot read as a database. A generic lmdb.Error is an errno (no space,
+# no permission: the files may be fine) unless it names the data format, which py-lmdb reads from the
+# meta page before LMDB sees the file.
+_DAMAGE = (lmdb.InvalidError, lmdb.VersionMismatchError, lmdb.CorruptedError, lmdb.PanicError,
+           lmdb.PageNotFoundError, lmdb.IncompatibleError)
+
+
+def is_damage(exc: lmdb.Error) -> bool:
+    """Whether an error from opening or reading an LMDB environment means its files are damaged."""
+    return isinstance(exc, _DAMAGE) or (type(exc) is lmdb.Error and "data format" in str(exc))
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,13 +124,53 @@ def tenant_id_of(raw: bytes | memoryview) -> int:
 Op = Callable[[lmdb.Transaction, Any], Any]
 
 
+def structural_damage(path: Path) -> str:
+    """Why the LMDB file in `path` is unsound ("" if it is sound, or not written yet).
+
+    LMDB trusts every page it reads and can crash the process (SIGBUS) on a damaged one, so the file is
+    first walked page by page in Python (lmdb.verify), which cannot (about 0.15 s per 100,000 entries).
+    Raises OSError if the file cannot be read."""
+    data = Path(path) / "data.mdb"
+    if not data.exists() or data.stat().st_size == 0:  # LMDB makes a new database of an empty file
+        return ""
+    try:
+        problems = verify_lmdb(str(path))
+    except VerifyError as exc:
+        return str(exc)
+    if not problems:
+        return ""
+    return problems[0] + (f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else "")
+
+
+def _unavailable(path: Path, exc: lmdb.Error) -> IndexUnavailable:
+    reason = str(exc).removeprefix(f"{path}: ")  # LMDB's messages start with the path
+    if is_damage(exc):
+        return IndexDamaged(f"the index at {path} is damaged ({reason})")
+    return IndexUnavailable(f"cannot open the index at {path}: {reason}")
+
+
 class Index:
     def __init__(self, path: Path, map_bytes: int, max_map_bytes: int, fsync: bool) -> None:
+        """Open (or create) the index at `path`. Raises IndexDamaged when its files are not a readable
+        LMDB database, IndexUnavailable when they cannot be opened for another reason."""
         Path(path).mkdir(parents=True, exist_ok=True)
-        self._env = lmdb.open(str(path), map_size=map_bytes, max_dbs=4, sync=fsync, metasync=fsync,
-                              readahead=False, max_readers=256, lock=True)
-        self._blocks = self._env.open_db(b"blocks")
-        self._meta = self._env.open_db(b"meta")
+        try:
+            damage = structural_damage(path)
+        except OSError as exc:
+            raise IndexUnavailable(f"cannot read the index at {path}: {exc}") from None
+        if damage:
+            raise IndexDamaged(f"the index at {path} is damaged ({damage})")
+        try:
+            self._env = lmdb.open(str(path), map_size=map_bytes, max_dbs=4, sync=fsync, metasync=fsync,
+                                  readahead=False, max_readers=256, lock=True)
+        except lmdb.Error as exc:
+            raise _unavailable(path, exc) from None
+        try:
+            self._blocks = self._env.open_db(b"blocks")
+            self._meta = self._env.open_db(b"meta")
+        except lmdb.Error as exc:
+            self._env.close()
+            raise _unavailable(path, exc) from None
         self._max_map_bytes = max_map_bytes
         self._read_lock = threading.Lock()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -286,9 +363,35 @@ class Index:
                 for _, _, future in batch:
                     future.set_exception(IndexFull("LMDB map is full at lmdb_max_map_bytes"))
                 return
+            except (lmdb.Error, OSError) as exc:
+                if not self._out_of_space(exc):
+                    raise
+                # The store decides what may use its reserved room (eviction); the writer only says why.
+                for _, _, future in batch:
+                    future.set_exception(IndexNoSpace(str(exc)))
+                return
             for future, ok, value in results:
                 future.set_result(value) if ok else future.set_exception(value)
             return
+
+    def _out_of_space(self, exc: BaseException) -> bool:
+        """Whether a failed commit failed for want of room on the file system."""
+        if isinstance(exc, lmdb.DiskError):
+            return True
+        code = exc.errno if isinstance(exc, OSError) else getattr(exc, "code", 0)
+        if code in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if code == errno.EIO or "Input/output error" in str(exc):
+            fs = os.statvfs(self._env.path())
+            return fs.f_bavail * fs.f_frsize < _SHORT_WRITE_FREE_BYTES
+        return False
+
+    def commit_bytes(self, keys: int) -> int:
+        """At most how many bytes of fresh pages one commit that writes or deletes `keys` keys takes:
+        each key's leaf and the branch pages above it (copy on write), plus free-list and meta pages."""
+        with self._read_lock, self._env.begin() as txn:
+            depth = max(txn.stat(self._blocks)["depth"], 1)
+        return (keys * depth + 4) * self._env.stat()["psize"]
 
     def _grow(self) -> bool:
         current = self._env.info()["map_size"]
@@ -303,5 +406,9 @@ class Index:
     def close(self) -> None:
         self._queue.put(None)
         self._writer.join()
-        self._env.sync(True)
-        self._env.close()
+        try:
+            self._env.sync(True)
+        except lmdb.Error as exc:  # every commit was written already; only its flush to the disk is in doubt
+            log.warning("syncing the index at close failed: %s", exc)
+        finally:
+            self._env.close()

@@ -17,6 +17,7 @@ from grpc_reflection.v1alpha import reflection
 from kvstore.proto import SERVICE
 from kvstore.server.dataplane import DataPlaneServer
 from kvstore.server.config import ServerConfig, load_config
+from kvstore.server.index import IndexUnavailable
 from kvstore.server.metrics import Metrics
 from kvstore.server.security import Security
 from kvstore.server.service import ByteBudget, KVStoreService
@@ -29,6 +30,10 @@ class StartupError(Exception):
     """The daemon cannot start as configured (a port in use, a data directory in use)."""
 
 
+class ShutdownError(Exception):
+    """The daemon stopped, but its data directory could not be closed cleanly (an I/O error)."""
+
+
 async def serve(config: ServerConfig, stop: asyncio.Event | None = None) -> None:
     try:
         security = Security.from_config(config)
@@ -38,7 +43,7 @@ async def serve(config: ServerConfig, stop: asyncio.Event | None = None) -> None
     store = BlockStore(config, metrics)
     try:
         await store.open()
-    except DataDirInUse as exc:
+    except (DataDirInUse, IndexUnavailable) as exc:
         raise StartupError(str(exc)) from None
     server = grpc.aio.server(
         options=[
@@ -55,7 +60,8 @@ async def serve(config: ServerConfig, stop: asyncio.Event | None = None) -> None
     data_plane = DataPlaneServer(store, config, put_budget)
     try:
         data_port = 0 if config.data_port is None else await data_plane.start(config.host, config.data_port)
-        service = KVStoreService(store, config, put_budget, data_port)
+        data_socket = "" if config.data_socket is None else await data_plane.start_unix(config.data_socket)
+        service = KVStoreService(store, config, put_budget, data_port, data_socket)
         server.add_generic_rpc_handlers([service.handler()])
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -72,7 +78,7 @@ async def serve(config: ServerConfig, stop: asyncio.Event | None = None) -> None
         await data_plane.stop(0)
         await store.close()
         raise StartupError(f"cannot listen on {config.host} (gRPC port {config.port}, data port "
-                           f"{config.data_port}): {exc}") from None
+                           f"{config.data_port}, data socket {config.data_socket}): {exc}") from None
     await server.start()
     await health_servicer.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -85,8 +91,8 @@ async def serve(config: ServerConfig, stop: asyncio.Event | None = None) -> None
         tmp = config.port_file.with_suffix(".tmp")
         tmp.write_text(f"{port}\n{metrics_port or ''}\n{data_port or ''}\n")
         os.replace(tmp, config.port_file)  # readers never see a half-written file
-    log.info("kvstore-server serving on %s:%d (data channel %s, metrics %s, TLS %s, tokens %s), data in %s",
-             config.host, port, data_port or "off", metrics_port or "off",
+    log.info("kvstore-server serving on %s:%d (data channel %s, data socket %s, metrics %s, TLS %s, tokens %s), "
+             "data in %s", config.host, port, data_port or "off", data_socket or "off", metrics_port or "off",
              "mutual" if config.tls_client_ca else "on" if config.tls else "off",
              "on" if security.authenticator else "off", config.data_dir)
 
@@ -109,15 +115,22 @@ async def serve(config: ServerConfig, stop: asyncio.Event | None = None) -> None
             await maintenance
         except asyncio.CancelledError:
             pass
-        await store.close()
+        try:
+            await store.close()  # a full disk is no error here: what cannot be saved is logged
+        except OSError as exc:
+            raise ShutdownError(f"stopped, but {config.data_dir} was not closed cleanly ({exc}); "
+                                f"check it with `kvstore fsck {config.data_dir}` before the next start") from None
         log.info("stopped cleanly")
 
 
 def tune_allocator() -> None:
-    """Keep freed memory in the process instead of returning it to the OS.
+    """Keep freed memory in the process instead of returning it to the OS, up to a bound.
 
     Fresh memory on these VMs costs ~3 us per 4 KiB page to fault in; glibc by default gives large
     freed blocks back (munmap, trim) and the next payload faults them in again. Linux glibc only.
+    Up to 256 MiB free at the top of the heap is kept (several payloads' worth, for reuse); past that it
+    is trimmed, so a burst does not stay in the daemon for good. The data channel keeps memory a client
+    could make it hold (large heads, record payloads) out of the heap altogether, in anonymous mappings.
     """
     try:
         libc = ctypes.CDLL("libc.so.6")
@@ -125,7 +138,7 @@ def tune_allocator() -> None:
         return
     m_trim_threshold, m_mmap_threshold = -1, -3
     libc.mallopt(m_mmap_threshold, 256 * 2**20)
-    libc.mallopt(m_trim_threshold, 2**31 - 1)
+    libc.mallopt(m_trim_threshold, 256 * 2**20)
 
 
 def run_loop(coro) -> None:
@@ -148,7 +161,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     tune_allocator()
     try:
         run_loop(serve(config))
-    except StartupError as exc:
+    except (StartupError, ShutdownError) as exc:
         print(f"kvstore-server: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -53,12 +53,14 @@ class ByteBudget:
 
 
 class KVStoreService:
-    def __init__(self, store: BlockStore, config: ServerConfig, put_budget: ByteBudget, data_port: int = 0) -> None:
+    def __init__(self, store: BlockStore, config: ServerConfig, put_budget: ByteBudget, data_port: int = 0,
+                 data_socket: str = "") -> None:
         self.store = store
         self.config = config
         self.metrics = store.metrics
         self.put_budget = put_budget
         self.data_port = data_port
+        self.data_socket = data_socket  # the data channel's Unix socket, for clients on this host
 
     async def _abort(self, context: grpc.aio.ServicerContext, method: str, code: grpc.StatusCode, details: str):
         self.metrics.rpc_errors.labels(method=method, code=code.name).inc()
@@ -95,7 +97,8 @@ class KVStoreService:
         return pb.InfoResponse(data_port=self.data_port, max_block_bytes=self.config.max_block_bytes,
                                max_keys_per_request=self.config.max_keys_per_request,
                                traffic_classes=sorted(self.config.classes), version=kvstore.__version__,
-                               host_id=host_id() if self.data_port else "")
+                               host_id=host_id() if self.data_port or self.data_socket else "",
+                               data_socket=self.data_socket)
 
     # -- Get: server-streamed: per part a GetPartHead, then the payload if the part is OK -------------
 

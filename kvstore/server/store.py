@@ -4,7 +4,8 @@ Runs on the daemon's event loop; file I/O goes to a thread pool, index writes to
 thread. Guarantees (DESIGN.md section 10):
 * a record becomes visible only after its bytes are written (and synced, with durability "fsync");
 * every byte served from the segment files is verified against its header's checksums first;
-* start-up cuts torn tails and drops index entries that do not point at a whole record.
+* start-up cuts torn tails, drops index entries whose place holds no record of their key (and re-indexes
+  the key's own record if one is found), and rebuilds a missing or damaged index from the segments.
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ from kvstore.record import NO_TENANT, CorruptRecord, RecordHeader, decode_header
 from kvstore.server.access_log import AccessLog
 from kvstore.server.config import ServerConfig
 from kvstore.server.hot_tier import HotEntry, HotTier
-from kvstore.server.index import Entry, Index, IndexFull
+from kvstore.server.index import Entry, Index, IndexDamaged, IndexFull, IndexNoSpace
 from kvstore.server.key_digest import KeyDigest
 from kvstore.server.metrics import Metrics
+from kvstore.server.recovery import drop_stale, open_index, rebuild_index, replace_damaged, verify_entries
 from kvstore.server.retention import Retention
 from kvstore.server.segments import Segment, SegmentSet
 
@@ -110,29 +112,51 @@ class BlockStore:
         except BlockingIOError:
             raise DataDirInUse(f"another kvstore-server is using {data_dir}; give each daemon its own data_dir") from None
         fsync = self.config.durability == "fsync"
-        self.index = Index(data_dir / "index", self.config.lmdb_map_bytes, self.config.lmdb_max_map_bytes, fsync)
+        # A damaged index is moved aside and rebuilt (kvstore/server/recovery.py, docs/operations.md).
+        self.index, rebuild_reason = open_index(data_dir / "index", self.config.lmdb_map_bytes,
+                                                self.config.lmdb_max_map_bytes, fsync)
         self.segments = SegmentSet(data_dir / "segments", self.config.segment_bytes, fsync)
+        self._load_names()
+        await asyncio.get_running_loop().run_in_executor(self._executor, self._recover, rebuild_reason)
+        self.refresh_gauges()
+
+    def _load_names(self) -> None:
+        """The index's ids of the configured traffic classes (assigned on first use), and all names known."""
         for name in self.config.classes:
             self._class_ids[name] = self.index.class_id(name)
         self._class_names = {v: k for k, v in self.index.classes().items()}
         self._tenant_ids = self.index.tenants()
-        await asyncio.get_running_loop().run_in_executor(self._executor, self._recover)
-        self.refresh_gauges()
 
-    def _recover(self) -> None:
+    def _recover(self, rebuild_reason: str = "") -> None:
+        """Cut torn tails, then make the index agree with the segments: rebuilt from them when it is new or
+        damaged, else every entry checked against the record header at its place (kvstore/server/recovery.py)."""
         started = time.perf_counter()
-        recovered = {seg.id: {off: h.key for off, h in self.segments.recover(seg)}
-                     for seg in self.segments.open_existing()}
-        stale: list[bytes] = []
-        order: list[tuple[int, bytes, int, bytes]] = []
-        for key, entry in self.index.items():
-            segment = self.segments.segments.get(entry.segment)
-            whole = segment is not None and entry.offset + entry.record_len <= segment.size
-            if whole and entry.segment in recovered:
-                whole = recovered[entry.segment].get(entry.offset) == key
-            if not whole:
-                stale.append(key)
-                continue
+        scanned = {seg.id: dict(self.segments.recover(seg)) for seg in self.segments.open_existing()}
+        stale: dict[bytes, tuple[str, Entry]] = {}
+        try:
+            live, stale = ([], {}) if rebuild_reason else verify_entries(self.index, self.segments, scanned)
+        except IndexDamaged as exc:  # a page deeper than the meta pages, found while reading
+            config = self.config
+            self.index, aside = replace_damaged(self.index, config.data_dir / "index", config.lmdb_map_bytes,
+                                                config.lmdb_max_map_bytes, config.durability == "fsync", exc)
+            self._load_names()
+            live, rebuild_reason = [], f"the index was damaged and moved aside to {aside}"
+        if rebuild_reason and self.segments.disk_bytes:
+            log.warning("rebuilding the index from the segments (%.1f GiB): %s",
+                        self.segments.disk_bytes / 2**30, rebuild_reason)
+            live, stats = rebuild_index(self.index, self.segments, now_ms=self.now_ms())
+            log.warning("index rebuilt in %.1f s: %s", time.perf_counter() - started, stats)
+        elif stale:
+            drop_stale(self.index, stale)
+            found, _ = rebuild_index(self.index, self.segments, only=set(stale), now_ms=self.now_ms())
+            if found:
+                log.warning("re-indexed %d of the dropped keys from verified records found in the segments",
+                            len(found))
+            live += found
+        self._load_names()  # a rebuild names the classes and tenants its records carry
+        order: list[tuple[int, bytes, int, bytes, int]] = []
+        for key, entry in live:
+            segment = self.segments.segments[entry.segment]
             segment.live_bytes += entry.record_len
             self.live_bytes += entry.record_len
             self._class_blocks[entry.class_id] = self._class_blocks.get(entry.class_id, 0) + 1
@@ -141,8 +165,9 @@ class BlockStore:
         self._restore_learned()
         for _, key, size, parent, policy_class in order:  # the prefix tree and classes too
             self.policy.restore(key, size, parent or None, policy_class)
-        if stale:
-            self.index.submit(self.index.remove_op(stale)).result()
+        # After a rebuild every verifiable record has an entry, so a segment without one holds only
+        # superseded copies or damage; with a trusted index, a record it lacks was deleted, evicted or
+        # expired (docs/operations.md).
         for segment in list(self.segments.segments.values()):
             if segment.live_bytes == 0:
                 self.segments.delete(segment)
@@ -163,15 +188,22 @@ class BlockStore:
         if self.closed:
             return
         self.closed = True
-        await self.flush_access()
-        if self.access_log is not None:
-            self.access_log.close()
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._executor, self.segments.close)
-        await loop.run_in_executor(None, self.index.close)
-        self._executor.shutdown(wait=True)
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
+        try:
+            await self.flush_access()
+            if self._dirty or self._reclassed:
+                log.warning("no room to save the access times of %d blocks since the last flush: they are lost, "
+                            "as in a crash", len(self._dirty.keys() | self._reclassed.keys()))
+        finally:
+            try:
+                if self.access_log is not None:
+                    self.access_log.close()
+                await loop.run_in_executor(self._executor, self.segments.close)
+            finally:
+                await loop.run_in_executor(None, self.index.close)
+                self._executor.shutdown(wait=True)
+                if self._lock_fd is not None:
+                    os.close(self._lock_fd)
 
     # -- helpers ----------------------------------------------------------------------------------
 
@@ -255,6 +287,9 @@ class BlockStore:
         except OSError:
             self.segments.release(segment)
             return self.miss(pb.UNAVAILABLE, "io_error", key, entry)
+        except BaseException:  # cancelled (a Get read ahead and stopped at a miss): no caller will close it
+            self.segments.release(segment)
+            raise
         return OpenBlock(key, entry, header, header_bytes, segment, None, "ssd")
 
     async def read_layers(self, block: OpenBlock, begin: int, end: int,
@@ -370,14 +405,15 @@ class BlockStore:
         self._pending.add(key)
         try:
             expires_ms = now_ms + self._ttl_ms(class_id)
+            if self.retention.disk_full:  # what room eviction makes goes to the index's reserve first
+                raise DiskFull("the disk is full and eviction is making room; retry shortly")
             try:
-                segment, offset = await self.run_io(self.segments.append, self.bucket_end(expires_ms),
-                                                 [header_bytes, *chunks])
+                with self.retention.appending():
+                    segment, offset = await self.run_io(self.segments.append, self.bucket_end(expires_ms),
+                                                        [header_bytes, *chunks])
             except OSError as exc:
                 if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-                    self.metrics.disk_full.inc()
-                    self._disk_limit = min(self._disk_limit, self.segments.disk_bytes)
-                    self.retention.wake.set()
+                    self.disk_is_full()
                     raise DiskFull(f"no space left for a {header.record_len}-byte record") from exc
                 raise
             new = Entry(segment.id, offset, len(header_bytes), header.payload_len, expires_ms, now_ms, class_id,
@@ -385,8 +421,12 @@ class BlockStore:
             if self.index.fill_ratio() > INDEX_HIGH_FILL:
                 await self.retention.evict_bytes(self.policy.tracked_bytes * 0.05)
             payload = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-            # Shielded: a caller that goes away must not leave the index committed and the accounting not.
-            await asyncio.shield(self._commit_put(key, new, segment, header_bytes, payload, hint))
+            try:
+                # Shielded: a caller that goes away must not leave the index committed and the accounting not.
+                await asyncio.shield(self._commit_put(key, new, segment, header_bytes, payload, hint))
+            except IndexNoSpace as exc:  # the record's bytes are left dead, for compaction
+                self.disk_is_full()
+                raise DiskFull(f"no space left to index a {header.record_len}-byte record") from exc
             if self.live_bytes > self.limit() * self.config.high_watermark:
                 # The budget holds at every put, not only when the maintenance loop comes round.
                 await self.retention.enforce_budget()
@@ -497,7 +537,7 @@ class BlockStore:
                 save_learned(txn, db)
         try:
             await self.commit(op)
-        except IndexFull:
+        except (IndexFull, IndexNoSpace):  # kept for the next flush; a full disk's reserve is eviction's
             for key, value in dirty.items():
                 self._dirty.setdefault(key, value)
             for key, value in reclassed.items():
@@ -509,6 +549,17 @@ class BlockStore:
     def limit(self) -> int:
         """The byte budget in force: the configured one, or the file system's size if that proved smaller."""
         return min(self.config.capacity_bytes, self._disk_limit)
+
+    def disk_is_full(self) -> None:
+        """The file system is full: what the segments hold now is the budget, and puts wait for room."""
+        self.metrics.disk_full.inc()
+        self._disk_limit = min(self._disk_limit, self.segments.disk_bytes)
+        self.retention.note_disk_full()
+
+    def disk_has_room(self, free_bytes: int) -> None:
+        """Room is back after a full disk: the budget is what the segments and the free space can hold
+        (still never more than capacity_bytes), so that it does not stay as low as the worst moment."""
+        self._disk_limit = self.segments.disk_bytes + free_bytes
 
     # -- observability ----------------------------------------------------------------------------
 
