@@ -25,6 +25,8 @@ PUT_RESULT = 6  # daemon: head PutResponse
 ERROR = 7  # daemon: head DataError; the daemon closes the connection after it
 REGISTER = 8  # client: head RegisterRegion, then the memory's fd (Unix socket only); daemon answers REGISTERED
 REGISTERED = 9  # daemon: head RegionRegistered
+AUTH = 10  # client: head DataAuth, the first frame on a connection to a daemon that checks tokens
+AUTHED = 11  # daemon: the token is good; then any frame its verbs allow
 
 SOCKET_BUFFER_BYTES = 4 * 2**20
 

@@ -18,6 +18,7 @@ import mmap
 import os
 import select
 import socket
+import ssl
 import threading
 import time
 from dataclasses import dataclass
@@ -52,9 +53,12 @@ class DataChannel:
     """Connections to one daemon's data channel: its TCP port, or its Unix socket (`unix_path`) on the same
     host, where it can be lent shared buffers."""
 
-    def __init__(self, host: str, port: int, pool_size: int = 8, unix_path: str | None = None) -> None:
+    def __init__(self, host: str, port: int, pool_size: int = 8, unix_path: str | None = None,
+                 tls: ssl.SSLContext | None = None, server_name: str | None = None, token: str | None = None) -> None:
         self.host, self.port = host, port
         self.unix_path = unix_path
+        self.tls, self.server_name = tls, server_name or host  # TLS on TCP; the Unix socket is this host's own
+        self.token = token  # sent in an AUTH frame first on every connection
         self._idle: list[_Connection] = []
         self._pool_size = pool_size
         self._lock = threading.Lock()
@@ -140,10 +144,11 @@ class DataChannel:
                 break
             connection.close()  # the daemon closed it while it was idle (its idle timeout)
         if connection is None:
-            connection = _Connection(self._connect(max(deadline - time.monotonic(), 0.01)))
+            connection = _Connection(self._connect(deadline))
         return _Lease(self, connection)
 
-    def _connect(self, timeout_s: float) -> socket.socket:
+    def _connect(self, deadline: float) -> socket.socket:
+        timeout_s = max(deadline - time.monotonic(), 0.01)
         try:
             if self.unix_path is not None:
                 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -155,9 +160,24 @@ class DataChannel:
                     raise
             else:
                 sock = socket.create_connection((self.host, self.port), timeout=timeout_s)
+            wire.tune(sock)
+            if self.tls is not None and self.unix_path is None:
+                sock = self.tls.wrap_socket(sock, server_hostname=self.server_name)
+        except ssl.SSLError as exc:  # the daemon's certificate is not trusted, or it refused ours
+            sock.close()
+            raise TransportError("UNAVAILABLE", f"TLS with {self.address} failed: {exc}") from exc
         except OSError as exc:
             raise TransportError("UNAVAILABLE", f"cannot connect to {self.address}: {exc}", refused=True) from exc
-        wire.tune(sock)
+        if self.token is not None:
+            try:
+                _send(sock, wire.frame(wire.AUTH, pb.DataAuth(token=self.token).SerializeToString()), deadline)
+                kind, _ = read_frame(sock, deadline)
+            except BaseException:
+                sock.close()
+                raise
+            if kind != wire.AUTHED:
+                sock.close()
+                raise TransportError("INTERNAL", f"unexpected frame kind {kind} after AUTH")
         return sock
 
     def _release(self, connection: "_Connection", reusable: bool) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import ssl
 import time
 from typing import AsyncIterator, Iterable
 
@@ -33,6 +34,7 @@ class Shard:
         self.config = config
         self.channel = open_channel(address, config)
         self.metadata = config.metadata
+        self._data_tls = data_tls(config)
         self._lookup = self.channel.unary_unary(method("Lookup"), pb.LookupRequest.SerializeToString,
                                                 pb.LookupResponse.FromString)
         self._get = self.channel.unary_stream(method("Get"), pb.GetRequest.SerializeToString, None)
@@ -89,10 +91,11 @@ class Shard:
             host = self.address.rpartition(":")[0].strip("[]")
             mode = self.config.shared_memory
             local = info.data_socket and (mode == "on" or (mode == "auto" and info.host_id == host_id() != ""))
+            security = dict(tls=self._data_tls, server_name=self.config.tls_server_name, token=self.config.token)
             if local and await asyncio.to_thread(_connectable, info.data_socket, self.config.lookup_timeout_s):
-                self._data = DataChannel(host, info.data_port, unix_path=info.data_socket)
+                self._data = DataChannel(host, info.data_port, unix_path=info.data_socket, **security)
             else:
-                self._data = DataChannel(host, info.data_port) if info.data_port else None
+                self._data = DataChannel(host, info.data_port, **security) if info.data_port else None
             self._data_checked = True
         return self._data
 
@@ -178,3 +181,13 @@ def _connectable(path: str, timeout_s: float) -> bool:
         except OSError:
             return False
     return True
+
+
+def data_tls(config: ClientConfig) -> ssl.SSLContext | None:
+    """The TLS context of the data channel: the same CA and client certificate as the gRPC channel."""
+    if config.tls_ca is None:
+        return None
+    context = ssl.create_default_context(cafile=config.tls_ca)
+    if config.tls_cert is not None:
+        context.load_cert_chain(config.tls_cert, config.tls_key)
+    return context

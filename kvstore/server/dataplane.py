@@ -21,15 +21,12 @@ named by path) and no truncation can pull pages from under the daemon's mapping.
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import logging
 import mmap
 import os
 import socket
 import stat
-import struct
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from kvstore import wire
@@ -38,249 +35,38 @@ from kvstore.proto import pb
 from kvstore.record import FIXED_HEADER_BYTES
 from kvstore.server.config import ServerConfig
 from kvstore.server.reads import get_parts
-from kvstore.server.requests import (PermissionDenied, RequestError, check_get, check_payload, check_put_head, parse,
+from kvstore.server.auth import Principal
+from kvstore.server.data_connection import READ_STEP, Connection, FrameBudget, Peer, TlsConnection, Closed
+from kvstore.server.regions import Region
+from kvstore.server.security import Security
+from kvstore.server.requests import (PermissionDenied, RequestError, check_get, check_payload, check_put_head,
+                                     check_tenant, parse,
                                      parse_record_header, reuse_hint)
 from kvstore.server.service import ByteBudget
-from kvstore.server.store import BlockStore, DiskFull
+from kvstore.server.store import BlockStore, DiskFull, Scope
 
 log = logging.getLogger(__name__)
 
 
+class Unauthenticated(RequestError):
+    @property
+    def code(self) -> str:
+        return "UNAUTHENTICATED"
+
+
 MAX_REGIONS_PER_CONNECTION = 4
-# Memory is taken at most this far ahead of the bytes that arrived: a head or record header grows by at
-# most this much per read; a payload up to this size gets a plain buffer, a larger one a mapping.
-READ_STEP = 256 * 1024
 REFUSED_LINGER_S = 1.0  # a refused connection stays open this long, so its ERROR frame is not lost to a reset
 MAX_LINGERING = 64
 ERROR_SEND_TIMEOUT_S = 5.0
 
 
-class _Closed(Exception):
-    """The peer went away, or stayed silent past its timeout."""
-
-
-class FrameBudget:
-    """Bytes held daemon-wide for frames still arriving (heads, record headers, record payloads)."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.used = 0
-
-    def take(self, nbytes: int) -> None:
-        if self.used + nbytes > self.limit:
-            raise RequestError(f"the daemon already holds {self.used} bytes of unfinished frames (limit "
-                               f"max_unfinished_frame_bytes = {self.limit}); retry later", exhausted=True)
-        self.used += nbytes
-
-    def give(self, nbytes: int) -> None:
-        self.used -= nbytes
-
-
-@dataclass(frozen=True, slots=True)
-class Peer:
-    """Who is at the other end: what per-peer limits count, and whether it is proven to be on this host."""
-
-    key: str  # "tcp:<address>" or "unix:uid=<uid>"
-    local: bool  # connected through the Unix socket
-    pid: int = 0  # SO_PEERCRED of a Unix-socket peer
-    uid: int = -1
-    gid: int = -1
-
-    @staticmethod
-    def of(sock: socket.socket) -> "Peer":
-        if sock.family == socket.AF_UNIX:
-            ucred = struct.Struct("3i")
-            pid, uid, gid = ucred.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, ucred.size))
-            return Peer(f"unix:uid={uid}", True, pid, uid, gid)
-        return Peer(f"tcp:{sock.getpeername()[0]}", False)
-
-
-class Connection:
-    """One client's connection. Every read goes through `_read_into` (after `_ready`), every write through
-    `send`: a TLS stream slots in by replacing those; `receive_fd` exists only on the Unix socket.
-
-    Bytes read are charged to the daemon-wide FrameBudget until `release` (at the end of each frame).
-    Deadlines are in the event loop's clock."""
-
-    def __init__(self, sock: socket.socket, peer: Peer, budget: FrameBudget, frame_timeout_s: float,
-                 idle_timeout_s: float) -> None:
-        self.sock, self.peer, self.budget = sock, peer, budget
-        self.frame_timeout_s, self.idle_timeout_s = frame_timeout_s, idle_timeout_s
-        self.held = 0
-        self._loop = asyncio.get_running_loop()
-        self._fd = sock.fileno()
-
-    # -- the transport ------------------------------------------------------------------------------
-
-    def _read_into(self, view: memoryview) -> int:
-        """Bytes already arrived, up to len(view) (> 0); 0 when none yet. _Closed at the end of the stream."""
-        try:
-            received = self.sock.recv_into(view)
-        except (BlockingIOError, InterruptedError):
-            return 0
-        if received == 0:
-            raise _Closed()
-        return received
-
-    async def _ready(self, deadline: float) -> None:
-        """Until bytes can be read; _Closed past `deadline`."""
-        await self._wait(self._loop.add_reader, self._loop.remove_reader, deadline)
-
-    async def send(self, data: bytes | bytearray | memoryview) -> None:
-        """Send it all; _Closed if the client takes none of it for `data_frame_timeout_s` (a stuck reader)."""
-        view = memoryview(data).cast("B")
-        deadline = self._loop.time() + self.frame_timeout_s
-        while len(view):
-            try:
-                sent = self.sock.send(view)
-            except (BlockingIOError, InterruptedError):
-                await self._wait(self._loop.add_writer, self._loop.remove_writer, deadline)
-                deadline = self._loop.time() + self.frame_timeout_s
-                continue
-            view = view[sent:]
-
-    async def receive_fd(self) -> int:
-        """The descriptor passed (SCM_RIGHTS) in the 1-byte message of its own that follows a REGISTER frame.
-
-        recvmsg reads just that byte, so the frames around it, read with plain recv, never swallow it."""
-        deadline = self._loop.time() + self.frame_timeout_s
-        while True:
-            try:
-                data, fds, flags, _ = socket.recv_fds(self.sock, 1, 1)
-                break
-            except (BlockingIOError, InterruptedError):
-                await self._ready(deadline)
-        if not data:
-            raise _Closed()
-        if flags & socket.MSG_CTRUNC or len(fds) != 1:
-            for fd in fds:
-                os.close(fd)
-            raise RequestError("REGISTER must be followed by a 1-byte message carrying exactly one file "
-                               "descriptor (SCM_RIGHTS): the memory to lend")
-        return fds[0]
-
-    async def _wait(self, add, remove, deadline: float) -> None:
-        waiter = self._loop.create_future()
-        add(self._fd, _settle, waiter, True)
-        timer = self._loop.call_at(deadline, _settle, waiter, False)
-        try:
-            ready = await waiter
-        finally:
-            remove(self._fd)
-            timer.cancel()
-        if not ready:
-            raise _Closed()
-
-    def close(self) -> None:
-        self.release()
-        self.sock.close()
-
-    # -- reading frames -----------------------------------------------------------------------------
-
-    def hold(self, nbytes: int) -> None:
-        """Charge memory held for this connection's unfinished frame; RequestError (exhausted) past the limit."""
-        self.budget.take(nbytes)
-        self.held += nbytes
-
-    def release(self) -> None:
-        """The frame is finished (or abandoned): its memory no longer counts as unfinished."""
-        self.budget.give(self.held)
-        self.held = 0
-
-    async def read_into(self, view: memoryview, idle: bool = False, charge: bool = True) -> None:
-        """Fill `view` as bytes arrive. `idle`: waiting for a frame to begin, so the idle timeout applies
-        until its first byte, then the frame timeout."""
-        deadline = self._loop.time() + (self.idle_timeout_s if idle else self.frame_timeout_s)
-        while len(view):
-            received = self._read_into(view)
-            if not received:
-                await self._ready(deadline)
-                continue
-            if charge:
-                self.hold(received)
-            if idle:
-                idle, deadline = False, self._loop.time() + self.frame_timeout_s  # a frame has begun
-            view = view[received:]
-
-    async def read(self, nbytes: int, idle: bool = False) -> bytes:
-        """`nbytes` bytes (a prefix, a head, a record header), in memory that grows only as they arrive:
-        a declared length costs nothing until the bytes are here.
-
-        Beyond READ_STEP they land in an anonymous mapping, whose pages exist once written and go back to
-        the OS when it is freed: the allocator keeps what it frees (main.tune_allocator), so a flood of
-        abandoned large heads would otherwise stay in the daemon's heap."""
-        if nbytes <= wire.PREFIX.size:
-            buffer = bytearray(nbytes)
-            await self.read_into(memoryview(buffer), idle)
-            return bytes(buffer)
-        if nbytes > READ_STEP:
-            mapping = mmap.mmap(-1, nbytes)
-            await self.read_into(memoryview(mapping))
-            return mapping[:]
-        deadline = self._loop.time() + self.frame_timeout_s
-        chunks: list[bytes] = []
-        have = 0
-        while have < nbytes:
-            step = bytearray(min(nbytes - have, READ_STEP))  # freed at once if nothing has arrived
-            received = self._read_into(memoryview(step))
-            if not received:
-                await self._ready(deadline)
-                continue
-            self.hold(received)
-            del step[received:]
-            chunks.append(bytes(step))
-            have += received
-        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-
-def _settle(waiter: asyncio.Future, ready: bool) -> None:
-    if not waiter.done():
-        waiter.set_result(ready)
-
-
-class Region:
-    """Memory a Unix-socket client lent for one connection: a memfd it holds, sealed against shrinking."""
-
-    def __init__(self, mapping: mmap.mmap, size: int) -> None:
-        self.mapping, self.size = mapping, size
-        self.view = memoryview(mapping)
-
-    @staticmethod
-    def adopt(fd: int, size: int, peer: Peer) -> "Region":
-        """Map `size` bytes of `fd`; RequestError unless it cannot shrink, is the peer's and is big enough.
-
-        A shared mapping of a file that shrinks loses its pages: the next write into them is a SIGBUS."""
-        try:
-            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-        except OSError:
-            seals = 0  # not a sealable object (a regular file, a socket)
-        if not seals & fcntl.F_SEAL_SHRINK:
-            raise RequestError("shared memory must be a memfd sealed against shrinking: memfd_create with "
-                               "MFD_ALLOW_SEALING, ftruncate, then F_ADD_SEALS with F_SEAL_SHRINK")
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_uid != peer.uid:
-            raise RequestError("shared memory must be a memfd created by the registering client")
-        if info.st_size < size:
-            raise RequestError(f"the memory holds {info.st_size} bytes, fewer than the {size} registered")
-        try:
-            mapping = mmap.mmap(fd, size)
-        except (OSError, ValueError) as exc:  # write-sealed, or read-only
-            raise RequestError(f"cannot map the memory for writing: {exc}") from None
-        return Region(mapping, size)
-
-    def close(self) -> None:
-        self.view.release()
-        try:
-            self.mapping.close()
-        except BufferError:  # a read cut short still holds a view of it: unmapped when that goes
-            pass
-
-
 class DataPlaneServer:
-    def __init__(self, store: BlockStore, config: ServerConfig, put_budget: ByteBudget) -> None:
+    def __init__(self, store: BlockStore, config: ServerConfig, put_budget: ByteBudget,
+                 security: Security | None = None) -> None:
         self.store = store
         self.config = config
         self.put_budget = put_budget
+        self.security = security or Security(None, None, None)
         self.frame_budget = FrameBudget(config.max_unfinished_frame_bytes)
         self.metrics = store.metrics
         self._listeners: list[socket.socket] = []
@@ -409,25 +195,38 @@ class DataPlaneServer:
     # -- a connection -------------------------------------------------------------------------------
 
     async def _serve(self, sock: socket.socket, peer: Peer) -> None:
-        connection = Connection(sock, peer, self.frame_budget, self.config.data_frame_timeout_s,
-                                self.config.data_idle_timeout_s)
+        limits = (peer, self.frame_budget, self.config.data_frame_timeout_s, self.config.data_idle_timeout_s)
+        tls = self.security.data_tls if not peer.local else None  # the Unix socket is this host's own
+        try:
+            connection = await TlsConnection.accept(sock, tls, *limits) if tls else Connection(sock, *limits)
+        except Closed:
+            return
         regions: dict[int, Region] = {}  # lent by this connection's client; gone with the connection
+        principal: Principal | None = None  # who the AUTH frame proved the client to be
+        authenticator = self.security.authenticator
         try:
             while True:
                 connection.release()
                 try:
                     prefix = await connection.read(wire.PREFIX.size, idle=True)
-                except _Closed:
+                except Closed:
                     return
                 try:
                     kind, head_len = wire.parse_prefix(prefix)
                     head = await connection.read(head_len)
+                    if authenticator is not None and principal is None:
+                        principal = await self._authenticate(connection, kind, head)
+                        continue
+                    scope = principal.tenants if principal is not None else None
                     if kind == wire.GET:
-                        await self._get(connection, parse(pb.GetRequest, head), regions)
+                        self._allow(principal, "read")
+                        await self._get(connection, parse(pb.GetRequest, head), regions, scope)
                     elif kind == wire.REGISTER:
+                        self._allow(principal, "read")
                         await self._register(connection, head, regions)
                     elif kind == wire.PUT:
-                        await self._puts(connection, parse(pb.PutHead, head))
+                        self._allow(principal, "write")
+                        await self._puts(connection, parse(pb.PutHead, head), scope)
                     else:
                         raise RequestError(f"unexpected frame kind {kind}")
                 except RequestError as exc:
@@ -443,16 +242,34 @@ class DataPlaneServer:
                 except OSError as exc:  # an I/O error of the store (or of the socket: then the frame is lost)
                     await self._error(connection, "UNAVAILABLE", f"I/O error: {exc}")
                     return
-        except (_Closed, OSError):  # the peer went away or stalled
+        except (Closed, OSError):  # the peer went away or stalled
             return
         finally:
             connection.close()
             for region in regions.values():
                 region.close()
 
+    # -- who may do what -----------------------------------------------------------------------------
+
+    async def _authenticate(self, connection: Connection, kind: int, head: bytes) -> Principal:
+        """The principal of the connection's first frame, which must be AUTH with a known token."""
+        if kind != wire.AUTH:
+            raise Unauthenticated("this daemon checks tokens: the first frame must be AUTH (DataAuth)")
+        principal = self.security.authenticator.authenticate(parse(pb.DataAuth, head).token)
+        if principal is None:
+            raise Unauthenticated("unknown token")
+        await connection.send(wire.frame(wire.AUTHED))
+        return principal
+
+    @staticmethod
+    def _allow(principal: Principal | None, verb: str) -> None:
+        if principal is not None and not principal.may(verb):
+            raise PermissionDenied(f"token {principal.name!r} may not {verb}")
+
     # -- Get ----------------------------------------------------------------------------------------
 
-    async def _get(self, connection: Connection, request: pb.GetRequest, regions: dict[int, Region]) -> None:
+    async def _get(self, connection: Connection, request: pb.GetRequest, regions: dict[int, Region],
+                   scope: Scope = None) -> None:
         check_get(request, self.config)
         started = time.perf_counter()
         region = self._region_of(request, regions)
@@ -465,7 +282,7 @@ class DataPlaneServer:
                 return region.view[offset : offset + nbytes]
         heads: list[bytes] = []  # heads of parts already in the client's memory, sent a layer at a time
         layer = request.layer_begin
-        async for head, payload in get_parts(self.store, request, target):
+        async for head, payload in get_parts(self.store, request, target, scope):
             in_region = region is not None and payload is not None and isinstance(payload, memoryview) \
                 and payload.obj is region.mapping
             if heads and (not in_region or head.layer_begin != layer):
@@ -532,7 +349,7 @@ class DataPlaneServer:
 
     # -- Put ----------------------------------------------------------------------------------------
 
-    async def _puts(self, connection: Connection, first: pb.PutHead) -> None:
+    async def _puts(self, connection: Connection, first: pb.PutHead, scope: Scope = None) -> None:
         """Receive records until PUT_END, then answer with each one's status.
 
         A record is stored as soon as it has arrived and verified; if a later frame breaks the protocol,
@@ -542,7 +359,7 @@ class DataPlaneServer:
         tasks: list[asyncio.Task] = []
         put_head: pb.PutHead | None = first
         while put_head is not None:
-            tasks.append(await self._receive_record(connection, put_head.record_bytes, reuse_hint(put_head)))
+            tasks.append(await self._receive_record(connection, put_head.record_bytes, reuse_hint(put_head), scope))
             kind, head_len = wire.parse_prefix(await connection.read(wire.PREFIX.size))
             head = await connection.read(head_len)
             if kind == wire.PUT:
@@ -555,7 +372,8 @@ class DataPlaneServer:
         await connection.send(wire.frame(wire.PUT_RESULT, pb.PutResponse(results=results).SerializeToString()))
         self.metrics.rpc_latency.labels(method="data.Put").observe(time.perf_counter() - started)
 
-    async def _receive_record(self, connection: Connection, declared: int, hint: ReuseHint | None) -> asyncio.Task:
+    async def _receive_record(self, connection: Connection, declared: int, hint: ReuseHint | None,
+                              scope: Scope) -> asyncio.Task:
         check_put_head(declared, self.config)
         await self.put_budget.acquire(declared)
         try:
@@ -565,6 +383,7 @@ class DataPlaneServer:
                 raise RequestError(f"record header length {header_len} does not fit a {declared}-byte record")
             header_bytes = fixed + await connection.read(header_len - FIXED_HEADER_BYTES)
             header = parse_record_header(header_bytes, declared, list(self.config.classes))
+            check_tenant(header, scope)
             payload, charged_whole = self._payload_buffer(connection, header.payload_len)
             await connection.read_into(memoryview(payload), charge=not charged_whole)
             check_payload(header, [payload])
@@ -606,5 +425,5 @@ class DataPlaneServer:
         try:
             frame = wire.frame(wire.ERROR, pb.DataError(code=code, message=message).SerializeToString())
             await asyncio.wait_for(connection.send(frame), ERROR_SEND_TIMEOUT_S)
-        except (OSError, _Closed, asyncio.TimeoutError):
+        except (OSError, Closed, asyncio.TimeoutError):
             pass

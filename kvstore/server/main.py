@@ -57,7 +57,7 @@ async def serve(config: ServerConfig, stop: asyncio.Event | None = None) -> None
         interceptors=security.interceptors,
     )
     put_budget = ByteBudget(config.max_inflight_put_bytes)
-    data_plane = DataPlaneServer(store, config, put_budget)
+    data_plane = DataPlaneServer(store, config, put_budget, security)
     try:
         data_port = 0 if config.data_port is None else await data_plane.start(config.host, config.data_port)
         data_socket = "" if config.data_socket is None else await data_plane.start_unix(config.data_socket)

@@ -39,6 +39,7 @@ class Security:
                                                           require_client_auth=client_ca is not None)
                 context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
                 context.minimum_version = ssl.TLSVersion.TLSv1_2
+                context.num_tickets = 0  # no resumption: clients pool long-lived connections instead
                 context.load_cert_chain(config.tls_cert, config.tls_key)
                 if config.tls_client_ca:
                     context.load_verify_locations(cafile=str(config.tls_client_ca))

@@ -1,13 +1,18 @@
 """Who may do what, on real daemons: tokens scoped to tenants and verbs, TLS and mutual TLS, logs."""
 
 import os
+import socket
+import ssl
+import time
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvstore import wire
 from kvstore.block import Block, KVLayout, Namespace, tenant_of
 from kvstore.client import ClientConfig, KVClient
+from kvstore.client.dataplane import TransportError, read_frame
 from kvstore.proto import method, pb
 from kvstore.record import build_record
 from kvstore.server.auth import new_token, token_entry
@@ -166,3 +171,85 @@ def test_logs_carry_no_key_a_reader_could_use(daemons, tmp_path):
     for block, _ in blocks:
         assert block.key.hex() not in written and block.parent.hex() not in written
     assert "alice's salt" not in written and tenant_of("alice's salt").hex() not in written
+
+
+# -- the data channel ---------------------------------------------------------------------------------
+
+def data_calls(daemon, token) -> float:
+    """How many Gets the daemon served on its data channel (TCP or Unix socket)."""
+    stats = call(daemon, "Stats", pb.StatsRequest(), token, pb.StatsResponse).values
+    return stats.get("kvstore_rpc_seconds_count{method=data.Get}", 0)
+
+
+def data_frames(daemon, frames, tls_context=None):
+    """Send raw frames on the TCP data channel; the kinds and heads of what comes back until it closes."""
+    sock = socket.create_connection(("127.0.0.1", daemon.data_port), timeout=5)
+    if tls_context is not None:
+        sock = tls_context.wrap_socket(sock, server_hostname="127.0.0.1")
+    answers = []
+    with sock:
+        try:
+            for kind, head in frames:
+                sock.sendall(wire.frame(kind, head))
+        except OSError:
+            return answers
+        deadline = time.monotonic() + 5
+        while True:
+            try:
+                answers.append(read_frame(sock, deadline)[0])
+            except OSError:  # reset, or a TLS alert: the daemon would not talk
+                return answers
+            except TransportError as exc:
+                answers.append(exc.code)
+                if exc.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
+                    return answers[:-1]
+                return answers
+
+
+@pytest.mark.parametrize("shared_memory", ["off", "auto"])  # TCP, and the Unix socket with lent memory
+def test_the_data_channel_checks_tokens_and_tenants_too(daemons, token_file, shared_memory):
+    daemon, = daemons(1, "--auth-tokens", str(token_file))
+    alices = items(ALICE)
+    blocks = [b for b, _ in alices]
+    config = dict(lookup_timeout_s=5, shared_memory=shared_memory)
+    with KVClient(ClientConfig((daemon.address,), token=TOKENS["alice"], **config)) as alice, \
+            KVClient(ClientConfig((daemon.address,), token=TOKENS["bob"], **config)) as bob:
+        assert alice.put(alices, LAYOUT.num_layers).stored == 3
+        before = data_calls(daemon, TOKENS["ops"])
+        assert [g.payload for g in alice.get(blocks)] == [p for _, p in alices]
+        assert bob.get(blocks) == []
+        assert data_calls(daemon, TOKENS["ops"]) >= before + 2, "the Gets went over the data channel"
+        assert not alice.stats.data_fallbacks and not bob.stats.data_fallbacks
+
+
+def test_the_data_channel_refuses_frames_before_a_good_token(daemons, token_file):
+    daemon, = daemons(1, "--auth-tokens", str(token_file))
+    get = pb.GetRequest(keys=[b.key for b, _ in items(ALICE)]).SerializeToString()
+    assert data_frames(daemon, [(wire.GET, get)]) == ["UNAUTHENTICATED"]
+    assert data_frames(daemon, [(wire.AUTH, pb.DataAuth(token="kvs_guess").SerializeToString()),
+                                (wire.GET, get)]) == ["UNAUTHENTICATED"]
+    reader = pb.DataAuth(token=TOKENS["reader"]).SerializeToString()
+    assert data_frames(daemon, [(wire.AUTH, reader), (wire.PUT, pb.PutHead(record_bytes=100).SerializeToString())]) \
+        == [wire.AUTHED, "PERMISSION_DENIED"]
+    answered = data_frames(daemon, [(wire.AUTH, reader), (wire.GET, get)])
+    assert answered[0] == wire.AUTHED and answered[-1] == wire.DONE  # three MISSING parts, then DONE
+
+
+def test_tls_and_mutual_tls_on_the_data_channel(daemons, tmp_path, token_file):
+    pki = make_pki(tmp_path / "pki")
+    daemon, = daemons(1, "--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key),
+                      "--tls-client-ca", str(pki.ca), "--auth-tokens", str(token_file))
+    blocks = items(ALICE)
+    config = ClientConfig((daemon.address,), token=TOKENS["alice"], tls_ca=str(pki.ca), tls_cert=str(pki.client_cert),
+                          tls_key=str(pki.client_key), shared_memory="off", lookup_timeout_s=5)
+    with KVClient(config) as alice:
+        assert alice.put(blocks, LAYOUT.num_layers).stored == 3
+        assert [g.payload for g in alice.get([b for b, _ in blocks])] == [p for _, p in blocks]
+        assert not alice.stats.data_fallbacks
+    auth = pb.DataAuth(token=TOKENS["alice"]).SerializeToString()
+    assert data_frames(daemon, [(wire.AUTH, auth)]) == [], "plaintext frames on a TLS port get nothing back"
+    no_certificate = ssl.create_default_context(cafile=str(pki.ca))
+    assert data_frames(daemon, [(wire.AUTH, auth)], no_certificate) == [], "a client without a certificate gets nothing"
+    good = ssl.create_default_context(cafile=str(pki.ca))
+    good.load_cert_chain(str(pki.client_cert), str(pki.client_key))
+    assert data_frames(daemon, [(wire.AUTH, auth)], good) == [wire.AUTHED]
