@@ -5,6 +5,8 @@
     kvstore get    --servers ... --text "some prompt" [--layers 0:2] [--out DIR]
     kvstore stats  --servers ... [--json] [--grep hits]
     kvstore fsck   DATA_DIR [--rebuild]
+    kvstore tenant SALT                                   # the digest tokens are scoped to
+    kvstore token new --name N --tenants HEX,... --verbs read,write [--append tokens.toml]
     kvstore analytics replay TRACE.jsonl [--capacity 1%,10%] [--plot PNG] [--json PATH]
 
 Prompts are given as token ids (--tokens 1,2,3 or --tokens-file) or as --text, whose UTF-8 bytes
@@ -21,7 +23,8 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from kvstore.block import KVLayout, Namespace
+from kvstore.block import KVLayout, Namespace, tenant_of
+from kvstore.client.config import add_security_flags, security_settings
 
 
 def _namespace_args(parser: argparse.ArgumentParser) -> None:
@@ -38,6 +41,7 @@ def _namespace_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tokens-file", type=Path, help="file of whitespace-separated token ids")
     group.add_argument("--text", help="text whose UTF-8 bytes are used as token ids")
     parser.add_argument("--timeout", type=float, default=5.0, help="deadline of each call, seconds")
+    add_security_flags(parser)
 
 
 def _blocks(args: argparse.Namespace):
@@ -60,7 +64,7 @@ def _blocks(args: argparse.Namespace):
 def _client(args: argparse.Namespace):
     from kvstore.client import ClientConfig, KVClient
     return KVClient(ClientConfig(tuple(s for s in args.servers.split(",") if s), timeout_s=args.timeout,
-                                 lookup_timeout_s=args.timeout))
+                                 lookup_timeout_s=args.timeout, **security_settings(args)))
 
 
 def cmd_put(args: argparse.Namespace) -> int:
@@ -112,7 +116,9 @@ def cmd_get(args: argparse.Namespace) -> int:
 
 def cmd_stats(args: argparse.Namespace) -> int:
     from kvstore.client import ClientConfig, KVClient
-    with KVClient(ClientConfig(tuple(s for s in args.servers.split(",") if s), lookup_timeout_s=args.timeout)) as c:
+    config = ClientConfig(tuple(s for s in args.servers.split(",") if s), lookup_timeout_s=args.timeout,
+                          **security_settings(args))
+    with KVClient(config) as c:
         stats = c.server_stats()
     if args.json:
         print(json.dumps(stats, indent=2, sort_keys=True))
@@ -151,6 +157,43 @@ def cmd_fsck(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def cmd_tenant(args: argparse.Namespace) -> int:
+    salt = sys.stdin.read().rstrip("\n") if args.salt == "-" else args.salt
+    print(tenant_of(salt).hex())
+    return 0
+
+
+def cmd_token(args: argparse.Namespace) -> int:
+    """Print a new token on the first line (give it to the engine); the entry goes to the daemons' file."""
+    from kvstore.server.auth import VERBS, new_token, token_entry
+    verbs = [v for v in args.verbs.split(",") if v]
+    if not verbs or any(v not in VERBS for v in verbs):
+        raise ValueError(f"--verbs must list some of {', '.join(VERBS)}")
+    tenants = None if args.tenants == "*" else [_tenant_digest(t) for t in args.tenants.split(",") if t]
+    if tenants == []:
+        raise ValueError("--tenants must list tenant digests (kvstore tenant SALT) or be '*'")
+    token = new_token()
+    entry = token_entry(args.name, token, tenants, verbs)
+    print(token)
+    if args.append:
+        with open(args.append, "a") as f:
+            f.write("\n" + entry)
+        print(f"entry {args.name!r} appended to {args.append}; restart the daemons to accept it", file=sys.stderr)
+    else:
+        print(entry, end="")
+    return 0
+
+
+def _tenant_digest(text: str) -> bytes:
+    try:
+        digest = bytes.fromhex(text)
+    except ValueError:
+        digest = b""
+    if len(digest) != 16:
+        raise ValueError(f"{text!r} is not a tenant digest (32 hex digits; kvstore tenant SALT prints one)")
+    return digest
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvstore", description="Admin CLI of the kvstore KV-cache store.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -172,6 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     stats.add_argument("--json", action="store_true")
     stats.add_argument("--grep", default="", help="only names containing this")
     stats.add_argument("--timeout", type=float, default=5.0)
+    add_security_flags(stats)
     stats.set_defaults(run=cmd_stats)
     fsck = sub.add_parser("fsck", help="check a stopped daemon's data directory")
     fsck.add_argument("data_dir", type=Path)
@@ -180,6 +224,16 @@ def build_parser() -> argparse.ArgumentParser:
                       help="first make the index know every verifiable record in the segments (a lost or damaged "
                            "index; a damaged one is moved aside)")
     fsck.set_defaults(run=cmd_fsck)
+    tenant = sub.add_parser("tenant", help="the tenant digest of a cache salt, to scope tokens to")
+    tenant.add_argument("salt", help="the tenant's cache salt; '-' reads it from standard input")
+    tenant.set_defaults(run=cmd_tenant)
+    token = sub.add_parser("token", help="make a token and the token-file entry that accepts it")
+    token.add_argument("action", choices=["new"])
+    token.add_argument("--name", required=True, help="shown in the daemon's log instead of the token")
+    token.add_argument("--tenants", required=True, help="comma-separated tenant digests (kvstore tenant), or '*'")
+    token.add_argument("--verbs", required=True, help="comma-separated: read, write, delete, admin")
+    token.add_argument("--append", type=Path, help="append the entry to this token file (else print it)")
+    token.set_defaults(run=cmd_token)
     from kvstore.analytics.cli import add_parser as add_analytics
     add_analytics(sub)
     return parser

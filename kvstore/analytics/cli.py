@@ -25,6 +25,7 @@ from kvstore.analytics.logs import render as render_log
 from kvstore.analytics.logs import summarize
 from kvstore.analytics.simulate import replay, reuse_statistics
 from kvstore.analytics.trace import read_trace
+from kvstore.client.config import add_security_flags, security_settings
 from kvstore.eviction import POLICIES
 from kvstore.server.config import parse_duration, parse_size
 
@@ -52,13 +53,15 @@ def add_parser(subparsers) -> None:
                       help="simulate engines that advise the store once each reply is done whether its "
                            "conversation goes on, right with probability Q; traces do not record it, so it "
                            "is drawn from the trace's own future (what such advice would be worth)")
+    add_security_flags(play)
     play.set_defaults(run=run_replay)
 
     live = sub.add_parser("live", help="hit rates, capacity and churn of running daemons, refreshed in place")
     live.add_argument("--servers", required=True, help="comma-separated host:port of the daemons")
     live.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
     live.add_argument("--rounds", type=int, help="stop after this many refreshes (default: until interrupted)")
-    live.set_defaults(run=lambda args: run_live(args.servers, args.interval, args.rounds))
+    add_security_flags(live)
+    live.set_defaults(run=lambda args: run_live(args.servers, args.interval, args.rounds, security_settings(args)))
 
     log = sub.add_parser("log", help="the same analysis from the daemons' access logs (--access-log)")
     log.add_argument("paths", type=Path, nargs="+", help="access log files")
@@ -174,7 +177,7 @@ def run_replay(args: argparse.Namespace) -> int:
         simulated = rows[0][policies[0]]
         driven = replay_through_daemons(requests, args.servers, args.payload_bytes, args.block_tokens,
                                         ProgressLine(f"daemons at {args.servers}", len(requests)),
-                                        args.continuation_signal).as_dict()
+                                        args.continuation_signal, security_settings(args)).as_dict()
         report["daemons"] = driven
         print(f"through the daemons: {driven['token_hit_rate']:.2%} of tokens, {driven['block_hit_rate']:.2%} of "
               f"blocks; the simulator's {policies[0]} at {label} ({blocks:,} blocks): "

@@ -19,12 +19,12 @@ from kvstore.eviction import ReuseHint
 
 def replay_through_daemons(requests: Sequence[Request], servers: str, payload_bytes: int = 4096,
                            block_tokens: int = 512, progress: Progress | None = None,
-                           continuation_signal: float | None = None) -> ReplayResult:
+                           continuation_signal: float | None = None, security: dict | None = None) -> ReplayResult:
     layout = KVLayout(num_layers=1, kv_heads=1, head_dim=max(1, payload_bytes // 8), dtype="float16")
     namespace = Namespace("kvstore-analytics-replay", layout, block_tokens=2)
     payload = bytes(namespace.block_bytes)
     result = ReplayResult("daemons", None)
-    config = ClientConfig(tuple(s for s in servers.split(",") if s), timeout_s=30)
+    config = ClientConfig(tuple(s for s in servers.split(",") if s), timeout_s=30, **(security or {}))
     turns = conversation_turns(requests, block_tokens)
     signals = None if continuation_signal is None else continuation_signals(requests, continuation_signal, block_tokens)
     with KVClient(config) as client:

@@ -57,9 +57,12 @@ def _line(name: str, stats: dict[str, float]) -> str:
             f"expiries {stats.get('kvstore_expiries_total', 0):>9,.0f}")
 
 
-def run_live(servers: str, interval_s: float, rounds: int | None) -> int:
-    """Print the cluster's figures every `interval_s`; in place on a terminal. 1 if a daemon is unreachable."""
-    config = ClientConfig(tuple(s for s in servers.split(",") if s), lookup_timeout_s=max(1.0, interval_s / 2))
+def run_live(servers: str, interval_s: float, rounds: int | None, security: dict | None = None) -> int:
+    """Print the cluster's figures every `interval_s`; in place on a terminal. 1 if a daemon is unreachable.
+
+    `security`: ClientConfig's token and TLS fields, for a secured cluster (Stats needs an admin token)."""
+    config = ClientConfig(tuple(s for s in servers.split(",") if s), lookup_timeout_s=max(1.0, interval_s / 2),
+                          **(security or {}))
     unreachable = False
     with KVClient(config) as client:
         done = 0

@@ -70,3 +70,21 @@ class ClientConfig:
     def __repr__(self) -> str:  # the token stays out of logs and tracebacks
         shown = {f: getattr(self, f) for f in self.__dataclass_fields__ if f != "token"}
         return f"ClientConfig({', '.join(f'{k}={v!r}' for k, v in shown.items())}, token={'***' if self.token else None})"
+
+
+_SECURITY_FLAGS = {"token": "KVSTORE_TOKEN", "tls_ca": "KVSTORE_TLS_CA", "tls_cert": "KVSTORE_TLS_CERT",
+                   "tls_key": "KVSTORE_TLS_KEY", "tls_server_name": "KVSTORE_TLS_SERVER_NAME"}
+
+
+def add_security_flags(parser) -> None:
+    """--token, --tls-ca, --tls-cert, --tls-key, --tls-server-name for a command-line client of a secured
+    cluster; each defaults to its KVSTORE_* environment variable (a token in a flag shows in `ps`)."""
+    group = parser.add_argument_group("secured daemons (docs/operations.md)")
+    for name, variable in _SECURITY_FLAGS.items():
+        group.add_argument("--" + name.replace("_", "-"), dest=name, default=os.environ.get(variable),
+                           help=f"default: ${variable}")
+
+
+def security_settings(args) -> dict:
+    """The ClientConfig fields the flags of `add_security_flags` gave."""
+    return {name: getattr(args, name) for name in _SECURITY_FLAGS if getattr(args, name, None)}

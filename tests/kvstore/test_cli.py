@@ -1,6 +1,7 @@
 """The admin CLI against a real daemon, as a script would use it."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -41,3 +42,28 @@ def test_bad_usage_and_unreachable_daemons(tmp_path):
     unreachable = kvstore("put", "--servers", "127.0.0.1:1", "--text", PROMPT, "--timeout", "0.5")
     assert unreachable.returncode == 1 and "failed 11" in unreachable.stdout
     assert kvstore("stats", "--servers", "127.0.0.1:1", "--timeout", "0.5").returncode == 1
+
+
+def test_a_secured_cluster_from_the_command_line(daemons, tmp_path):
+    """Tenant digests and tokens made with the CLI; a daemon that checks them; the CLI as a tenant and as ops."""
+    tenant = kvstore("tenant", "acme-salt").stdout.strip()
+    assert len(tenant) == 32 and kvstore("tenant", "other-salt").stdout.strip() != tenant
+    tokens = tmp_path / "tokens.toml"
+    engine = kvstore("token", "new", "--name", "acme-engine", "--tenants", tenant, "--verbs", "read,write",
+                     "--append", str(tokens))
+    ops = kvstore("token", "new", "--name", "ops", "--tenants", "*", "--verbs", "read,admin", "--append", str(tokens))
+    engine_token, ops_token = engine.stdout.splitlines()[0], ops.stdout.splitlines()[0]
+    assert engine_token not in tokens.read_text()
+    assert kvstore("token", "new", "--name", "x", "--tenants", "beef", "--verbs", "read").returncode == 2
+    daemon, = daemons(1, "--auth-tokens", str(tokens))
+    servers = ["--servers", daemon.address, "--text", PROMPT, "--salt", "acme-salt"]
+    assert "stored 0" in kvstore("put", *servers).stdout  # no token
+    assert "stored 11" in kvstore("put", *servers, "--token", engine_token).stdout
+    assert "11 of 11" in kvstore("lookup", *servers, "--token", engine_token).stdout
+    other = ["--servers", daemon.address, "--text", PROMPT, "--salt", "other-salt", "--token", engine_token]
+    assert "stored 0" in kvstore("put", *other).stdout  # a tenant the token does not reach
+    assert kvstore("stats", "--servers", daemon.address, "--token", engine_token).returncode == 1
+    stats = subprocess.run([sys.executable, "-m", "kvstore.cli", "stats", "--servers", daemon.address, "--json"],
+                           capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "KVSTORE_TOKEN": ops_token})
+    assert json.loads(stats.stdout)[daemon.address]["kvstore_blocks{traffic_class=chat}"] == 11
