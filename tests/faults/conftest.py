@@ -7,10 +7,12 @@ turn a wrong block served by the daemon into a quiet miss, hiding the very fault
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 
 import grpc
 
+from kvstore import wire
 from kvstore.block import Block, KVLayout, Namespace
 from kvstore.client import ClientConfig, KVClient
 from kvstore.proto import method, pb
@@ -77,3 +79,18 @@ def misses_counted(address: str) -> int:
     """Every block the daemon has refused to serve since it started, whatever the cause."""
     return int(sum(value for name, value in stats(address).items() if name.startswith("kvstore_misses_total")))
 
+
+def read_frame(sock: socket.socket) -> tuple[int, bytes]:
+    """One data-channel frame's kind and head, read off a raw socket; ConnectionError if it closes first."""
+    kind, head_len = wire.parse_prefix(recv_exact(sock, wire.PREFIX.size))
+    return kind, recv_exact(sock, head_len)
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError("the daemon closed the connection")
+        data += chunk
+    return data

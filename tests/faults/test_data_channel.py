@@ -23,7 +23,7 @@ from kvstore.proto import pb
 from kvstore.record import build_record
 from kvstore.server.config import ServerConfig, load_config
 
-from .conftest import NS, items
+from .conftest import NS, items, read_frame
 
 pytestmark = pytest.mark.crash
 
@@ -39,23 +39,8 @@ def connect(daemon, source: str = "127.0.0.1", timeout_s: float = 10.0) -> socke
     return sock
 
 
-def recv_exact(sock: socket.socket, n: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        chunk = sock.recv(n - len(data))
-        if not chunk:
-            raise ConnectionError("the daemon closed the connection")
-        data += chunk
-    return data
-
-
-def first_frame(sock: socket.socket) -> tuple[int, bytes]:
-    kind, head_len = wire.parse_prefix(recv_exact(sock, wire.PREFIX.size))
-    return kind, recv_exact(sock, head_len)
-
-
 def error_code(sock: socket.socket) -> str:
-    kind, head = first_frame(sock)
+    kind, head = read_frame(sock)
     assert kind == wire.ERROR, f"expected an ERROR frame, got kind {kind}"
     return pb.DataError.FromString(head).code
 
@@ -70,7 +55,7 @@ def served_over_the_data_channel(daemon, source: str = "127.0.0.3") -> None:
     connection accepted before it has been read from."""
     with connect(daemon, source) as sock:
         sock.sendall(wire.frame(wire.GET, pb.GetRequest(keys=[b"k" * 16]).SerializeToString()))
-        assert first_frame(sock)[0] == wire.PART
+        assert read_frame(sock)[0] == wire.PART
 
 
 # -- fault 5: idle connections ----------------------------------------------------------------------
@@ -83,7 +68,7 @@ def test_fault5_an_idle_connection_is_closed_after_the_idle_timeout(daemons):
     with connect(daemon) as sock:  # a connection in use is not affected
         for _ in range(3):
             sock.sendall(wire.frame(wire.GET, pb.GetRequest(keys=[b"k" * 16]).SerializeToString()))
-            assert first_frame(sock)[0] == wire.PART and first_frame(sock)[0] == wire.DONE
+            assert read_frame(sock)[0] == wire.PART and read_frame(sock)[0] == wire.DONE
 
 
 def test_fault5_connections_past_the_per_peer_limit_get_an_error_frame(daemons):

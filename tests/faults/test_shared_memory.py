@@ -21,26 +21,11 @@ from kvstore import wire
 from kvstore.client import KVClient
 from kvstore.proto import pb
 
-from .conftest import NS, items
+from .conftest import NS, items, read_frame
 
 pytestmark = pytest.mark.crash
 
 REGION = 64 * 1024
-
-
-def recv_exact(sock: socket.socket, n: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        chunk = sock.recv(n - len(data))
-        if not chunk:
-            raise ConnectionError("the daemon closed the connection")
-        data += chunk
-    return data
-
-
-def read_frame(sock: socket.socket) -> tuple[int, bytes]:
-    kind, head_len = wire.parse_prefix(recv_exact(sock, wire.PREFIX.size))
-    return kind, recv_exact(sock, head_len)
 
 
 def refusal(sock: socket.socket) -> pb.DataError:
