@@ -389,10 +389,12 @@ class BlockStore:
         now_ms = self.now_ms()
         entry = self.index.get(key)
         if entry is not None and entry.tenant_id != tenant_id:
-            # Only a writer who learned another tenant's key gets here. The block stays as it is, and the
-            # answer is the one a new block gets, so the writer learns nothing of what the other tenant holds.
-            self.metrics.puts.labels(result="foreign").inc()
-            return pb.STORED
+            if entry.tenant_id != 0:
+                # Only a writer who learned another tenant's key gets here. The block stays as it is, and the
+                # answer is the one a new block gets, so the writer learns nothing of what the other holds.
+                self.metrics.puts.labels(result="foreign").inc()
+                return pb.STORED
+            entry = None  # a record from before tenants were kept (format 1): its tenant's put replaces it
         if entry is not None and self.effective_expiry(key, entry) > now_ms:
             self._extend(key, entry, now_ms, class_id)
             self.metrics.puts.labels(result="exists").inc()
