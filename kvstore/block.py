@@ -19,6 +19,7 @@ import numpy as np
 import xxhash
 
 KEY_BYTES = 16
+NO_TENANT = bytes(16)  # the tenant of a record written before records named one (format 1)
 MAX_TOKEN_ID = 2**32 - 1
 
 
@@ -26,9 +27,14 @@ class NamespaceMismatch(ValueError):
     """Blocks of two namespaces were mixed in one operation."""
 
 
-def chain_hash(parent: bytes, tokens: Sequence[int] | np.ndarray) -> bytes:
-    """The key of a block whose predecessor key (or namespace digest) is `parent`."""
-    return xxhash.xxh3_128_digest(parent + encode_tokens(tokens))
+def chain_hash(parent: bytes, tokens: Sequence[int] | np.ndarray, tenant: bytes = NO_TENANT) -> bytes:
+    """The key of a block of `tenant` whose predecessor key (or namespace digest) is `parent`.
+
+    The tenant enters every key, not only the namespace, so that a daemon can check from a record alone
+    that its key belongs to the tenant it names: no writer can put a record under another tenant's key.
+    (Keys of format-1 records, which name no tenant, are H(parent ‖ tokens).)"""
+    prefix = b"" if tenant == NO_TENANT else tenant
+    return xxhash.xxh3_128_digest(prefix + parent + encode_tokens(tokens))
 
 
 def encode_tokens(tokens: Sequence[int] | np.ndarray) -> bytes:
@@ -78,7 +84,7 @@ class Block:
     key: bytes  # (16,)
     parent: bytes  # (16,) the previous block's key, or the namespace digest for the first block
     tokens: tuple[int, ...]
-    tenant: bytes = bytes(16)  # (16,) the digest of the namespace's salt: who owns the block (Namespace.tenant)
+    tenant: bytes = NO_TENANT  # (16,) the digest of the namespace's salt: who owns the block (Namespace.tenant)
 
 
 class Namespace:
@@ -137,7 +143,7 @@ class Namespace:
         parent = self.digest
         for i in range(full):
             chunk = array[i * self.block_tokens : (i + 1) * self.block_tokens]
-            key = chain_hash(parent, chunk)
+            key = chain_hash(parent, chunk, self.tenant)
             out.append(Block(self.digest, key, parent, tuple(int(t) for t in chunk), self.tenant))
             parent = key
         return out

@@ -4,12 +4,13 @@
     payload = layer 0 | layer 1 | ... | layer n_layers-1          each exactly `layer_bytes` long
 
 All integers little-endian. Checksums are xxh3-64. A record is self-certifying: its key must equal
-chain_hash(parent, tokens), so a reader that knows only the key can still detect a substituted block.
+chain_hash(parent, tokens, tenant), so a reader that knows only the key can still detect a substituted block.
 Reading layer l is one contiguous range: header_len + l * layer_bytes.
 
-Format 2 adds the tenant (the digest of the namespace's salt, `Namespace.tenant`) to the fixed part, so a
-daemon can scope access by tenant and an index rebuilt from the segments still knows each block's owner.
-Format 1 records (no tenant) are still read, as tenant NO_TENANT.
+Format 2 adds the tenant (the digest of the namespace's salt, `Namespace.tenant`) to the fixed part, and
+the tenant enters the key (kvstore/block.py chain_hash): a daemon scopes access by tenant, checks from the
+record alone that its key is its tenant's, and an index rebuilt from the segments still knows each
+block's owner. Format 1 records (no tenant) are still read, as tenant NO_TENANT.
 """
 
 from __future__ import annotations
@@ -21,12 +22,11 @@ from typing import Iterable, Sequence
 import numpy as np
 import xxhash
 
-from kvstore.block import Block, chain_hash, encode_tokens
+from kvstore.block import NO_TENANT, Block, chain_hash, encode_tokens
 
 MAGIC = b"KVB1"
 FORMAT_VERSION = 2
 CLASS_NAME_BYTES = 16
-NO_TENANT = bytes(16)
 # magic, version, flags, header_len, namespace, parent, key, class, n_tokens, n_layers, layer_bytes
 _FIXED_V1 = struct.Struct("<4sHHI16s16s16s16sIIQ")
 _TENANT = struct.Struct("<16s")  # format 2: then the tenant
@@ -72,7 +72,7 @@ class RecordHeader:
 
     def check_identity(self) -> None:
         """The key must be the chained hash of parent and tokens (catches a substituted header)."""
-        if chain_hash(self.parent, self.tokens) != self.key:
+        if chain_hash(self.parent, self.tokens, self.tenant) != self.key:
             raise CorruptRecord("key_mismatch", "header key is not the chained hash of its parent and tokens")
 
     def check_expected(self, block: Block, n_layers: int | None = None, layer_bytes: int | None = None) -> None:

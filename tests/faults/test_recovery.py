@@ -20,7 +20,7 @@ from pathlib import Path
 import lmdb
 import pytest
 
-from kvstore.block import Block, KVLayout, Namespace
+from kvstore.block import Block, KVLayout, Namespace, chain_hash
 from kvstore.proto import pb
 from kvstore.record import build_record, decode_header
 from kvstore.server.config import ServerConfig
@@ -195,7 +195,8 @@ async def store_at(tmp_path):
 
 
 def without_tenant(block: Block) -> Block:
-    return Block(block.namespace, block.key, block.parent, block.tokens)  # a format-1 style record: no tenant
+    # a record with no tenant, keyed as format 1 keyed it
+    return Block(block.namespace, chain_hash(block.parent, block.tokens), block.parent, block.tokens)
 
 
 async def test_a_rebuilt_entry_has_its_class_parent_tenant_and_the_bucket_end_as_expiry(store_at, tmp_path, caplog,

@@ -19,18 +19,20 @@ def test_golden_vectors_pin_the_key_encoding():
     ns = golden_namespace()
     assert ns.digest.hex() == "4b3a4dee1da6f5df0579df78b7f5ff33"
     assert [b.key.hex() for b in ns.blocks(range(10))] == [
-        "a06e6e40254ed695a6624e8e2d567211",
-        "0061fe5d190095155059b6fec7f5270a",
+        "8a571204f67dfd103c5cdbe7ae0233d3",
+        "1df3de49982cadd09288d26acfeefd89",
     ]
-    assert chain_hash(bytes(16), [0, 1, 2, 3]).hex() == "361d40d624bc45847cb55c04878d9596"
+    assert ns.tenant.hex() == "ff509d1df406993e9a8306af64fe2634"
+    assert chain_hash(bytes(16), [0, 1, 2, 3]).hex() == "361d40d624bc45847cb55c04878d9596"  # format 1: no tenant
 
 
-def test_key_is_xxh3_128_of_parent_and_little_endian_u32_tokens():
+def test_key_is_xxh3_128_of_tenant_parent_and_little_endian_u32_tokens():
     ns = golden_namespace()
     first, second = ns.blocks(range(8))
-    assert first.key == xxhash.xxh3_128_digest(ns.digest + np.arange(4, dtype="<u4").tobytes())
+    assert ns.tenant == xxhash.xxh3_128_digest(b"salt\x00tenant-a")
+    assert first.key == xxhash.xxh3_128_digest(ns.tenant + ns.digest + np.arange(4, dtype="<u4").tobytes())
     assert second.parent == first.key
-    assert second.key == xxhash.xxh3_128_digest(first.key + np.arange(4, 8, dtype="<u4").tobytes())
+    assert second.key == xxhash.xxh3_128_digest(ns.tenant + first.key + np.arange(4, 8, dtype="<u4").tobytes())
 
 
 def test_only_full_blocks_and_prefix_property():

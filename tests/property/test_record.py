@@ -28,7 +28,7 @@ def records(draw) -> tuple[Block, str, int, bytes]:
     """(block, traffic class, n_layers, layer-major payload) of a well-formed record."""
     namespace, parent, tenant = draw(digests), draw(digests), draw(digests)
     ids = draw(tokens)
-    block = Block(namespace, chain_hash(parent, ids), parent, tuple(ids), tenant)
+    block = Block(namespace, chain_hash(parent, ids, tenant), parent, tuple(ids), tenant)
     n_layers = draw(st.integers(1, 8))
     payload = draw(st.binary(min_size=1, max_size=32)) * n_layers  # any bytes, cut into n_layers equal layers
     return block, draw(class_names), n_layers, payload

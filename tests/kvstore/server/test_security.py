@@ -89,10 +89,12 @@ def test_a_tenant_can_neither_reach_nor_learn_of_another_tenants_blocks(daemons,
         # He cannot write as Alice's tenant ...
         forged = [(b, os.urandom(ALICE.block_bytes)) for b in blocks]
         assert bob.put(forged, LAYOUT.num_layers).stored == 0
-        # ... and a record of his own tenant under her key is answered as stored but replaces nothing.
+        # ... nor name his own tenant in a record under her key: the tenant is part of every key.
         as_bob = [(Block(b.namespace, b.key, b.parent, b.tokens, BOB.tenant), os.urandom(ALICE.block_bytes))
                   for b in blocks]
-        assert _raw_put(daemon, TOKENS["bob"], as_bob) == [pb.STORED] * 3
+        with pytest.raises(grpc.RpcError) as refused:
+            _raw_put(daemon, TOKENS["bob"], as_bob)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "key" in refused.value.details()
         assert bob.lookup(blocks) == 0
         got = alice.get(blocks)
         assert [g.payload for g in got] == [p for _, p in alices]
