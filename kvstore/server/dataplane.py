@@ -55,6 +55,7 @@ class Unauthenticated(RequestError):
 
 
 MAX_REGIONS_PER_CONNECTION = 4
+MAX_AUTH_HEAD_BYTES = 4096  # a DataAuth: what a client that has not shown a token can make the daemon hold
 REFUSED_LINGER_S = 1.0  # a refused connection stays open this long, so its ERROR frame is not lost to a reset
 MAX_LINGERING = 64
 ERROR_SEND_TIMEOUT_S = 5.0
@@ -207,16 +208,20 @@ class DataPlaneServer:
         try:
             while True:
                 connection.release()
-                try:
-                    prefix = await connection.read(wire.PREFIX.size, idle=True)
+                unproven = authenticator is not None and principal is None
+                try:  # a client that must prove itself first gets no idle time to hold a connection with
+                    prefix = await connection.read(wire.PREFIX.size, idle=not unproven)
                 except Closed:
                     return
                 try:
                     kind, head_len = wire.parse_prefix(prefix)
-                    head = await connection.read(head_len)
-                    if authenticator is not None and principal is None:
-                        principal = await self._authenticate(connection, kind, head)
+                    if unproven:  # before the token, nothing but a small AUTH frame is read
+                        if kind != wire.AUTH or head_len > MAX_AUTH_HEAD_BYTES:
+                            raise Unauthenticated("this daemon checks tokens: the first frame must be AUTH "
+                                                  f"(DataAuth, at most {MAX_AUTH_HEAD_BYTES} bytes)")
+                        principal = await self._authenticate(connection, await connection.read(head_len))
                         continue
+                    head = await connection.read(head_len)
                     scope = principal.tenants if principal is not None else None
                     if kind == wire.GET:
                         self._allow(principal, "read")
@@ -251,10 +256,8 @@ class DataPlaneServer:
 
     # -- who may do what -----------------------------------------------------------------------------
 
-    async def _authenticate(self, connection: Connection, kind: int, head: bytes) -> Principal:
-        """The principal of the connection's first frame, which must be AUTH with a known token."""
-        if kind != wire.AUTH:
-            raise Unauthenticated("this daemon checks tokens: the first frame must be AUTH (DataAuth)")
+    async def _authenticate(self, connection: Connection, head: bytes) -> Principal:
+        """The principal of the token in an AUTH frame's head; Unauthenticated for an unknown one."""
         principal = self.security.authenticator.authenticate(parse(pb.DataAuth, head).token)
         if principal is None:
             raise Unauthenticated("unknown token")

@@ -255,3 +255,14 @@ def test_tls_and_mutual_tls_on_the_data_channel(daemons, tmp_path, token_file):
     good = ssl.create_default_context(cafile=str(pki.ca))
     good.load_cert_chain(str(pki.client_cert), str(pki.client_key))
     assert data_frames(daemon, [(wire.AUTH, auth)], good) == [wire.AUTHED]
+
+
+def test_before_its_token_a_client_can_make_the_daemon_hold_almost_nothing(daemons, token_file):
+    """Regression: a first frame declaring an 8 MiB head was read (and held) before the token was checked."""
+    daemon, = daemons(1, "--auth-tokens", str(token_file))
+    for kind in (wire.AUTH, wire.GET):
+        with socket.create_connection(("127.0.0.1", daemon.data_port), timeout=5) as sock:
+            sock.sendall(wire.PREFIX.pack(wire.MAGIC, kind, 8 * 2**20))  # the head never follows
+            with pytest.raises(TransportError) as refused:
+                read_frame(sock, time.monotonic() + 5)
+            assert refused.value.code == "UNAUTHENTICATED"
