@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 # The verb each RPC needs; "" is any authenticated caller (Info: clients need the data port and limits).
 VERB_OF = {"Lookup": "read", "Get": "read", "Put": "write", "Touch": "write", "Advise": "write",
            "Delete": "delete", "Stats": "admin", "Info": ""}
-OPEN_PREFIXES = ("/grpc.health.v1.Health/",)  # probes carry no token
+OPEN_METHODS = ("/grpc.health.v1.Health/Check",)  # probes carry no token (Watch would hold a stream open)
 
 _principal: contextvars.ContextVar[Principal | None] = contextvars.ContextVar("kvstore_principal", default=None)
 
@@ -44,7 +44,7 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
         handler = await continuation(details)
-        if handler is None or details.method.startswith(OPEN_PREFIXES):
+        if handler is None or details.method in OPEN_METHODS:
             return handler
         principal = self.authenticator.authenticate(bearer(details.invocation_metadata))
         if principal is None:
@@ -59,17 +59,14 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
 
 
 def _refusal(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, details: str) -> grpc.RpcMethodHandler:
-    """A handler of the same shape as `handler` that ends the call with `code`."""
-    async def unary(request, context):
-        await context.abort(code, details)
-
-    async def streaming(request, context):
+    """A handler that ends the call with `code` at once. It is request-streaming whatever the method is, so
+    gRPC does not first wait for (and hold) a request message that a caller without a token may never
+    finish; on the wire the two shapes are the same."""
+    async def refuse(requests, context):
         await context.abort(code, details)
         yield  # pragma: no cover - makes this an async generator, as a streaming handler must be
 
-    kind = ("stream_" if handler.request_streaming else "unary_") + ("stream" if handler.response_streaming else "unary")
-    behaviour = streaming if handler.response_streaming else unary
-    return handler._replace(**{kind: behaviour})
+    return grpc.stream_stream_rpc_method_handler(refuse)
 
 
 def _bound(handler: grpc.RpcMethodHandler, principal: Principal) -> grpc.RpcMethodHandler:

@@ -52,6 +52,8 @@ async def serve(config: ServerConfig, stop: asyncio.Event | None = None) -> None
             ("grpc.so_reuseport", 0),
             ("grpc.keepalive_time_ms", 30_000),
             ("grpc.http2.max_pings_without_data", 0),
+            # One connection cannot take every call slot (max_concurrent_rpcs is the daemon's in all).
+            ("grpc.max_concurrent_streams", max(1, config.max_concurrent_rpcs // 4)),
         ],
         maximum_concurrent_rpcs=config.max_concurrent_rpcs,
         interceptors=security.interceptors,

@@ -72,9 +72,11 @@ def test_every_call_needs_a_known_token_and_the_verb_it_uses(daemons, token_file
     assert call(daemon, "Stats", pb.StatsRequest(), TOKENS["ops"], pb.StatsResponse).values
     with client(daemon, TOKENS["reader"]) as reader:  # a read-only token's puts are refused
         assert reader.put(items(ALICE), LAYOUT.num_layers).stored == 0
-    with grpc.insecure_channel(daemon.address) as channel:  # probes need no token
+    with grpc.insecure_channel(daemon.address) as channel:  # probes need no token; streams that stay open do
         health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
         assert health.status == health_pb2.HealthCheckResponse.SERVING
+        watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=5)
+        assert code_of(lambda: next(watch)) == grpc.StatusCode.UNAUTHENTICATED
 
 
 def test_a_tenant_can_neither_reach_nor_learn_of_another_tenants_blocks(daemons, token_file):
