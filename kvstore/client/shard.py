@@ -11,6 +11,7 @@ down: the call goes over gRPC, and so do the next ones for a backoff period.
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import ssl
 import time
@@ -22,6 +23,8 @@ from kvstore.client.config import ClientConfig
 from kvstore.client.dataplane import DataChannel, TransportError
 from kvstore.hostid import host_id
 from kvstore.proto import method, pb
+
+log = logging.getLogger(__name__)
 
 # Codes that say "this daemon cannot serve now", as opposed to "this request is wrong".
 _DOWN_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
@@ -157,6 +160,9 @@ def open_channel(address: str, config: ClientConfig) -> grpc.aio.Channel:
         ("grpc.enable_retries", 0),
     ]
     if config.tls_ca is None:
+        host = address.rpartition(":")[0].strip("[]")
+        if config.token and host not in ("localhost", "::1") and not host.startswith("127."):
+            log.warning("sending a token to %s without TLS: anyone on the path can read it; set tls_ca", address)
         return grpc.aio.insecure_channel(address, options=options)
     credentials = grpc.ssl_channel_credentials(
         root_certificates=_read(config.tls_ca), private_key=_read(config.tls_key), certificate_chain=_read(config.tls_cert))

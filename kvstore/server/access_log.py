@@ -23,7 +23,7 @@ class AccessLog:
     def __init__(self, path: Path, max_bytes: int, digest: Callable[[bytes], str]) -> None:
         self.path, self.max_bytes, self.digest = Path(path), max_bytes, digest
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "a", buffering=1 << 16)
+        self._file = _open_private(self.path)
         self._size = self.path.stat().st_size
 
     def write(self, time_ms: int, op: str, key: bytes, traffic_class: str, result: str, tier: str, nbytes: int) -> None:
@@ -36,7 +36,7 @@ class AccessLog:
     def _rotate(self) -> None:
         self._file.close()
         os.replace(self.path, self.path.with_name(self.path.name + ".1"))
-        self._file = open(self.path, "a", buffering=1 << 16)
+        self._file = _open_private(self.path)
         self._size = 0
 
     def flush(self) -> None:
@@ -44,3 +44,8 @@ class AccessLog:
 
     def close(self) -> None:
         self._file.close()
+
+
+def _open_private(path: Path):
+    """Append to `path`, created readable by the daemon's user only (digests, but of every tenant's reads)."""
+    return open(path, "a", buffering=1 << 16, opener=lambda name, flags: os.open(name, flags, 0o600))

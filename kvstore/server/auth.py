@@ -22,6 +22,8 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvstore.block import NO_TENANT
+
 VERBS = ("read", "write", "delete", "admin")
 ALL_TENANTS = "*"
 _TENANT_HEX = 32  # a tenant digest is 16 bytes
@@ -72,10 +74,14 @@ class Authenticator:
             where = f"token file {path}, entry {number}"
             if not isinstance(item, dict):
                 raise AuthConfigError(f"{where}: expected a table")
-            entries.append(_entry(item, where))
-            if entries[-1][1].name in names:
-                raise AuthConfigError(f"{where}: the name {entries[-1][1].name!r} is used twice")
-            names.add(entries[-1][1].name)
+            digest, principal = _entry(item, where)
+            if principal.name in names:
+                raise AuthConfigError(f"{where}: the name {principal.name!r} is used twice")
+            if any(digest == known for known, _ in entries):
+                raise AuthConfigError(f"{where} ({principal.name}): the same token as an earlier entry; one "
+                                      "token, one entry (a rotation replaces the entry)")
+            names.add(principal.name)
+            entries.append((digest, principal))
         return cls(entries)
 
     def authenticate(self, token: str | None) -> Principal | None:
@@ -126,6 +132,9 @@ def _tenant(text: object, where: str, name: str) -> bytes:
     if len(tenant) * 2 != _TENANT_HEX:
         raise AuthConfigError(f"{where} ({name}): {text!r} is not a tenant digest ({_TENANT_HEX} hex digits; "
                               "`kvstore tenant SALT` prints one)")
+    if tenant == NO_TENANT:
+        raise AuthConfigError(f"{where} ({name}): the all-zero digest is no tenant (it marks records written "
+                              "before records named one); `kvstore tenant SALT` prints a tenant's digest")
     return tenant
 
 

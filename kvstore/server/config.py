@@ -65,6 +65,7 @@ class ServerConfig:
     port: int = 50051  # 0: the OS picks one; see port_file
     port_file: Path | None = None  # written with the bound port once serving
     metrics_port: int | None = None  # Prometheus /metrics; None: off, 0: the OS picks one
+    metrics_host: str = "127.0.0.1"  # /metrics is plain HTTP without tokens: loopback unless set otherwise
     data_port: int | None = 50052  # raw-TCP bulk data channel; None: off (gRPC only), 0: the OS picks one
     # The data channel on a Unix socket, for clients on this host and the only path to shared memory;
     # relative to data_dir unless absolute; None: off. At most 107 bytes as an absolute path (sun_path).

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextvars
 import logging
+import time
 
 import grpc
 
@@ -20,6 +21,7 @@ log = logging.getLogger(__name__)
 # The verb each RPC needs; "" is any authenticated caller (Info: clients need the data port and limits).
 VERB_OF = {"Lookup": "read", "Get": "read", "Put": "write", "Touch": "write", "Advise": "write",
            "Delete": "delete", "Stats": "admin", "Info": ""}
+WARN_EVERY_S = 10
 OPEN_METHODS = ("/grpc.health.v1.Health/Check",)  # probes carry no token (Watch would hold a stream open)
 
 _principal: contextvars.ContextVar[Principal | None] = contextvars.ContextVar("kvstore_principal", default=None)
@@ -41,6 +43,7 @@ def verb_of(method: str) -> str:
 class TokenInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, authenticator: Authenticator) -> None:
         self.authenticator = authenticator
+        self._last_warning = 0.0  # refusals are logged at most every WARN_EVERY_S, not once per call
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
         handler = await continuation(details)
@@ -48,14 +51,21 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
             return handler
         principal = self.authenticator.authenticate(bearer(details.invocation_metadata))
         if principal is None:
+            self._warn("a call to %s without a valid token was refused", details.method)
             return _refusal(handler, grpc.StatusCode.UNAUTHENTICATED,
                             "a valid token is required: send 'authorization: Bearer <token>'")
         verb = verb_of(details.method)
         if verb and not principal.may(verb):
-            log.warning("token %r refused %s: it lacks the %r verb", principal.name, details.method, verb)
+            self._warn("token %r refused %s: it lacks the %r verb", principal.name, details.method, verb)
             return _refusal(handler, grpc.StatusCode.PERMISSION_DENIED,
                             f"token {principal.name!r} may not {verb} ({details.method})")
         return _bound(handler, principal)
+
+
+    def _warn(self, message: str, *args) -> None:
+        if time.monotonic() - self._last_warning >= WARN_EVERY_S:
+            self._last_warning = time.monotonic()
+            log.warning(message + " (further refusals in the next %d s are not logged)", *args, WARN_EVERY_S)
 
 
 def _refusal(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, details: str) -> grpc.RpcMethodHandler:

@@ -153,7 +153,7 @@ class Index:
     def __init__(self, path: Path, map_bytes: int, max_map_bytes: int, fsync: bool) -> None:
         """Open (or create) the index at `path`. Raises IndexDamaged when its files are not a readable
         LMDB database, IndexUnavailable when they cannot be opened for another reason."""
-        Path(path).mkdir(parents=True, exist_ok=True)
+        Path(path).mkdir(mode=0o700, parents=True, exist_ok=True)
         try:
             damage = structural_damage(path)
         except OSError as exc:
@@ -161,7 +161,7 @@ class Index:
         if damage:
             raise IndexDamaged(f"the index at {path} is damaged ({damage})")
         try:
-            self._env = lmdb.open(str(path), map_size=map_bytes, max_dbs=4, sync=fsync, metasync=fsync,
+            self._env = lmdb.open(str(path), mode=0o600, map_size=map_bytes, max_dbs=4, sync=fsync, metasync=fsync,
                                   readahead=False, max_readers=256, lock=True)
         except lmdb.Error as exc:
             raise _unavailable(path, exc) from None

@@ -87,7 +87,8 @@ async def serve(config: ServerConfig, stop: asyncio.Event | None = None) -> None
     metrics_port = None
     if config.metrics_port is not None:
         from prometheus_client import start_http_server
-        metrics_server, _ = start_http_server(config.metrics_port, addr=config.host, registry=metrics.registry)
+        metrics_server, _ = start_http_server(config.metrics_port, addr=config.metrics_host,
+                                               registry=metrics.registry)
         metrics_port = metrics_server.server_port
     if config.port_file is not None:
         tmp = config.port_file.with_suffix(".tmp")

@@ -51,7 +51,7 @@ class Segment:
 class SegmentSet:
     def __init__(self, directory: Path, segment_bytes: int, fsync: bool) -> None:
         self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.segment_bytes = segment_bytes
         self.fsync = fsync
         self.segments: dict[int, Segment] = {}
@@ -172,7 +172,7 @@ class SegmentSet:
             seg_id = self._next_id
             self._next_id += 1
             path = self.directory / f"{seg_id:010d}-{bucket_end}.open"
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)  # other tenants' KV: no one else's
             segment = Segment(seg_id, bucket_end, path, fd, 0, sealed=False)
             self.segments[seg_id] = segment
             self._active[bucket_end] = segment

@@ -18,15 +18,11 @@ from kvstore.proto import SERVICE, pb
 from kvstore.server.config import ServerConfig
 from kvstore.server.reads import get_parts
 from kvstore.server.grpc_auth import current_principal
-from kvstore.server.requests import (RequestError, check_get, check_keys, check_payload, check_put_head,
+from kvstore.server.requests import (PermissionDenied, RequestError, check_get, check_keys, check_payload, check_put_head,
                                      check_tenant, parse, parse_record_header, reuse_hint)
 from kvstore.server.store import BlockStore, DiskFull, Scope
 
 
-def caller_scope() -> Scope:
-    """The tenants the current call may reach: its token's, or all where authentication is off."""
-    principal = current_principal()
-    return None if principal is None else principal.tenants
 
 
 class ByteBudget:
@@ -62,6 +58,14 @@ class KVStoreService:
         self.data_port = data_port
         self.data_socket = data_socket  # the data channel's Unix socket, for clients on this host
 
+    def caller_scope(self) -> Scope:
+        """The tenants the current call may reach: its token's, or all where authentication is off. With
+        tokens on, a call that reached here without a principal is refused, never given every tenant."""
+        principal = current_principal()
+        if principal is None and self.config.auth_tokens is not None:
+            raise PermissionDenied("no authenticated caller for this call")
+        return None if principal is None else principal.tenants
+
     async def _abort(self, context: grpc.aio.ServicerContext, method: str, code: grpc.StatusCode, details: str):
         self.metrics.rpc_errors.labels(method=method, code=code.name).inc()
         await context.abort(code, details)
@@ -73,21 +77,21 @@ class KVStoreService:
 
     async def lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
         check_keys(request.keys, self.config)
-        return pb.LookupResponse(hits=self.store.lookup(request.keys, caller_scope()))
+        return pb.LookupResponse(hits=self.store.lookup(request.keys, self.caller_scope()))
 
     async def touch(self, request: pb.KeysRequest, context) -> pb.CountResponse:
         check_keys(request.keys, self.config)
         if request.traffic_class and not self.store.class_known(request.traffic_class):
             raise RequestError(f"unknown traffic class {request.traffic_class!r}; known: {sorted(self.config.classes)}")
-        return pb.CountResponse(count=await self.store.touch(request.keys, request.traffic_class, caller_scope()))
+        return pb.CountResponse(count=await self.store.touch(request.keys, request.traffic_class, self.caller_scope()))
 
     async def delete(self, request: pb.KeysRequest, context) -> pb.CountResponse:
         check_keys(request.keys, self.config)
-        return pb.CountResponse(count=await self.store.delete(request.keys, caller_scope()))
+        return pb.CountResponse(count=await self.store.delete(request.keys, self.caller_scope()))
 
     async def advise(self, request: pb.AdviseRequest, context) -> pb.CountResponse:
         check_keys(request.keys, self.config)
-        return pb.CountResponse(count=self.store.advise(request.keys, request.continues, caller_scope()))
+        return pb.CountResponse(count=self.store.advise(request.keys, request.continues, self.caller_scope()))
 
     async def stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
         self.store.refresh_gauges()
@@ -106,7 +110,7 @@ class KVStoreService:
         check_get(request, self.config)
         if request.region_id:
             raise RequestError("shared-memory regions are only served on the data channel")
-        async for head, payload in get_parts(self.store, request, scope=caller_scope()):
+        async for head, payload in get_parts(self.store, request, scope=self.caller_scope()):
             yield head.SerializeToString()
             if payload is not None:
                 yield payload if isinstance(payload, bytes) else bytes(payload)
@@ -117,7 +121,7 @@ class KVStoreService:
         tasks: list[asyncio.Task] = []
         held = 0
         messages = request_iterator.__aiter__()
-        scope = caller_scope()
+        scope = self.caller_scope()
 
         async def next_message(what: str, received: int = 0, expected: int = 0) -> bytes:
             try:

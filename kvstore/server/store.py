@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 Scope = frozenset[bytes] | None  # the tenant digests a caller may reach; None: all (no authentication)
 # Evict once the LMDB map is this full at its maximum size: deleting needs free pages as well.
 INDEX_HIGH_FILL = 0.75
+PRIVATE_DIR = 0o700  # every tenant's KV bytes and keys are in here: the daemon's user's alone
 POLICY_STATE = b"policy:learned"  # the index meta key of what the eviction policy has learned
 
 
@@ -105,8 +106,8 @@ class BlockStore:
 
     async def open(self) -> None:
         data_dir = self.config.data_dir
-        data_dir.mkdir(parents=True, exist_ok=True)
-        self._lock_fd = os.open(data_dir / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
+        data_dir.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
+        self._lock_fd = os.open(data_dir / "LOCK", os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

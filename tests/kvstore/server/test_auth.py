@@ -62,3 +62,12 @@ def test_every_rpc_has_a_verb_and_unknown_methods_need_admin():
     assert verb_of(method("Delete")) == "delete" and verb_of(method("Stats")) == "admin"
     assert verb_of(method("Info")) == ""
     assert verb_of(method("SomethingNew")) == "admin"
+
+
+def test_one_token_one_entry_and_no_zero_tenant(tmp_path):
+    token = new_token()
+    twice = token_entry("a", token, [tenant_of("a")], ["read"]) + token_entry("b", token, None, ["admin"])
+    with pytest.raises(AuthConfigError, match="same token"):
+        Authenticator.from_file(write(tmp_path, twice))
+    with pytest.raises(AuthConfigError, match="all-zero"):
+        Authenticator.from_file(write(tmp_path, token_entry("a", token, [bytes(16)], ["read"])))

@@ -268,3 +268,18 @@ def test_before_its_token_a_client_can_make_the_daemon_hold_almost_nothing(daemo
             with pytest.raises(TransportError) as refused:
                 read_frame(sock, time.monotonic() + 5)
             assert refused.value.code == "UNAUTHENTICATED"
+
+
+def test_what_a_daemon_writes_is_its_users_alone(daemons, tmp_path):
+    log_path = tmp_path / "logs" / "access.log"
+    daemon, = daemons(1, "--access-log", str(log_path))
+    with client(daemon) as anyone:
+        anyone.put(items(ALICE), LAYOUT.num_layers)
+    daemon.stop()
+    written = [daemon.data_dir, log_path, *daemon.data_dir.rglob("*")]
+    assert len(written) >= 8
+    for path in written:
+        mode = path.stat().st_mode
+        if path.is_socket():
+            continue
+        assert mode & 0o077 == 0, f"{path} is open to others ({oct(mode & 0o777)})"
