@@ -1,4 +1,8 @@
-"""The slim decoder: GQA with RoPE, RMSNorm, SwiGLU or MoE MLPs, full or sliding-window attention per layer.
+"""The slim decoder: GQA with RoPE, RMSNorm, gated MLPs or MoE, full or sliding-window attention per layer.
+
+Llama/Qwen-style, gpt-oss-style and Gemma 3 decoders; what sets them apart is read from the config
+(`engine.config`): Gemma 3 scales its embeddings, norms with (1 + w) before and after attention and MLP,
+gates with tanh-GELU and gives sliding layers a RoPE base of their own.
 
 The forward pass runs one *step*: chunks of several requests at once, layer by layer. Token-wise work
 (projections, norms, MLPs) runs over all the step's tokens together; attention runs per chunk against
@@ -9,7 +13,7 @@ the engine waits there, so copying layer l+1 overlaps computing layer l.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -38,7 +42,12 @@ class Decoder:
         first = weights["embed_tokens.weight"]
         self.dtype, self.device = first.dtype, first.device
         self.rope = Rope(config)
-        self.scale = config.head_dim ** -0.5
+        # Gemma 3: sliding layers rotate with their own base and no scaling; full layers with rope_theta's
+        self.local_rope = Rope(replace(config, rope_theta=config.rope_local_theta, rope_scaling={})) \
+            if config.rope_local_theta is not None else self.rope
+        self.scale = (config.query_pre_attn_scalar or config.head_dim) ** -0.5
+        # rounded to fp32, then to the model's dtype, before multiplying: as transformers' Gemma 3 does
+        self.embedding_scale = torch.tensor(config.embedding_scale).to(self.device, self.dtype)
         # position of each layer among the full or the sliding layers: its page tensor or its ring
         self._kv_index = {layer: i for group in (config.full_layers, config.sliding_layers)
                           for i, layer in enumerate(group)}
@@ -57,16 +66,24 @@ class Decoder:
         sizes = [len(chunk.tokens) for chunk in chunks]
         tokens = torch.cat([chunk.tokens for chunk in chunks]).to(self.device)  # (T,)
         positions = torch.cat([torch.arange(ch.start, ch.start + n) for ch, n in zip(chunks, sizes)]).to(self.device)
-        cos, sin = self.rope.cos_sin(positions, self.dtype)  # each (T, head_dim/2)
+        full_rope = self.rope.cos_sin(positions, self.dtype)  # cos and sin, each (T, head_dim/2)
+        local_rope = self.local_rope.cos_sin(positions, self.dtype) if self.local_rope is not self.rope else full_rope
         h = self.w["embed_tokens.weight"][tokens]  # (T, hidden)
+        if c.embedding_scale != 1.0:
+            h = h * self.embedding_scale
         for layer in range(c.num_layers):
             if before_layer is not None:
                 before_layer(layer)
             p = f"layers.{layer}."
+            cos, sin = local_rope if c.layer_types[layer] == SLIDING else full_rope
             attended = self._attention(layer, p, self._norm(h, p + "input_layernorm.weight"), cos, sin, chunks, sizes)
-            h = h + attended
-            normed = self._norm(h, p + "post_attention_layernorm.weight")
-            h = h + (self._moe(p, normed) if c.num_experts else self._swiglu(p, normed))
+            if c.sandwich_norms:  # Gemma: each branch's output normed before it joins the residual stream
+                h = h + self._norm(attended, p + "post_attention_layernorm.weight")
+                mlp = self._mlp(p, self._norm(h, p + "pre_feedforward_layernorm.weight"))
+                h = h + self._norm(mlp, p + "post_feedforward_layernorm.weight")
+            else:
+                h = h + attended
+                h = h + self._mlp(p, self._norm(h, p + "post_attention_layernorm.weight"))
         for chunk, n in zip(chunks, sizes):
             chunk.kv.length = max(chunk.kv.length, chunk.start + n)
         ends = torch.tensor(sizes).cumsum(0).tolist()
@@ -78,10 +95,11 @@ class Decoder:
         return list(torch.split(logits, sizes))
 
     def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        """RMSNorm over the last dimension, computed in fp32."""
+        """RMSNorm over the last dimension, computed in fp32; Gemma's weight w scales by (1 + w)."""
+        c = self.config
         x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
-        return (self.w[name].float() * x32).to(x.dtype)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps)
+        return ((c.norm_offset + self.w[name].float()) * x32).to(x.dtype)
 
     def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return F.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"))
@@ -111,9 +129,14 @@ class Decoder:
             begin += n
         return self._linear(torch.cat(out), p + "self_attn.o_proj")
 
-    def _swiglu(self, p: str, x: torch.Tensor) -> torch.Tensor:
+    def _mlp(self, p: str, x: torch.Tensor) -> torch.Tensor:
+        return self._moe(p, x) if self.config.num_experts else self._gated(p, x)
+
+    def _gated(self, p: str, x: torch.Tensor) -> torch.Tensor:
+        """down(act(gate(x)) * up(x)): SwiGLU with silu, Gemma's GeGLU with tanh-approximated GELU."""
         gate, up = self._linear(x, p + "mlp.gate_proj"), self._linear(x, p + "mlp.up_proj")  # (T, intermediate)
-        return self._linear(F.silu(gate) * up, p + "mlp.down_proj")
+        act = F.silu(gate) if self.config.mlp_activation == "silu" else F.gelu(gate, approximate="tanh")
+        return self._linear(act * up, p + "mlp.down_proj")
 
     def _moe(self, p: str, x: torch.Tensor) -> torch.Tensor:
         """Top-k routed experts, softmax over the chosen logits; gpt-oss's clamped SwiGLU with (up + 1)."""

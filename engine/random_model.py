@@ -37,8 +37,8 @@ def write_random_model(path: Path | str, config: dict, seed: int = 0) -> ModelCo
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
     for name, shape in expected_shapes(parsed).items():
-        if name.endswith("norm.weight"):
-            tensor = torch.ones(shape)
+        if name.endswith("norm.weight"):  # the identity: 1, or 0 where the norm scales by (1 + weight)
+            tensor = torch.full(shape, 1.0 - parsed.norm_offset)
         elif name.endswith(("bias", "sinks")):
             tensor = torch.zeros(shape)
         elif name == "embed_tokens.weight":

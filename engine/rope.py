@@ -1,5 +1,9 @@
-"""Rotary position embeddings (Su et al., 2021), with YaRN context extension (Peng et al., 2023).
+"""Rotary position embeddings (Su et al., 2021), with the context extensions transformers names `linear`,
+`llama3` and `yarn`, computed as transformers computes them so that logits match its models.
 
+Linear (position interpolation, Chen et al., 2023) divides every frequency by `factor`. Llama 3.1's
+scaling divides by `factor` the frequencies whose wavelength exceeds original/low_freq_factor, keeps
+those shorter than original/high_freq_factor, and blends linearly in wavelength's inverse between.
 YaRN, section 3 of the paper: dimensions that turn more than `beta_fast` times over the original
 context keep their frequency (extrapolation), those turning fewer than `beta_slow` times are divided
 by `factor` (interpolation), a linear ramp blends the band between, and attention logits are scaled
@@ -23,10 +27,15 @@ class Rope:
         self.scale = 1.0
         scaling = config.rope_scaling
         kind = scaling.get("rope_type", scaling.get("type"))
+        original = float(scaling.get("original_max_position_embeddings") or config.max_position_embeddings)
         if kind == "yarn":
-            inv_freq, self.scale = _yarn(inv_freq, dim, base, scaling)
+            inv_freq, self.scale = _yarn(inv_freq, dim, base, original, config.max_position_embeddings, scaling)
+        elif kind == "linear":
+            inv_freq = inv_freq / float(scaling["factor"])
+        elif kind == "llama3":
+            inv_freq = _llama3(inv_freq, original, scaling)
         elif kind:
-            raise ValueError(f"config: rope_type {kind!r} is not supported (default and yarn are)")
+            raise ValueError(f"config: rope_type {kind!r} is not supported (default, linear, llama3 and yarn are)")
         self.inv_freq = inv_freq  # (head_dim/2,) float32
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,9 +51,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
 
 
-def _yarn(inv_freq: torch.Tensor, dim: int, base: float, scaling: dict) -> tuple[torch.Tensor, float]:
+def _llama3(inv_freq: torch.Tensor, original: float, scaling: dict) -> torch.Tensor:
     factor = float(scaling["factor"])
-    original = float(scaling["original_max_position_embeddings"])
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    wavelength = 2 * math.pi / inv_freq  # (dim/2,)
+    scaled = torch.where(wavelength > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelength - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    between = (wavelength >= original / high) & (wavelength <= original / low)
+    return torch.where(between, blended, scaled)
+
+
+def _yarn(inv_freq: torch.Tensor, dim: int, base: float, original: float, max_positions: int,
+          scaling: dict) -> tuple[torch.Tensor, float]:
+    # DeepSeek-style configs leave factor out: the ratio of the extended context to the original
+    factor = float(scaling["factor"] if scaling.get("factor") is not None else max_positions / original)
     beta_fast = float(scaling.get("beta_fast") or 32)
     beta_slow = float(scaling.get("beta_slow") or 1)
 
@@ -62,5 +83,13 @@ def _yarn(inv_freq: torch.Tensor, dim: int, base: float, scaling: dict) -> tuple
     blended = inv_freq / factor * (1 - extrapolated) + inv_freq * extrapolated
     attention_factor = scaling.get("attention_factor")
     if attention_factor is None:
-        attention_factor = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        if mscale and mscale_all_dim:  # DeepSeek: the ratio of two such factors
+            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = _yarn_mscale(factor)
     return blended, float(attention_factor)
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0

@@ -66,3 +66,34 @@ def tiny_models(tmp_path_factory) -> dict[str, TinyModel]:
 @pytest.fixture(params=["qwen3", "gpt_oss"])
 def tiny(request, tiny_models) -> TinyModel:
     return tiny_models[request.param]
+
+
+GEMMA3_WINDOW = 16
+
+
+def build_gemma3(path: Path, seed: int = 3, **overrides) -> TinyModel:
+    """Gemma 3 (text) at a toy scale with the real model's pattern: five sliding layers, then a full one.
+
+    head_dim is not hidden/heads and query_pre_attn_scalar is not head_dim, so a scale taken from the
+    wrong field shows; norm weights scatter around 0, the identity of Gemma's x·(1 + w)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=12,
+                  num_attention_heads=4, num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=24,
+                  sliding_window=GEMMA3_WINDOW, max_position_embeddings=1024) | overrides
+    model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**config))
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                parameter.normal_(0, 0.1)
+            else:  # the embedding is the output head too: 0.3 spreads the logits over a few units
+                parameter.normal_(0, 0.3 if "embed" in name else 0.1)
+    model.eval()
+    model.save_pretrained(path)
+    return TinyModel("gemma3", path, model)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3(tmp_path_factory) -> TinyModel:
+    return build_gemma3(tmp_path_factory.mktemp("models") / "gemma3")
