@@ -25,7 +25,7 @@ demo: install
 
 # unit + integration + crash tests; benchmarks and slow work are marked `bench` and left out.
 test: install
-	$(BIN)/python -m pytest -q -n 2 tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup tests
 
 bench: install
 	$(BIN)/python bench/dataplane.py

@@ -1,9 +1,12 @@
 """Time to first token through the prefill engine and a daemon, at cached fractions 0, 50, 90 and 95%.
 
-    python bench/ttft.py [--tokens 2560] [--block-tokens 32] [--repeats 3] [--json out.json]
+    python bench/ttft.py [--real] [--tokens 2560] [--block-tokens 32] [--repeats 3] [--json out.json]
 
 The model is random-weight and Qwen3-0.6B-shaped (12 layers; `engine.random_model.BENCH`), big enough
-that compute dominates on a CPU. For each cached fraction f, the first f of a fresh prompt is put in
+that compute dominates on a CPU, on random token ids. With `--real` it is the real Gemma 3 270M
+(`engine.real_model`, the `models` extra) on real text: a chat session of standard-library documentation
+through its chat template (`engine.real_text`), cut to --tokens, with a line naming the repeat put
+before the system prompt so that each prompt is fresh to the store. For each cached fraction f, the first f of a fresh prompt is put in
 the store by prefilling it once (so the blocks are the engine's own), then the whole prompt is
 prefilled and its TTFT taken. Beside it, in the same repeat, the ideal:
 
@@ -50,22 +53,32 @@ def main() -> None:
     parser.add_argument("--block-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--real", action="store_true", help="the real Gemma 3 270M on real text")
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="kvstore-ttft-bench-"))
     daemon = DaemonProcess(workdir / "daemon", workdir, ["--hot-tier-bytes", "2GiB"])
     try:
         daemon.start()
-        write_random_model(workdir / "model", BENCH)
+        if args.real:
+            from engine.real_model import load_real_model
+
+            folder, tokenizer = load_real_model()
+            prompt_for = real_prompts(tokenizer)
+        else:
+            folder = workdir / "model"
+            write_random_model(folder, BENCH)
+            prompt_for = None
         with KVClient(ClientConfig(servers=(daemon.address,))) as client:
             pages = 3 * -(-args.tokens // args.block_tokens)
             config = PrefillConfig(block_tokens=args.block_tokens, kv_pages=pages, step_budget_s=3600.0)
             print("fitting the chunk cost model on this machine ...", flush=True)
-            engine = PrefillEngine.from_pretrained(workdir / "model", client, config)
+            engine = PrefillEngine.from_pretrained(folder, client, config)
             print(f"  {engine.cost}")
             runs = {f: [] for f in FRACTIONS}
             for repeat in range(args.repeats):
                 for f in FRACTIONS:
-                    runs[f].append(measure(engine, client, args.tokens, f, seed=1000 * repeat + int(f * 100)))
+                    runs[f].append(measure(engine, client, args.tokens, f, seed=1000 * repeat + int(f * 100),
+                                          prompt_for=prompt_for))
                     row = runs[f][-1]
                     print(f"  repeat {repeat + 1}/{args.repeats} cached {f:>4.0%}: ttft {row['ttft_s']:.3f} s, "
                           f"ideal {row['ideal_s']:.3f} s", flush=True)
@@ -75,9 +88,28 @@ def main() -> None:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def measure(engine: PrefillEngine, client: KVClient, tokens: int, fraction: float, seed: int) -> dict:
-    prompt = torch.randint(0, engine.model.config.vocab_size, (tokens,),
-                           generator=torch.Generator().manual_seed(seed)).tolist()
+def real_prompts(tokenizer):
+    """`prompt_for(seed, tokens)`: a real-text prompt of `tokens` tokens that no other seed's shares."""
+    from engine.real_text import CHAT, TOPICS, Session, system_prompt
+
+    def prompt_for(seed: int, tokens: int) -> list[int]:
+        session = Session(tokenizer, f"bench{seed}", CHAT, TOPICS, f"Benchmark prompt {seed}.\n\n{system_prompt()}")
+        prompt = session.next_prompt()
+        while len(prompt) < tokens:
+            session.add_reply("Understood; go on.")
+            prompt = session.next_prompt()
+        return prompt[:tokens]
+
+    return prompt_for
+
+
+def measure(engine: PrefillEngine, client: KVClient, tokens: int, fraction: float, seed: int,
+            prompt_for=None) -> dict:
+    if prompt_for is not None:
+        prompt = prompt_for(seed, tokens)
+    else:
+        prompt = torch.randint(0, engine.model.config.vocab_size, (tokens,),
+                               generator=torch.Generator().manual_seed(seed)).tolist()
     B = engine.block_tokens
     cached = int(tokens * fraction) // B * B
     if cached:

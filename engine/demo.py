@@ -1,16 +1,25 @@
-"""`make demo`: a small model served through the prefill engine and two daemons, turn after turn.
+"""`make demo`: a real model (Gemma 3 270M) served through the prefill engine and two daemons, turn after turn.
 
-A random-weight gpt-oss-style hybrid (sliding-window and full layers alternating, MoE; shapes in
-`engine.random_model.DEMO`) serves chat and agent sessions that share a system prompt. Each turn's
-prompt is the whole conversation so far. Per request it prints how many prompt tokens came from the
-cache, from which tier (this process's host tier, a daemon's DRAM or its SSD), the path the sliding
-window took, and the time to first token beside the same prompt computed without the cache (with the
-first tokens compared). Half-way, both daemons and the client restart: hits then come from SSD, while
-the engine's host-memory window tier (a live process) still resumes sessions exactly.
+Chat and agent sessions built from the standard library's documentation (`engine.real_text`: Gemma 3's
+chat template, one shared system prompt, each turn's prompt the whole conversation so far) go through
+the engine. Per request it prints how many prompt tokens came from the cache, from which tier (this
+process's host tier, a daemon's DRAM or its SSD), the path the sliding window took, the time to first
+token beside the same prompt computed without the cache (with the first tokens compared), and the
+start of the reply (a few greedy tokens, decoded), which becomes the assistant's turn. Half-way, both
+daemons and the client restart: hits then come from SSD, while the engine's host-memory window tier
+(a live process) still resumes sessions exactly.
+
+`--random` runs the earlier demo instead: a random-weight gpt-oss-style hybrid (sliding-window and full
+layers alternating, MoE; `engine.random_model.DEMO`) on random token ids, with no model to install.
+`--quick` is a shortened real run (two sessions, two turns, shorter replies) for the test suite.
 """
 
 from __future__ import annotations
 
+import argparse
+import shutil
+import tempfile
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -22,13 +31,99 @@ from engine.prefill.engine import PrefillEngine
 from engine.prefill.request import PrefillRequest
 from engine.random_model import DEMO, write_random_model
 from kvstore.client import ClientConfig, KVClient
-from kvstore.demo import demo_main, restarted, tier_hits
+from kvstore.demo import restarted, tier_hits
 from kvstore.server.process import DaemonProcess
 
 BLOCK_TOKENS = 64
+REPLY_TOKENS = 12  # greedy tokens decoded per turn: enough to read the start of the reply
 
 
-def run(sessions: int, turns: int, workdir: Path) -> None:
+def run_real(sessions: int, turns: int, workdir: Path, reply_tokens: int = REPLY_TOKENS) -> None:
+    # imported here so that --random needs neither the models extra nor the tokenizer
+    from engine.greedy import greedy
+    from engine.real_model import load_real_model
+    from engine.real_text import demo_sessions, stop_token_ids
+
+    began = time.perf_counter()
+    print("loading Gemma 3 270M (converted once from the packaged GGUF, then cached) ...", flush=True)
+    folder, tokenizer = load_real_model()
+    daemons = [DaemonProcess(workdir / f"daemon{i}", workdir).start() for i in range(2)]
+    print(f"started 2 daemons on {', '.join(d.address for d in daemons)}; fitting the chunk cost model ...",
+          flush=True)
+    cold_engine = PrefillEngine.from_pretrained(folder, None, PrefillConfig(block_tokens=BLOCK_TOKENS))
+    block_bytes = cold_engine.block_bytes
+    config = ClientConfig(tuple(d.address for d in daemons), host_tier_bytes=48 * block_bytes,
+                          host_block_bytes=block_bytes)
+    client = KVClient(config)
+    engine = PrefillEngine(cold_engine.model, client, PrefillConfig(block_tokens=BLOCK_TOKENS, cost=cold_engine.cost),
+                           cold_engine.model_id)
+    mc = engine.model.config
+    stops = stop_token_ids(tokenizer)
+    conversations = demo_sessions(tokenizer, sessions)
+    shared = _common_prefix([c.next_prompt() for c in conversations])
+    print(f"model: {folder.name}, {mc.num_layers} layers ({len(mc.full_layers)} full, {len(mc.sliding_layers)} "
+          f"sliding, window {mc.sliding_window}), vocabulary {mc.vocab_size:,}; {BLOCK_TOKENS}-token blocks of "
+          f"{block_bytes / 2**20:.2f} MiB; host tier {config.host_tier_bytes // 2**20} MiB; ready in "
+          f"{time.perf_counter() - began:.0f} s")
+    print(f"{sessions} sessions of standard-library documentation through Gemma 3's chat template, sharing a "
+          f"{shared}-token prefix (system prompt and a worked example); replies: {reply_tokens} greedy tokens\n")
+    print(f"{'turn':>4} {'session':>9} {'prompt':>6} {'hit':>6}  {'path':<14} {'host':>4} {'DRAM':>4} {'SSD':>4} "
+          f"{'ttft':>7} {'no cache':>8} {'speed-up':>8}  same token")
+    totals = Counter()
+    try:
+        for turn in range(turns):
+            if turn == turns // 2 and turn:
+                client = engine.client = restarted(client, daemons, config)
+                print("     -- both daemons and the client restarted: the store's blocks remain on SSD --")
+            for conversation in conversations:
+                prompt = conversation.tokens if turn == 0 else conversation.next_prompt()
+                before = tier_hits(client)
+                result = engine.prefill(PrefillRequest(prompt, traffic_class=conversation.kind,
+                                                       session_id=conversation.name, turn=turn))
+                result.kv.release()
+                client.write_behind.flush(timeout=60)
+                served = {k: v - before[k] for k, v in tier_hits(client).items()}
+                cold = cold_engine.prefill(PrefillRequest(prompt))
+                cold.kv.release()
+                # the reply decodes through the engine again: its prompt is now all but the last block cached
+                reply = greedy(engine, prompt, reply_tokens, stop_ids=stops, session_id=conversation.name)
+                client.write_behind.flush(timeout=60)
+                same = "yes" if cold.first_token == result.first_token == reply[0] else "NO"
+                text = tokenizer.decode([t for t in reply if t not in stops], skip_special_tokens=True)
+                print(f"{turn + 1:>4} {conversation.name:>9} {len(prompt):>6} {result.loaded_tokens:>6}  "
+                      f"{result.path:<14} {served['host']:>4.0f} {served['daemon DRAM']:>4.0f} "
+                      f"{served['daemon SSD']:>4.0f} {result.ttft_s:>6.2f}s {cold.ttft_s:>7.2f}s "
+                      f"{cold.ttft_s / result.ttft_s:>7.1f}x  {same}")
+                print(f"{'':>16}reply: {_one_line(text)}")
+                totals.update(prompt=len(prompt), hit=result.loaded_tokens, ttft=result.ttft_s,
+                              cold=cold.ttft_s, same=same == "yes", requests=1)
+                conversation.add_reply(text)  # the start of the reply stands for the whole answer
+        print(f"\nall turns: {totals['hit']:,} of {totals['prompt']:,} prompt tokens from the cache "
+              f"({totals['hit'] / totals['prompt']:.0%}); time to first token {totals['ttft']:.1f} s in all, "
+              f"{totals['cold']:.1f} s without the cache ({totals['cold'] / totals['ttft']:.1f}x); "
+              f"first tokens agree in {totals['same']} of {totals['requests']} requests; window tier: "
+              f"{engine.window_tier.hits} hits, {engine.window_tier.misses} misses; "
+              f"{time.perf_counter() - began:.0f} s in all")
+    finally:
+        client.close()
+        codes = [daemon.stop() for daemon in daemons]
+        print(f"daemons stopped (exit codes {codes})")
+
+
+def _common_prefix(prompts: list[list[int]]) -> int:
+    shortest = min(prompts, key=len)
+    for i, token in enumerate(shortest):
+        if any(p[i] != token for p in prompts):
+            return i
+    return len(shortest)
+
+
+def _one_line(text: str, width: int = 90) -> str:
+    flat = " ".join(text.split())
+    return repr(flat if len(flat) <= width else flat[: width - 3] + "...")
+
+
+def run_random(sessions: int, turns: int, workdir: Path) -> None:
     rng = np.random.default_rng(0)
     write_random_model(workdir / "model", DEMO)
     daemons = [DaemonProcess(workdir / f"daemon{i}", workdir).start() for i in range(2)]
@@ -85,6 +180,30 @@ def run(sessions: int, turns: int, workdir: Path) -> None:
         print(f"daemons stopped (exit codes {codes})")
 
 
-if __name__ == "__main__":
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--random", action="store_true", help="the random-weight model on random ids instead")
+    parser.add_argument("--quick", action="store_true", help="a short run: 2 sessions, 2 turns, 4-token replies")
+    parser.add_argument("--sessions", type=int, default=4)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--reply-tokens", type=int, default=REPLY_TOKENS)
+    parser.add_argument("--keep", action="store_true", help="keep the data directory")
+    args = parser.parse_args()
+    if args.quick:
+        args.sessions, args.turns, args.reply_tokens = 2, 2, 4
+    if args.sessions < 1 or args.turns < 1 or args.reply_tokens < 1:
+        parser.error("--sessions, --turns and --reply-tokens must be >= 1")
     torch.manual_seed(0)
-    demo_main(run, __doc__, sessions=4, turns=4, prefix="kvstore-engine-demo-")
+    workdir = Path(tempfile.mkdtemp(prefix="kvstore-engine-demo-"))
+    try:
+        if args.random:
+            run_random(args.sessions, args.turns, workdir)
+        else:
+            run_real(args.sessions, args.turns, workdir, args.reply_tokens)
+    finally:
+        if not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

