@@ -7,6 +7,9 @@
 * Sliding-window layers: a ring of W positions per request and layer, (n_sliding, 2, W, kv_heads,
   head_dim); position p lives in slot p % W. Only the window is ever needed, so memory stays bounded
   however long the session grows.
+
+Bounded replay (`engine.swa_replay`) bends both: full layers keep the KV loaded below a position rather
+than overwrite it with what the replay recomputes, and the rings hold nothing before the replay began.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ class WindowState:
 
     position: int
     rings: torch.Tensor  # (n_sliding, 2, W, kv_heads, head_dim), position p in slot p % W
+    window_from: int = 0  # the rings hold no position before this (a replayed window starts late)
 
     @property
     def nbytes(self) -> int:
@@ -71,6 +75,8 @@ class RequestKV:
         self.window = config.sliding_window or 0
         self.block_table: list[int] = []
         self.length = 0  # positions [0, length) hold valid KV
+        self.window_from = 0  # sliding layers attend to no position before this: where a replay began
+        self.keep_full_before = 0  # full layers' KV below this was loaded, and a replay must not overwrite it
         first = pool.layers[0] if pool.layers else None
         dtype = first.dtype if first is not None else torch.float32
         device = first.device if first is not None else "cpu"
@@ -88,22 +94,25 @@ class RequestKV:
     def release(self) -> None:
         self.pool.release(self.block_table)
         self.block_table = []
-        self.length = 0
+        self.length = self.window_from = self.keep_full_before = 0
 
     def restore_window(self, state: WindowState) -> None:
         assert self.rings is not None and state.rings.shape == self.rings.shape
         self.rings.copy_(state.rings)
+        self.window_from = state.window_from
 
     def full_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v (x, kv_heads, head_dim) at positions [start, start+x) of full layer `layer` (its index
-        among full layers); return K and V of positions [0, start+x), each (start+x, kv_heads, head_dim)."""
+        among full layers), except below `keep_full_before`; return K and V of positions [0, start+x), each
+        (start+x, kv_heads, head_dim)."""
         pages = self.pool.layers[layer]  # (num_pages, 2, block_tokens, kv_heads, head_dim)
         end = start + k.shape[0]
-        positions = torch.arange(start, end, device=k.device)
+        skip = min(max(0, self.keep_full_before - start), k.shape[0])  # replayed positions keep the loaded KV
+        positions = torch.arange(start + skip, end, device=k.device)
         table = torch.tensor(self.block_table, dtype=torch.long, device=k.device)
         page, offset = table[positions // self.block_tokens], positions % self.block_tokens
-        pages[page, 0, offset] = k
-        pages[page, 1, offset] = v
+        pages[page, 0, offset] = k[skip:]
+        pages[page, 1, offset] = v[skip:]
         used = pages[table[: -(-end // self.block_tokens)]]  # (blocks, 2, block_tokens, kv_heads, head_dim)
         kv = used.transpose(0, 1).reshape(2, -1, *k.shape[1:])[:, :end]  # (2, end, kv_heads, head_dim)
         return kv[0], kv[1]
@@ -114,7 +123,7 @@ class RequestKV:
         window before it from the ring, then the chunk; the ring then holds the window after the chunk."""
         assert self.rings is not None
         ring, window, x = self.rings[layer], self.window, k.shape[0]  # ring (2, W, kv_heads, head_dim)
-        before = torch.arange(max(0, start - window), start, device=k.device)  # (<=W,)
+        before = torch.arange(max(self.window_from, start - window), start, device=k.device)  # (<=W,)
         keys = torch.cat((ring[0, before % window], k))  # (n, kv_heads, head_dim)
         values = torch.cat((ring[1, before % window], v))
         positions = torch.cat((before, torch.arange(start, start + x, device=k.device)))  # (n,)
@@ -130,7 +139,7 @@ class RequestKV:
                  positions: torch.Tensor) -> None:
         state = self.captured.get(boundary)
         if state is None:
-            state = self.captured[boundary] = WindowState(boundary, torch.zeros_like(self.rings))
+            state = self.captured[boundary] = WindowState(boundary, torch.zeros_like(self.rings), self.window_from)
         wanted = (positions < boundary) & (positions >= boundary - self.window)
         slots = positions[wanted] % self.window
         state.rings[layer, 0, slots] = keys[wanted]

@@ -100,10 +100,16 @@ class Namespace:
             raise ValueError("Namespace.model_id must be a non-empty model identity, e.g. 'Qwen/Qwen3-8B@rev'")
         if block_tokens < 1:
             raise ValueError(f"Namespace.block_tokens must be >= 1, got {block_tokens}")
+        salt_bytes = salt.encode() if isinstance(salt, str) else bytes(salt)
+        # The salt enters only through its own digest, so the namespace digest reveals nothing of it. That
+        # digest is the tenant: daemons scope tokens to it and keep it with every block.
+        self._set(model_id, layout, block_tokens, tenant_of(salt_bytes))
+
+    def _set(self, model_id: str, layout: KVLayout, block_tokens: int, tenant: bytes) -> None:
         self.model_id = model_id
         self.layout = layout
         self.block_tokens = block_tokens
-        salt_bytes = salt.encode() if isinstance(salt, str) else bytes(salt)
+        self.tenant = tenant
         identity = json.dumps(
             {
                 "v": 1,
@@ -118,10 +124,16 @@ class Namespace:
             sort_keys=True,
             separators=(",", ":"),
         ).encode()
-        # The salt enters only through its own digest, so the namespace digest reveals nothing of it. That
-        # digest is the tenant: daemons scope tokens to it and keep it with every block.
-        self.tenant = tenant_of(salt_bytes)
-        self.digest = xxhash.xxh3_128_digest(identity + b"\x00" + self.tenant)
+        self.digest = xxhash.xxh3_128_digest(identity + b"\x00" + tenant)
+
+    def with_model_id(self, model_id: str) -> "Namespace":
+        """The same tenant, layout and block size under another model identity: a chain of its own that
+        no block of this one's ever hits (an engine keeps approximate KV apart from exact KV this way)."""
+        if not model_id:
+            raise ValueError("Namespace.model_id must be a non-empty model identity")
+        other = object.__new__(Namespace)
+        other._set(model_id, self.layout, self.block_tokens, self.tenant)
+        return other
 
     @property
     def layer_bytes(self) -> int:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.prefill.cost import ChunkCost
 
@@ -16,6 +16,10 @@ class PrefillConfig:
     cost: ChunkCost | None = None  # None: fit at start-up on this machine
     load_timeout_s: float = 30.0  # a layer not loaded within this is treated as a failed load
     model_id: str | None = None  # the namespace's model identity; None: directory name + weights digest
+    # Bounded replay (engine.swa_replay) where a hybrid model's window state is gone:
+    replay_tokens: int | None = None  # R; None: the default for the model's window; 0: never replay
+    replay_min_prefix_factor: float = 2.0  # replay only a prefix at least this many times R long
+    exact_tenants: frozenset[str] = field(default_factory=frozenset)  # tenants (hex, `kvstore tenant`) never replayed
 
     def __post_init__(self) -> None:
         if self.block_tokens < 1 or self.kv_pages < 1:
@@ -24,3 +28,11 @@ class PrefillConfig:
             raise ValueError("PrefillConfig: step_budget_s and load_timeout_s must be positive")
         if self.window_tier_bytes < 0:
             raise ValueError("PrefillConfig: window_tier_bytes must be >= 0")
+        if self.replay_tokens is not None and self.replay_tokens < 0:
+            raise ValueError("PrefillConfig: replay_tokens must be >= 0 (0: never replay), or None for the default")
+        if self.replay_min_prefix_factor < 1:
+            raise ValueError("PrefillConfig: replay_min_prefix_factor must be >= 1 (a replay no longer than the prefix)")
+        for tenant in self.exact_tenants:
+            if len(tenant) != 32 or any(c not in "0123456789abcdef" for c in tenant):
+                raise ValueError(f"PrefillConfig: exact_tenants holds {tenant!r}, not a tenant digest; give the "
+                                 "32 hex digits `kvstore tenant SALT` prints")

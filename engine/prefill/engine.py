@@ -5,9 +5,13 @@ load it layer-pipelined into the request's KV pages while the first chunk comput
 in chunks the scheduler sizes to a time budget per step, save the new full blocks (write-behind) and
 the sliding-window state (host memory), and return the first token, its logits and the KV.
 
-A sliding-window layer's state cannot be rebuilt from the stored blocks, so a hybrid model resumes
-from a stored prefix only where the window tier holds that prefix's window; otherwise it recomputes
-exactly and says so (`PrefillResult.path`).
+A sliding-window layer's state cannot be rebuilt exactly from the stored blocks, so a hybrid model
+resumes exactly only where the window tier holds that prefix's window. Where it is gone, the engine
+loads the prefix and rebuilds an approximate window by bounded replay (`engine.swa_replay`) if that
+saves much, or else recomputes exactly; a request or tenant that needs bit-exact continuation is never
+replayed. Blocks computed after a replay are approximate: they are saved in a namespace of their own
+(the model identity + REPLAYED_SUFFIX), which exact requests never read and later turns of the
+replayed conversation do. `PrefillResult.path` says which way each request went.
 """
 
 from __future__ import annotations
@@ -26,11 +30,11 @@ from engine.kv import KVCapacityError, PagePool, RequestKV
 from engine.model import Chunk, Decoder
 from engine.prefill import cost as chunk_cost
 from engine.prefill.config import PrefillConfig
-from engine.prefill.request import (CACHED, COLD, LOAD_FAILED, NOT_WORTH, WINDOW_MISSING, PrefillError,
+from engine.prefill.request import (CACHED, COLD, LOAD_FAILED, NOT_WORTH, REPLAYED, WINDOW_MISSING, PrefillError,
                                     PrefillRequest, PrefillResult)
 from engine.prefill.scheduler import Waiting, plan_step
 from engine.weights import model_identity
-from engine.window_tier import WindowTier
+from engine.swa_replay import WindowTier, begin_replay, default_replay_tokens, worth_replaying
 from kvstore.block import Block, KVLayout, Namespace
 from kvstore.client import KVClient
 from kvstore.client.loading import LoadCancelled, LoadHandle
@@ -38,6 +42,7 @@ from kvstore.client.torch_kv import PagedKV
 from kvstore.eviction import ReuseHint
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+REPLAYED_SUFFIX = "#replayed"  # the model identity of the namespace that holds KV computed after a replay
 
 
 @dataclass
@@ -46,7 +51,7 @@ class _Active:
     request: PrefillRequest
     tokens: torch.Tensor  # (n,) int64
     namespace: Namespace
-    blocks: list[Block]
+    blocks: list[Block]  # the chain the prompt's blocks are looked up, loaded and saved in
     submitted: float
     kv: RequestKV | None = None
     start: int = 0  # tokens in the KV: loaded or computed
@@ -57,6 +62,8 @@ class _Active:
     path: str = COLD
     sources: dict = field(default_factory=dict)
     chunks: int = 0
+    replayed: int = 0  # stored tokens recomputed to rebuild the window
+    exact: bool = True  # False once `blocks` is the replayed chain
 
 
 class PrefillEngine:
@@ -71,6 +78,8 @@ class PrefillEngine:
                                dtype=_DTYPE_NAMES[model.dtype])
         self.pool = PagePool(mc, config.kv_pages, config.block_tokens, model.dtype, model.device)
         self.window_tier = WindowTier(config.window_tier_bytes) if mc.sliding_layers else None
+        self.replay_tokens = 0 if not mc.sliding_layers else (
+            default_replay_tokens(mc.sliding_window) if config.replay_tokens is None else config.replay_tokens)
         self._full_index = {layer: i for i, layer in enumerate(mc.full_layers)}
         self._namespaces: OrderedDict[str, Namespace] = OrderedDict()
         self._queue: list[_Active] = []  # submitted, waiting for KV pages
@@ -126,6 +135,8 @@ class PrefillEngine:
                 raise PrefillError(f"namespace {given!r} does not match this model "
                                    f"({self.model_id}, {self.layout}, {self.block_tokens}-token blocks)")
             namespace = given
+        if request.exact not in (True, False):
+            raise PrefillError(f"exact must be True or False, got {request.exact!r}")
         active = _Active(next(self._ids), request, torch.tensor(tokens, dtype=torch.long), namespace,
                          namespace.blocks(tokens), time.perf_counter())
         self._queue.append(active)
@@ -204,40 +215,69 @@ class PrefillEngine:
             self._plan_prefix(a)
 
     def _plan_prefix(self, a: _Active) -> None:
-        """Decide what of the stored prefix to load, and start loading it."""
+        """Decide what of the stored prefix to load and how to get its window, and start loading it."""
         if self.client is None or not a.blocks:
             return
-        a.stored = self.client.lookup(a.blocks)
-        a.save_from = a.stored
-        usable = min(a.stored, (len(a.tokens) - 1) // self.block_tokens)  # the last token is always computed
-        if self.window_tier is not None:
-            while usable and a.blocks[usable - 1].key not in self.window_tier:
-                usable -= 1
+        B, hybrid = self.block_tokens, self.window_tier is not None
+        a.stored = a.save_from = self.client.lookup(a.blocks)
+        may_replay = hybrid and self._may_replay(a)
+        if may_replay and a.stored < len(a.blocks):
+            self._follow_replayed_chain(a)
         if a.stored == 0:
             return
-        if self.window_tier is not None and usable < a.stored:
-            a.kv.capture_at.add(a.stored * self.block_tokens)  # where this prompt leaves the stored prefix
-        if usable == 0:
-            a.path = WINDOW_MISSING if self.window_tier is not None else NOT_WORTH
+        resumable = min(a.stored, (len(a.tokens) - 1) // B)  # the last token is always computed
+        exact = resumable  # blocks to resume from exactly: a hybrid model needs the window kept there
+        while hybrid and exact and a.blocks[exact - 1].key not in self.window_tier:
+            exact -= 1
+        if hybrid and exact < a.stored:
+            a.kv.capture_at.add(a.stored * B)  # where this prompt leaves the stored prefix
+        replay = (may_replay and exact < resumable
+                  and worth_replaying(resumable * B, exact * B, self.replay_tokens, self.config.replay_min_prefix_factor))
+        planned = resumable if replay else exact
+        if planned == 0:
+            a.path = WINDOW_MISSING if hybrid else NOT_WORTH
             return
-        worth = self.client.tokens_worth_loading(a.blocks, usable, self.block_bytes, len(a.tokens),
-                                                 self.cost.prefill_seconds) // self.block_tokens
-        if self.window_tier is not None and worth:
-            worth = usable  # a hybrid model resumes only where the window state was kept
+        worth = self.client.tokens_worth_loading(a.blocks, planned, self.block_bytes, len(a.tokens),
+                                                 self.cost.prefill_seconds) // B
+        if hybrid and worth:
+            worth = planned  # a hybrid model resumes only where it has (or rebuilds) the window
         if worth == 0:
             a.path = NOT_WORTH
             return
-        if self.window_tier is not None:
-            state = self.window_tier.get(a.blocks[worth - 1].key)
-            if state is None:  # evicted since the check
-                a.path = WINDOW_MISSING
-                return
-            a.kv.restore_window(state)
-        sources = self.client.block_sources(a.blocks[:worth])
+        source = a.blocks[:worth]
+        if replay:
+            a.start = begin_replay(a.kv, worth * B, self.replay_tokens)
+            a.replayed, a.path = worth * B - a.start, REPLAYED
+            if a.exact:  # what this request computes from here on is approximate: into the replayed chain
+                a.blocks, a.save_from, a.exact = self._replayed_chain(a), 0, False
+        else:
+            if hybrid:
+                state = self.window_tier.get(a.blocks[worth - 1].key)
+                if state is None:  # evicted since the check
+                    a.path = WINDOW_MISSING
+                    return
+                a.kv.restore_window(state)
+            a.start, a.path = worth * B, CACHED
+        sources = self.client.block_sources(source)
         a.sources = dict(Counter("host" if s == "host" else "daemon" for s in sources))
-        a.loaded, a.start, a.path = worth, worth * self.block_tokens, CACHED
+        a.loaded = worth
         destination = PagedKV(self.pool.layers, a.kv.block_table[:worth])
-        a.load = self.client.load(a.blocks[:worth], destination, hit_blocks=worth)
+        a.load = self.client.load(source, destination, hit_blocks=worth)
+
+    def _may_replay(self, a: _Active) -> bool:
+        return (self.replay_tokens > 0 and not a.request.exact
+                and a.namespace.tenant.hex() not in self.config.exact_tenants)
+
+    def _replayed_chain(self, a: _Active) -> list[Block]:
+        return a.namespace.with_model_id(a.namespace.model_id + REPLAYED_SUFFIX).blocks(a.tokens.tolist())
+
+    def _follow_replayed_chain(self, a: _Active) -> None:
+        """A conversation that went on from a replay has its later blocks in the replayed chain: use it
+        where it holds more of this prompt than the exact one."""
+        chain = self._replayed_chain(a)
+        stored = self.client.lookup(chain)
+        if stored > a.stored:
+            a.blocks, a.stored, a.save_from, a.exact = chain, stored, stored, False
 
     def _load_held(self, a: _Active) -> bool:
         """After a request's first chunk: did the whole planned load arrive? If not, restart from what did."""
@@ -250,7 +290,10 @@ class PrefillEngine:
         if final >= a.loaded:
             return True
         if self.window_tier is not None:
-            final = 0  # the window kept was for the planned boundary, not for this one
+            final = 0  # the window kept (or replayed) was for the planned boundary, not for this one
+            a.kv.window_from = a.kv.keep_full_before = a.replayed = 0
+            if not a.exact:  # recomputed from scratch, the KV is exact again: back to the exact chain
+                a.blocks, a.exact = a.namespace.blocks(a.tokens.tolist()), True
         a.loaded = final
         a.start = final * self.block_tokens
         a.save_from = min(a.save_from, final)  # re-store what failed to load (it may have been corrupt)
@@ -272,7 +315,7 @@ class PrefillEngine:
         logits = logits.float().cpu()
         return PrefillResult(a.request, int(logits.argmax()), logits, a.kv, len(a.tokens),
                              a.stored * self.block_tokens, a.loaded * self.block_tokens, a.path, a.sources,
-                             time.perf_counter() - a.submitted, a.chunks, tuple(a.blocks))
+                             time.perf_counter() - a.submitted, a.chunks, tuple(a.blocks), a.replayed, a.exact)
 
     def _payload(self, page: int) -> bytes:
         """A stored block's bytes: each full layer's page, layer-major: (full_layers, 2, block_tokens, kv_heads, head_dim)."""

@@ -14,10 +14,12 @@ from engine.kv import RequestKV
 COLD = "cold"  # the store held nothing of it
 CACHED = "cached"  # loaded from the store (and, for sliding layers, the window state from host memory)
 WINDOW_MISSING = "window_missing"  # the store held a prefix but its window state was gone: recomputed exactly
+REPLAYED = "replayed"  # the store held a prefix, its window state was gone: rebuilt by replaying its last
+#                        R tokens (an approximation; `engine.swa_replay`)
 NOT_WORTH = "not_worth"  # loading was estimated slower than recomputing
 LOAD_FAILED = "load_failed"  # the load delivered less than planned (a daemon died, a block failed
 #                              verification): the rest was recomputed
-PATHS = (COLD, CACHED, WINDOW_MISSING, NOT_WORTH, LOAD_FAILED)
+PATHS = (COLD, CACHED, WINDOW_MISSING, REPLAYED, NOT_WORTH, LOAD_FAILED)
 
 
 class PrefillError(ValueError):
@@ -32,6 +34,7 @@ class PrefillRequest:
     session_id: str | None = None  # a session's newer window state replaces its older one
     namespace: Namespace | None = None  # if given, must be this model's namespace
     turn: int = 0  # earlier turns of the conversation the prompt holds (its assistant messages): for eviction
+    exact: bool = False  # never use a replayed (approximate) window or KV: bit-exact continuation, at full cost
 
 
 @dataclass
@@ -49,3 +52,5 @@ class PrefillResult:
     chunks: int = 0  # steps that computed part of it
     blocks: tuple[Block, ...] = ()  # the prompt's full blocks: once the reply is done,
     # client.advise(blocks, continues) tells the store whether the conversation goes on
+    replayed_tokens: int = 0  # tokens of the stored prefix recomputed to rebuild the window (path "replayed")
+    exact: bool = True  # False where the KV descends from a replay, in this request or an earlier turn

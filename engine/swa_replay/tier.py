@@ -45,7 +45,7 @@ class WindowTier:
         """Keep a copy of `state` for the prefix ending in block `key`; False if it can never fit."""
         if state.nbytes > self.capacity_bytes:
             return False
-        state = WindowState(state.position, state.rings.to("cpu", copy=True))  # host memory, not the device's
+        state = WindowState(state.position, state.rings.to("cpu", copy=True), state.window_from)  # host memory
         with self._lock:
             if session_id is not None:
                 older = self._session_key.get(session_id)

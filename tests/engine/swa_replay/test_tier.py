@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from engine.kv import WindowState
-from engine.window_tier import WindowTier
+from engine.swa_replay.tier import WindowTier
 
 pytestmark = pytest.mark.unit
 
