@@ -6,8 +6,10 @@ the engine. Per request it prints how many prompt tokens came from the cache, fr
 process's host tier, a daemon's DRAM or its SSD), the path the sliding window took, the time to first
 token beside the same prompt computed without the cache (with the first tokens compared), and the
 start of the reply (a few greedy tokens, decoded), which becomes the assistant's turn. Half-way, both
-daemons and the client restart: hits then come from SSD, while the engine's host-memory window tier
-(a live process) still resumes sessions exactly.
+daemons, the client and the engine restart: hits then come from SSD, and the sliding-window states the
+engine kept in host memory are gone, so each session's next turn rebuilds its window by bounded replay
+(`replayed`: the stored prefix loaded, its last R tokens recomputed) and the turns after resume from
+the state the replay left.
 
 `--random` runs the earlier demo instead: a random-weight gpt-oss-style hybrid (sliding-window and full
 layers alternating, MoE; `engine.random_model.DEMO`) on random token ids, with no model to install.
@@ -73,8 +75,10 @@ def run_real(sessions: int, turns: int, workdir: Path, reply_tokens: int = REPLY
     try:
         for turn in range(turns):
             if turn == turns // 2 and turn:
-                client = engine.client = restarted(client, daemons, config)
-                print("     -- both daemons and the client restarted: the store's blocks remain on SSD --")
+                client = restarted(client, daemons, config)
+                engine = PrefillEngine(engine.model, client, engine.config, engine.model_id)
+                print("     -- both daemons, the client and the engine restarted: the store's blocks remain on "
+                      "SSD, the window states are gone --")
             for conversation in conversations:
                 prompt = conversation.tokens if turn == 0 else conversation.next_prompt()
                 before = tier_hits(client)
@@ -88,7 +92,7 @@ def run_real(sessions: int, turns: int, workdir: Path, reply_tokens: int = REPLY
                 # the reply decodes through the engine again: its prompt is now all but the last block cached
                 reply = greedy(engine, prompt, reply_tokens, stop_ids=stops, session_id=conversation.name)
                 client.write_behind.flush(timeout=60)
-                same = "yes" if cold.first_token == result.first_token == reply[0] else "NO"
+                same = "yes" if cold.first_token == result.first_token == reply[0] else "no"
                 text = tokenizer.decode([t for t in reply if t not in stops], skip_special_tokens=True)
                 print(f"{turn + 1:>4} {conversation.name:>9} {len(prompt):>6} {result.loaded_tokens:>6}  "
                       f"{result.path:<14} {served['host']:>4.0f} {served['daemon DRAM']:>4.0f} "

@@ -122,6 +122,9 @@ class RequestKV:
         """Keys, values and positions a chunk at [start, start+x) of sliding layer `layer` attends to: the
         window before it from the ring, then the chunk; the ring then holds the window after the chunk."""
         assert self.rings is not None
+        if start < self.window_from:
+            raise ValueError(f"a chunk at position {start} starts before the window this KV holds (from "
+                             f"{self.window_from}, where a replay began); restart from the replay's start")
         ring, window, x = self.rings[layer], self.window, k.shape[0]  # ring (2, W, kv_heads, head_dim)
         before = torch.arange(max(self.window_from, start - window), start, device=k.device)  # (<=W,)
         keys = torch.cat((ring[0, before % window], k))  # (n, kv_heads, head_dim)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import warnings
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -32,9 +33,15 @@ TOPICS = (
     "statistics.median", "dataclasses.dataclass", "contextlib.contextmanager", "zipfile.ZipFile",
     "logging.basicConfig",
 )
-# Reference text in the shared system prompt.
+# Reference text in the shared system prompt: about 1,800 tokens, so that a conversation's stored prefix
+# soon passes 2R (R = 1,024 on Gemma 3), where the engine may rebuild a lost window by replay. The
+# held-out sessions (`long_sessions`, for measuring) keep the first seven: a prompt of about 660 tokens.
+SHORT_REFERENCE = 7
 SYSTEM_REFERENCE = ("builtins.sorted", "builtins.str.split", "builtins.str.join", "builtins.dict.get",
-                    "builtins.enumerate", "builtins.zip", "builtins.print")
+                    "builtins.enumerate", "builtins.zip", "builtins.print", "builtins.open", "builtins.int",
+                    "builtins.range", "builtins.min", "builtins.isinstance", "builtins.list.sort",
+                    "builtins.bytes.decode", "builtins.round", "builtins.map", "builtins.filter",
+                    "builtins.str.strip", "builtins.str.format", "builtins.dict.setdefault")
 MAX_DOC_CHARS = 1200  # a docstring longer than this is cut at a paragraph boundary: turns of a few hundred tokens
 
 SYSTEM_INSTRUCTIONS = (
@@ -72,9 +79,10 @@ def docstring(qualified_name: str, max_chars: int = MAX_DOC_CHARS) -> str:
     return text[: cut if cut > 0 else max_chars].rstrip()
 
 
-def system_prompt() -> str:
-    """The system prompt every session shares: instructions and a few builtins' documentation."""
-    reference = "\n\n".join(f"## {name}\n{docstring(name)}" for name in SYSTEM_REFERENCE)
+def system_prompt(reference_docs: int = len(SYSTEM_REFERENCE)) -> str:
+    """The system prompt every session shares: instructions and the first `reference_docs` of
+    SYSTEM_REFERENCE's documentation."""
+    reference = "\n\n".join(f"## {name}\n{docstring(name)}" for name in SYSTEM_REFERENCE[:reference_docs])
     return f"{SYSTEM_INSTRUCTIONS}\n\nReference documentation:\n\n{reference}"
 
 
@@ -172,3 +180,101 @@ def stop_token_ids(tokenizer) -> set[int]:
     """Token ids that end a reply: the end of the model's turn and the end of sequence."""
     ids = {tokenizer.convert_tokens_to_ids("<end_of_turn>"), tokenizer.eos_token_id}
     return {i for i in ids if isinstance(i, int) and i != tokenizer.unk_token_id}
+
+
+# Held-out text: standard-library modules that no demo topic, system reference or worked example comes
+# from, so what is measured on it (bench/swa_replay_quality.py) is not tuned on what the demo shows.
+HELD_OUT_MODULES = (
+    "argparse", "calendar", "csv", "decimal", "difflib", "fractions", "inspect", "pathlib", "pickle", "random",
+    "string", "tarfile", "tempfile", "threading", "typing", "uuid", "warnings", "weakref", "ipaddress", "pprint",
+    "sched", "secrets", "socket", "gzip", "fnmatch", "glob", "queue", "enum", "copy", "operator", "locale",
+    "codecs", "base64", "hashlib", "configparser", "shlex", "traceback", "types", "unittest", "doctest", "timeit",
+    "smtplib", "ftplib", "abc", "datetime", "io", "struct", "ast", "dis", "tokenize", "mimetypes", "plistlib",
+    "selectors", "platform", "cmd", "pdb", "pstats", "graphlib", "numbers", "fileinput", "filecmp", "reprlib",
+    "gettext", "pkgutil", "runpy", "wave", "zipimport", "modulefinder", "linecache", "sysconfig", "mailbox",
+    "imaplib", "poplib", "netrc", "code", "codeop", "trace", "profile", "symtable", "bdb", "optparse", "getopt",
+)
+MIN_HELD_OUT_CHARS = 300  # shorter docstrings make turns of a line or two
+
+
+def held_out_topics(min_chars: int = MIN_HELD_OUT_CHARS) -> list[str]:
+    """Public functions, classes and methods of HELD_OUT_MODULES whose docstring has `min_chars` or more,
+    modules taken in turn so consecutive topics differ in module; the same list for one Python version."""
+    used = {name.split(".")[0] for name in (*TOPICS, *SYSTEM_REFERENCE, EXAMPLE_TOPIC)}
+    per_module = []
+    for module_name in HELD_OUT_MODULES:
+        if module_name in used:
+            continue
+        names = []
+        for attribute, member in sorted(vars(importlib.import_module(module_name)).items()):
+            if attribute.startswith("_") or _deprecated(member) or getattr(member, "__module__", None) != module_name:
+                continue
+            if inspect.isclass(member) or inspect.isfunction(member):
+                names.append((f"{module_name}.{attribute}", member))
+            if inspect.isclass(member):
+                names += [(f"{module_name}.{attribute}.{method}", function)
+                          for method, function in sorted(vars(member).items())
+                          if not method.startswith("_") and inspect.isfunction(function)]
+        per_module.append([name for name, obj in names if len(inspect.getdoc(obj) or "") >= min_chars])
+    longest = max(map(len, per_module), default=0)
+    return [names[i] for i in range(longest) for names in per_module if i < len(names)]
+
+
+def _deprecated(member: object) -> bool:
+    """Whether looking at `member` warns that it is deprecated (typing.io, typing.re): no topic for a user."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        getattr(member, "__doc__", None)
+    return any(issubclass(w.category, DeprecationWarning) for w in caught)
+
+
+@dataclass
+class Transcript:
+    """A conversation played to its end: its token ids and where each of its prompts ended (a reply began)."""
+
+    name: str
+    tokens: list[int]
+    prompt_ends: list[int]
+    topics: list[str]  # the user turns' docstrings, in order
+
+
+def first_paragraph(name: str) -> str:
+    """The first paragraph of a standard-library object's docstring: a reply of real text."""
+    return docstring(name).split("\n\n")[0].strip()
+
+
+def long_session(tokenizer, min_tokens: int, topics: Sequence[str], kind: str = CHAT, name: str = "long",
+                 system: str | None = None) -> Transcript:
+    """A session of at least `min_tokens` tokens, ending in a prompt: one user turn per topic, in order and
+    each once (so no turn can be copied from an earlier one), with replies of real text, since the model
+    writes thousands of tokens too slowly: in a chat the first paragraph of the asked docstring, as a
+    summary; in an agent session, which function the agent looks up next and that one's first paragraph.
+    Raises ValueError when the topics run out first."""
+    session = Session(tokenizer, name, kind, topics, system if system is not None else system_prompt(SHORT_REFERENCE))
+    ends: list[int] = []
+    for turn, topic in enumerate(topics):
+        ends.append(len(session.next_prompt()))
+        if ends[-1] >= min_tokens:
+            return Transcript(name, list(session.tokens), ends, list(topics[: turn + 1]))
+        following = topics[turn + 1] if turn + 1 < len(topics) else topic
+        session.add_reply(first_paragraph(topic) if kind == CHAT
+                          else f"Next I look up `{following}`: {first_paragraph(following)}")
+    raise ValueError(f"real_text: {len(topics)} topics make a session of {ends[-1] if ends else 0} tokens, "
+                     f"{min_tokens} wanted; give more topics or ask for a shorter session")
+
+
+def long_sessions(tokenizer, count: int, min_tokens: int, topics: Sequence[str] | None = None) -> list[Transcript]:
+    """`count` sessions of at least `min_tokens` tokens, chat and agent alternating, on held-out topics
+    (`held_out_topics()` unless given), no topic in two sessions. Raises ValueError when they run out."""
+    pool = list(held_out_topics() if topics is None else topics)
+    system, sessions = system_prompt(SHORT_REFERENCE), []
+    for number in range(count):
+        kind = AGENT if number % 2 else CHAT
+        try:
+            session = long_session(tokenizer, min_tokens, pool, kind, f"held_out_{kind}{number}", system)
+        except ValueError:
+            raise ValueError(f"real_text: the held-out topics make only {number} sessions of {min_tokens} tokens, "
+                             f"{count} wanted; ask for fewer or shorter sessions") from None
+        pool = pool[len(session.topics):]
+        sessions.append(session)
+    return sessions

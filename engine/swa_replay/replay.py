@@ -33,6 +33,11 @@ def begin_replay(kv: RequestKV, prefix: int, replay_tokens: int) -> int:
         raise ValueError(f"bounded replay needs at least one token to replay, got {replay_tokens}")
     if prefix < 1:
         raise ValueError(f"bounded replay needs a stored prefix, got {prefix} tokens")
+    if kv.rings is None:
+        raise ValueError("bounded replay rebuilds sliding-window state; this model has no sliding layers")
+    if prefix > len(kv.block_table) * kv.block_tokens:
+        raise ValueError(f"the prefix of {prefix} tokens is larger than the KV pages reserved "
+                         f"({len(kv.block_table) * kv.block_tokens} tokens); reserve them first")
     start = max(0, prefix - replay_tokens)
     kv.window_from = start
     kv.keep_full_before = prefix

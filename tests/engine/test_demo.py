@@ -45,3 +45,5 @@ def test_real_demo_serves_real_text_and_decodes_replies():
     _check(stdout, requests=4)
     replies = re.findall(r"reply: '(.*)'", stdout)
     assert len(replies) == 4 and all(replies)
+    # after the restart the window states are gone: the session with a prefix past 2R replays
+    assert re.search(r"^\s+2\s+agent1\s+\d+\s+\d+\s+replayed ", stdout, re.MULTILINE), stdout[-2000:]

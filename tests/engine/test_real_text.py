@@ -83,3 +83,31 @@ def test_a_turn_names_a_real_docstring():
     assert len(real_text.docstring("logging.basicConfig")) <= real_text.MAX_DOC_CHARS
     with pytest.raises(ValueError, match="not in this Python's standard library"):
         real_text.docstring("json.no_such_function")
+
+
+def test_held_out_topics_share_no_module_with_the_demo():
+    topics = real_text.held_out_topics()
+    demo = {name.split(".")[0] for name in (*real_text.TOPICS, *real_text.SYSTEM_REFERENCE, real_text.EXAMPLE_TOPIC)}
+    assert topics == real_text.held_out_topics() and len(set(topics)) == len(topics)
+    assert not {name.split(".")[0] for name in topics} & demo
+    assert all(name.split(".")[0] != other.split(".")[0] for name, other in zip(topics[:20], topics[1:20]))
+    assert all(len(real_text.docstring(name)) >= real_text.MIN_HELD_OUT_CHARS for name in topics[:40])
+
+
+def test_long_sessions_reach_their_length_at_a_prompt_end_without_reusing_topics(tokenizer):
+    sessions = real_text.long_sessions(tokenizer, 2, 1500)
+    assert [s.name for s in sessions] == ["held_out_chat0", "held_out_agent1"]
+    assert not set(sessions[0].topics) & set(sessions[1].topics)
+    for session in sessions:
+        ends = session.prompt_ends
+        assert len(session.tokens) == ends[-1] >= 1500 > ends[-2] and ends == sorted(ends)
+        for end in ends:  # each prompt ends in the generation prompt, where the model replies
+            assert tokenizer.decode(session.tokens[end - 3 : end]) == "<start_of_turn>model\n"
+    # replies of real text: in the chat, each asked docstring's first paragraph, once more after the question
+    chat = tokenizer.decode(sessions[0].tokens)
+    assert all(chat.count(real_text.first_paragraph(topic)) == 2 for topic in sessions[0].topics[:-1])
+
+
+def test_long_sessions_raise_when_the_topics_run_out(tokenizer):
+    with pytest.raises(ValueError, match="ask for fewer or shorter sessions"):
+        real_text.long_sessions(tokenizer, 2, 1500, topics=real_text.held_out_topics()[:8])
