@@ -115,8 +115,9 @@ def summarise(runs: list[dict[str, list[dict]]], replay_tokens: int) -> dict:
     for way in WAYS:
         for r in resumed(runs[0][way]):
             paths[way][r["path"]] = paths[way].get(r["path"], 0) + 1
-    replayed, approximate = [], []
+    replayed, approximate, per_request, replays_so_far = [], [], [], {}
     for ours, exact in zip(runs[0]["replay"], runs[0]["ideal"]):
+        replays = replays_so_far[ours["session"]] = replays_so_far.get(ours["session"], 0) + (ours["path"] == REPLAYED)
         if ours["exact"]:
             continue
         pair = (int(exact["logits"].argmax()) == int(ours["logits"].argmax()), kl(exact["logits"], ours["logits"]),
@@ -124,6 +125,11 @@ def summarise(runs: list[dict[str, list[dict]]], replay_tokens: int) -> dict:
         approximate.append(pair)
         if ours["path"] == REPLAYED:
             replayed.append(pair)
+        per_request.append({"session": ours["session"], "turn": ours["turn"], "path": ours["path"],
+                            "replays_in_conversation": replays, "top1_agrees": pair[0], "kl": pair[1]})
+    by_replays = {}
+    for record in per_request:  # does the error compound as a conversation is replayed again and again?
+        by_replays.setdefault(min(record["replays_in_conversation"], 4), []).append(record["kl"])
     exact_gap = max((a["logits"] - b["logits"]).abs().max().item()
                     for a, b in zip(runs[0]["today"], runs[0]["ideal"]))
 
@@ -142,6 +148,9 @@ def summarise(runs: list[dict[str, list[dict]]], replay_tokens: int) -> dict:
         "wall_saved_frac": 1 - statistics.median(wall["replay"]) / statistics.median(wall["today"]),
         "quality_replayed": quality(replayed), "quality_approximate": quality(approximate),
         "exact_ways_max_abs_logit_diff": exact_gap,
+        "kl_mean_by_replays_in_conversation": {f"{n}+" if n == 4 else str(n): statistics.fmean(v)
+                                               for n, v in sorted(by_replays.items())},
+        "approximate_requests": per_request,
     }
     summary[f"top1_agreement_R{R}"] = summary["quality_replayed"]["top1_agreement"]
     summary[f"kl_R{R}"] = summary["quality_replayed"]["kl_mean"]
@@ -163,6 +172,8 @@ def report(summary: dict, args) -> None:
         if q["requests"]:
             print(f"quality, {label} requests ({q['requests']}): top-1 agreement {q['top1_agreement']:.3f}, "
                   f"mean KL {q['kl_mean']:.5f}, max |dlogit| {q['max_abs_logit_diff']:.3f}")
+    print("mean KL by the replays the conversation has been through: " + ", ".join(
+        f"{n}: {v:.5f}" for n, v in summary["kl_mean_by_replays_in_conversation"].items()))
     print(f"today vs ideal (both exact): max |dlogit| {summary['exact_ways_max_abs_logit_diff']:.2e}")
     print(f"\ncompute_saved_frac = {summary['compute_saved_frac']:.3f} (aim >= 0.45; the ideal tier saves "
           f"{summary['ideal_saved_frac']:.3f})   top1_agreement_R{R} = {summary[f'top1_agreement_R{R}']}   "
