@@ -49,16 +49,8 @@ def run_real(sessions: int, turns: int, workdir: Path, reply_tokens: int = REPLY
     began = time.perf_counter()
     print("loading Gemma 3 270M (converted once from the packaged GGUF, then cached) ...", flush=True)
     folder, tokenizer = load_real_model()
-    daemons = [DaemonProcess(workdir / f"daemon{i}", workdir).start() for i in range(2)]
-    print(f"started 2 daemons on {', '.join(d.address for d in daemons)}; fitting the chunk cost model ...",
-          flush=True)
-    cold_engine = PrefillEngine.from_pretrained(folder, None, PrefillConfig(block_tokens=BLOCK_TOKENS))
+    daemons, cold_engine, config, client, engine = _serve(folder, workdir)
     block_bytes = cold_engine.block_bytes
-    config = ClientConfig(tuple(d.address for d in daemons), host_tier_bytes=48 * block_bytes,
-                          host_block_bytes=block_bytes)
-    client = KVClient(config)
-    engine = PrefillEngine(cold_engine.model, client, PrefillConfig(block_tokens=BLOCK_TOKENS, cost=cold_engine.cost),
-                           cold_engine.model_id)
     mc = engine.model.config
     stops = stop_token_ids(tokenizer)
     conversations = demo_sessions(tokenizer, sessions)
@@ -114,6 +106,22 @@ def run_real(sessions: int, turns: int, workdir: Path, reply_tokens: int = REPLY
         print(f"daemons stopped (exit codes {codes})")
 
 
+def _serve(folder: Path, workdir: Path):
+    """Two daemons, a client with a host tier smaller than the working set, the engine over them, and a
+    cacheless engine on the same weights for the "no cache" column."""
+    daemons = [DaemonProcess(workdir / f"daemon{i}", workdir).start() for i in range(2)]
+    print(f"started 2 daemons on {', '.join(d.address for d in daemons)}; fitting the chunk cost model ...",
+          flush=True)
+    cold_engine = PrefillEngine.from_pretrained(folder, None, PrefillConfig(block_tokens=BLOCK_TOKENS))
+    block_bytes = cold_engine.block_bytes
+    config = ClientConfig(tuple(d.address for d in daemons), host_tier_bytes=48 * block_bytes,
+                          host_block_bytes=block_bytes)
+    client = KVClient(config)
+    engine = PrefillEngine(cold_engine.model, client, PrefillConfig(block_tokens=BLOCK_TOKENS, cost=cold_engine.cost),
+                           cold_engine.model_id)
+    return daemons, cold_engine, config, client, engine
+
+
 def _common_prefix(prompts: list[list[int]]) -> int:
     shortest = min(prompts, key=len)
     for i, token in enumerate(shortest):
@@ -130,15 +138,8 @@ def _one_line(text: str, width: int = 90) -> str:
 def run_random(sessions: int, turns: int, workdir: Path) -> None:
     rng = np.random.default_rng(0)
     write_random_model(workdir / "model", DEMO)
-    daemons = [DaemonProcess(workdir / f"daemon{i}", workdir).start() for i in range(2)]
-    print(f"started 2 daemons on {', '.join(d.address for d in daemons)}; fitting the chunk cost model ...")
-    cold_engine = PrefillEngine.from_pretrained(workdir / "model", None, PrefillConfig(block_tokens=BLOCK_TOKENS))
+    daemons, cold_engine, config, client, engine = _serve(workdir / "model", workdir)
     block_bytes = cold_engine.block_bytes
-    config = ClientConfig(tuple(d.address for d in daemons), host_tier_bytes=48 * block_bytes,
-                          host_block_bytes=block_bytes)
-    client = KVClient(config)
-    engine = PrefillEngine(cold_engine.model, client, PrefillConfig(block_tokens=BLOCK_TOKENS, cost=cold_engine.cost),
-                           cold_engine.model_id)
     mc = engine.model.config
     print(f"model: {mc.num_layers} layers ({len(mc.full_layers)} full, {len(mc.sliding_layers)} sliding, window "
           f"{mc.sliding_window}), {mc.num_experts} experts; {BLOCK_TOKENS}-token blocks of "
