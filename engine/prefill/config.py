@@ -28,11 +28,15 @@ class PrefillConfig:
             raise ValueError("PrefillConfig: step_budget_s and load_timeout_s must be positive")
         if self.window_tier_bytes < 0:
             raise ValueError("PrefillConfig: window_tier_bytes must be >= 0")
-        if self.replay_tokens is not None and self.replay_tokens < 0:
-            raise ValueError("PrefillConfig: replay_tokens must be >= 0 (0: never replay), or None for the default")
+        if self.replay_tokens is not None and (not isinstance(self.replay_tokens, int) or isinstance(self.replay_tokens, bool)
+                                               or self.replay_tokens < 0):
+            raise ValueError("PrefillConfig: replay_tokens must be an integer >= 0 (0: never replay), or None for the default")
         if self.replay_min_prefix_factor < 1:
             raise ValueError("PrefillConfig: replay_min_prefix_factor must be >= 1 (a replay no longer than the prefix)")
+        if not isinstance(self.exact_tenants, (set, frozenset)):
+            raise ValueError("PrefillConfig: exact_tenants must be a set of tenant digests (hex strings)")
+        object.__setattr__(self, "exact_tenants", frozenset(self.exact_tenants))  # frozen: hashable
         for tenant in self.exact_tenants:
-            if len(tenant) != 32 or any(c not in "0123456789abcdef" for c in tenant):
+            if not isinstance(tenant, str) or len(tenant) != 32 or any(c not in "0123456789abcdef" for c in tenant):
                 raise ValueError(f"PrefillConfig: exact_tenants holds {tenant!r}, not a tenant digest; give the "
                                  "32 hex digits `kvstore tenant SALT` prints")

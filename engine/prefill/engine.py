@@ -72,6 +72,9 @@ class PrefillEngine:
         if not mc.full_layers:
             raise ValueError("the prefill engine needs a model with at least one full-attention layer to store")
         self.model, self.client, self.config = model, client, config
+        if model_id.endswith(REPLAYED_SUFFIX):
+            raise ValueError(f"a model identity may not end in {REPLAYED_SUFFIX!r}: that names the namespace of "
+                             "another model's replayed (approximate) KV")
         self.model_id = model_id
         self.block_tokens = config.block_tokens
         self.layout = KVLayout(num_layers=len(mc.full_layers), kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
@@ -131,11 +134,13 @@ class PrefillEngine:
         namespace = self.namespace(request.salt)
         if request.namespace is not None:
             given = request.namespace
-            if (given.model_id, given.layout, given.block_tokens) != (self.model_id, self.layout, self.block_tokens):
+            # the digest too: a namespace object whose fields were changed after it was built must not pass
+            if ((given.model_id, given.layout, given.block_tokens) != (self.model_id, self.layout, self.block_tokens)
+                    or given.with_model_id(self.model_id).digest != given.digest):
                 raise PrefillError(f"namespace {given!r} does not match this model "
                                    f"({self.model_id}, {self.layout}, {self.block_tokens}-token blocks)")
             namespace = given
-        if request.exact not in (True, False):
+        if not isinstance(request.exact, bool):
             raise PrefillError(f"exact must be True or False, got {request.exact!r}")
         active = _Active(next(self._ids), request, torch.tensor(tokens, dtype=torch.long), namespace,
                          namespace.blocks(tokens), time.perf_counter())
@@ -220,8 +225,9 @@ class PrefillEngine:
             return
         B, hybrid = self.block_tokens, self.window_tier is not None
         a.stored = a.save_from = self.client.lookup(a.blocks)
+        exact_chain = (a.blocks, a.stored)
         may_replay = hybrid and self._may_replay(a)
-        if may_replay and a.stored < len(a.blocks):
+        if may_replay and (a.stored < len(a.blocks) or not self._window_kept(a.blocks, a.stored, len(a.tokens))):
             self._follow_replayed_chain(a)
         if a.stored == 0:
             return
@@ -235,14 +241,14 @@ class PrefillEngine:
                   and worth_replaying(resumable * B, exact * B, self.replay_tokens, self.config.replay_min_prefix_factor))
         planned = resumable if replay else exact
         if planned == 0:
-            a.path = WINDOW_MISSING if hybrid else NOT_WORTH
+            self._recompute(a, WINDOW_MISSING if hybrid else NOT_WORTH, exact_chain)
             return
         worth = self.client.tokens_worth_loading(a.blocks, planned, self.block_bytes, len(a.tokens),
                                                  self.cost.prefill_seconds) // B
         if hybrid and worth:
             worth = planned  # a hybrid model resumes only where it has (or rebuilds) the window
         if worth == 0:
-            a.path = NOT_WORTH
+            self._recompute(a, NOT_WORTH, exact_chain)
             return
         source = a.blocks[:worth]
         if replay:
@@ -254,7 +260,7 @@ class PrefillEngine:
             if hybrid:
                 state = self.window_tier.get(a.blocks[worth - 1].key)
                 if state is None:  # evicted since the check
-                    a.path = WINDOW_MISSING
+                    self._recompute(a, WINDOW_MISSING, exact_chain)
                     return
                 a.kv.restore_window(state)
             a.start, a.path = worth * B, CACHED
@@ -263,6 +269,13 @@ class PrefillEngine:
         a.loaded = worth
         destination = PagedKV(self.pool.layers, a.kv.block_table[:worth])
         a.load = self.client.load(source, destination, hit_blocks=worth)
+
+    def _recompute(self, a: _Active, path: str, exact_chain: tuple[list[Block], int]) -> None:
+        """The whole prompt is computed from scratch: its KV is exact, so it belongs in the exact chain."""
+        a.path = path
+        if not a.exact:
+            (a.blocks, a.stored), a.exact = exact_chain, True
+            a.save_from = a.stored
 
     def _may_replay(self, a: _Active) -> bool:
         return (self.replay_tokens > 0 and not a.request.exact
@@ -273,11 +286,17 @@ class PrefillEngine:
 
     def _follow_replayed_chain(self, a: _Active) -> None:
         """A conversation that went on from a replay has its later blocks in the replayed chain: use it
-        where it holds more of this prompt than the exact one."""
+        where it holds more of this prompt than the exact one, or as much and the window kept at its end."""
         chain = self._replayed_chain(a)
         stored = self.client.lookup(chain)
-        if stored > a.stored:
+        if stored > a.stored or (stored == a.stored and self._window_kept(chain, stored, len(a.tokens))
+                                 and not self._window_kept(a.blocks, stored, len(a.tokens))):
             a.blocks, a.stored, a.save_from, a.exact = chain, stored, stored, False
+
+    def _window_kept(self, blocks: list[Block], stored: int, length: int) -> bool:
+        """Whether the window tier holds the state a prompt of `length` tokens would resume from."""
+        resumable = min(stored, (length - 1) // self.block_tokens)
+        return resumable > 0 and blocks[resumable - 1].key in self.window_tier
 
     def _load_held(self, a: _Active) -> bool:
         """After a request's first chunk: did the whole planned load arrive? If not, restart from what did."""
@@ -292,6 +311,7 @@ class PrefillEngine:
         if self.window_tier is not None:
             final = 0  # the window kept (or replayed) was for the planned boundary, not for this one
             a.kv.window_from = a.kv.keep_full_before = a.replayed = 0
+            a.kv.captured.clear()  # states the first chunk captured under the replay: recaptured exactly
             if not a.exact:  # recomputed from scratch, the KV is exact again: back to the exact chain
                 a.blocks, a.exact = a.namespace.blocks(a.tokens.tolist()), True
         a.loaded = final
@@ -309,7 +329,11 @@ class PrefillEngine:
                              ReuseHint(a.stored, full, a.request.turn))
         if self.window_tier is not None:
             for boundary, state in sorted(a.kv.captured.items()):
-                session = a.request.session_id if boundary == full * self.block_tokens else None
+                if a.exact and state.window_from:
+                    continue  # a replayed window is never kept under an exact chain's key
+                # sessions are per tenant: another tenant's session of the same name must not replace it
+                session = (f"{a.namespace.tenant.hex()}/{a.request.session_id}"
+                           if a.request.session_id is not None and boundary == full * self.block_tokens else None)
                 self.window_tier.put(a.blocks[boundary // self.block_tokens - 1].key, state, session)
         a.kv.capture_at, a.kv.captured = set(), {}
         logits = logits.float().cpu()

@@ -155,3 +155,94 @@ def test_a_dense_model_never_replays(tiny_models, daemons):
         result = _replay_engine(tiny, client).prefill(PrefillRequest(conversation))
         assert result.path == CACHED and result.replayed_tokens == 0 and result.exact
         _check(tiny, result, conversation)
+
+
+# -- from the hostile review ------------------------------------------------------------------------
+
+
+def test_a_failed_load_under_a_short_replay_leaves_no_replayed_window_for_exact_requests(gpt_oss, daemons):
+    from tests.kvstore.client.test_load import corrupt_on_disk
+
+    (daemon,) = daemons(1, "--hot-tier-bytes", "0")
+    conversation = _tokens(TURNS[2], seed=27)
+    with _client(daemon) as client:
+        _stored_first_turn(gpt_oss, client, conversation)
+        engine = _engine(gpt_oss, client, replay_tokens=R // 2)  # R < W: a replayed window starts late
+    daemon.stop()
+    corrupt_on_disk(daemon.data_dir, engine.namespace().blocks(conversation)[5].key, layer_index=0)
+    daemon.start()
+    with _client(daemon) as client:
+        engine.client = client
+        failed = engine.prefill(PrefillRequest(conversation[:TURNS[0] + 10], session_id="s"))
+        assert failed.path == LOAD_FAILED and failed.exact
+        failed.kv.release()
+        assert client.write_behind.flush()
+        assert all(state.window_from == 0 for state in engine.window_tier._states.values())
+        exact = engine.prefill(PrefillRequest(conversation[:TURNS[1]], exact=True))
+        assert exact.path == CACHED and exact.exact  # from the window the exact recompute kept
+        _check(gpt_oss, exact, conversation[:TURNS[1]])
+
+
+def test_another_tenants_session_of_the_same_name_does_not_evict_ones_window(gpt_oss, daemons):
+    (daemon,) = daemons(1)
+    alice, bob = _tokens(TURNS[1], seed=28), _tokens(TURNS[1], seed=29)
+    with _client(daemon) as client:
+        engine = _replay_engine(gpt_oss, client)
+        engine.prefill(PrefillRequest(alice[:TURNS[0]], salt="alice", session_id="chat")).kv.release()
+        engine.prefill(PrefillRequest(bob[:TURNS[0]], salt="bob", session_id="chat")).kv.release()
+        assert client.write_behind.flush()
+        again = engine.prefill(PrefillRequest(alice, salt="alice", session_id="chat"))
+        assert again.path == CACHED and again.exact
+        _check(gpt_oss, again, alice)
+
+
+def test_a_turn_without_a_new_block_resumes_from_the_replayed_window(gpt_oss, daemons):
+    (daemon,) = daemons(1)
+    conversation = _tokens(TURNS[1], seed=30)
+    with _client(daemon) as client:
+        _stored_first_turn(gpt_oss, client, conversation)
+        engine = _replay_engine(gpt_oss, client)
+        first = engine.prefill(PrefillRequest(conversation[:STORED + 1], session_id="s"))
+        assert first.path == REPLAYED
+        first.kv.release()
+        assert client.write_behind.flush()
+        # both chains now hold the same 31 blocks; only the replayed one has a window kept at their end
+        again = engine.prefill(PrefillRequest(conversation[:STORED + 10], session_id="s"))
+        assert again.path == CACHED and not again.exact and again.replayed_tokens == 0
+        again.kv.release()
+
+
+def test_a_namespace_altered_after_it_was_built_is_refused(gpt_oss):
+    from engine.prefill.engine import REPLAYED_SUFFIX
+    from engine.prefill.request import PrefillError
+
+    engine = _engine(gpt_oss, None)
+    forged = engine.namespace().with_model_id(engine.model_id + REPLAYED_SUFFIX)
+    forged.model_id = engine.model_id  # the replayed chain's digest under the exact chain's name
+    with pytest.raises(PrefillError, match="does not match this model"):
+        engine.submit(PrefillRequest(_tokens(40), namespace=forged, exact=True))
+    with pytest.raises(ValueError, match="may not end in"):
+        PrefillEngine(engine.model, None, engine.config, engine.model_id + REPLAYED_SUFFIX)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"replay_tokens": 64.0}, "replay_tokens must be an integer"),
+    ({"replay_tokens": -1}, "replay_tokens must be an integer"),
+    ({"replay_min_prefix_factor": 0.5}, "replay_min_prefix_factor"),
+    ({"exact_tenants": ["0" * 32]}, "must be a set"),
+    ({"exact_tenants": {b"0" * 32}}, "not a tenant digest"),
+    ({"exact_tenants": {"bank"}}, "not a tenant digest"),
+])
+def test_bad_replay_settings_are_refused(overrides, message):
+    from engine.prefill.config import PrefillConfig
+
+    with pytest.raises(ValueError, match=message):
+        PrefillConfig(**overrides)
+
+
+def test_exact_must_be_a_bool(gpt_oss):
+    from engine.prefill.request import PrefillError
+
+    engine = _engine(gpt_oss, None)
+    with pytest.raises(PrefillError, match="exact must be True or False"):
+        engine.submit(PrefillRequest(_tokens(40), exact=torch.tensor([True, False])))
