@@ -1,0 +1,24 @@
+"""The decode engine's one config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    max_running: int = 64  # sequences one step feeds; more wait in the queue
+    prefill_tokens_per_step: int = 2048  # prompt (or recompute) tokens one step feeds besides the decode tokens
+    kv_pages: int = 512  # pages of the engine's own pool: used only when given no pool or prefill engine
+    block_tokens: int = 256  # tokens per page of that own pool
+    detokenize: Callable[[Sequence[int]], str] | None = None  # token ids -> text, for stop strings
+
+    def __post_init__(self) -> None:
+        for name in ("max_running", "prefill_tokens_per_step", "kv_pages", "block_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"DecodeConfig: {name} must be an integer >= 1, got {value!r}")
+        if self.detokenize is not None and not callable(self.detokenize):
+            raise ValueError("DecodeConfig: detokenize must be a callable (token ids -> text) or None, "
+                             f"got {type(self.detokenize).__name__}")

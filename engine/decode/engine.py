@@ -1,0 +1,282 @@
+"""The decode engine: continuous batching over the paged KV.
+
+    engine = DecodeEngine(model, prefill_engine_or_pool_or_None, DecodeConfig())
+    rid = engine.submit(DecodeRequest(prompt_ids_or_prefill_result, SamplingParams(max_tokens=128)))
+    for result in engine.run(): ...        # or engine.step() in the caller's own loop
+
+Every step runs ONE `model.forward` over one chunk per running sequence: a single token for a sequence
+that is decoding, a slice of its prompt for one that is (re)prefilling (at most
+`prefill_tokens_per_step` such tokens a step, so long prompts do not stall the others). Sequences join
+and leave between steps. A step is three phases, so that the host-side preparation of step n+1 can
+later overlap the execution of step n: `_prepare` (admission, page growth, preemption, the chunks),
+`_execute` (the forward) and `_complete` (sampling, stops, results).
+
+KV memory: a sequence is admitted when pages for all its uncomputed tokens are free; each step it grows
+by the pages its new tokens need. When the pool is full, the youngest running sequence is preempted: its
+KV is released and it re-queues at the front, to recompute prompt + reply when admitted again (simple
+and exact; saving the KV through the store instead comes with the store handoff). Its sampling generator
+travels with it, so a preempted sequence's tokens are those it would have had alone.
+
+A `PrefillResult` from a prefill engine of this process continues in place: the decode engine is built
+on that engine (sharing its page pool), takes over the request's KV and samples the first token from the
+prefill's logits (the prefill's own argmax for greedy requests). Prompt ids are computed here, without
+the store.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from dataclasses import dataclass
+
+import torch
+
+from engine.decode.config import DecodeConfig
+from engine.decode.request import CANCELLED, DecodeError, DecodeRequest, DecodeResult
+from engine.decode.sampling import make_generator, sample
+from engine.decode.sequence import DecodeSequence
+from engine.kv import KVCapacityError, PagePool, RequestKV
+from engine.model import Chunk, Decoder
+from engine.prefill.engine import PrefillEngine
+from engine.prefill.request import PrefillResult
+
+
+@dataclass
+class StepBatch:
+    """One step's work, prepared on the host before the forward."""
+
+    sequences: list[DecodeSequence]
+    chunks: list[Chunk]  # one per sequence: its next tokens and where they start
+    samples: list[bool]  # per sequence: does its chunk end at its last token, so a token is sampled
+
+
+class DecodeEngine:
+    def __init__(self, model: Decoder, kv_source: PagePool | PrefillEngine | None = None,
+                 config: DecodeConfig = DecodeConfig()) -> None:
+        """`kv_source`: the prefill engine whose results this engine continues (its pool is shared), a pool
+        of this model's layout, or None for a pool of its own (config.kv_pages x config.block_tokens)."""
+        if isinstance(kv_source, PrefillEngine):
+            if kv_source.model.config != model.config:
+                raise ValueError("DecodeEngine: the prefill engine runs another model; build both on one Decoder")
+            pool = kv_source.pool
+        elif isinstance(kv_source, PagePool):
+            pool = kv_source
+        elif kv_source is None:
+            pool = PagePool(model.config, config.kv_pages, config.block_tokens, model.dtype, model.device)
+        else:
+            raise ValueError(f"DecodeEngine: kv_source must be a PrefillEngine, a PagePool or None, "
+                             f"got {type(kv_source).__name__}")
+        self.model, self.pool, self.config = model, pool, config
+        self._waiting: list[DecodeSequence] = []  # submitted or preempted, oldest first
+        self._running: list[DecodeSequence] = []  # admitted, oldest first: the last is preempted first
+        self._done: list[DecodeResult] = []  # finished outside a step (at submit, cancelled): the next step returns them
+        self._ids = itertools.count()
+
+    # -- requests ---------------------------------------------------------------------------------
+
+    def submit(self, request: DecodeRequest) -> int:
+        """Validate and queue a request; its id. Raises DecodeError for bad input, leaving all else as it was.
+
+        A handed-over PrefillResult's KV belongs to this engine once accepted (released when it finishes);
+        a refused one stays the caller's."""
+        sequence = self._sequence(request)
+        if (reason := sequence.finish_reason()) is not None:  # a handed-over first token may already end it
+            self._release(sequence)
+            self._done.append(sequence.result(reason))
+        else:
+            self._waiting.append(sequence)
+        return sequence.id
+
+    def cancel(self, request_id: int) -> bool:
+        """Stop a request now and free its KV; the next step returns it as "cancelled". False if unknown or done."""
+        for queue in (self._waiting, self._running):
+            for sequence in queue:
+                if sequence.id == request_id:
+                    queue.remove(sequence)
+                    self._release(sequence)
+                    self._done.append(sequence.result(CANCELLED))
+                    return True
+        return False
+
+    def step(self) -> list[DecodeResult]:
+        """Admit what fits, feed every running sequence once (one forward), and return those that finished.
+
+        Raises KVCapacityError when nothing runs and the oldest waiting sequence cannot get its pages
+        (they are held outside this engine, e.g. by unreleased prefill results)."""
+        finished, self._done = self._done, []
+        batch = self._prepare()
+        if batch.chunks:
+            finished += self._complete(batch, self._execute(batch))
+        return finished
+
+    def run(self) -> list[DecodeResult]:
+        """Step until every submitted request has finished; results in completion order."""
+        results = []
+        while self.pending:
+            results.extend(self.step())
+        return results
+
+    @property
+    def pending(self) -> int:
+        return len(self._waiting) + len(self._running) + len(self._done)
+
+    @property
+    def running(self) -> int:
+        """Sequences fed each step."""
+        return len(self._running)
+
+    @property
+    def waiting(self) -> int:
+        """Sequences queued for admission (new, or preempted)."""
+        return len(self._waiting)
+
+    @property
+    def kv_tokens(self) -> int:
+        """Tokens held in the running sequences' KV: this instance's KV load."""
+        return sum(s.computed for s in self._running)
+
+    # -- validation ---------------------------------------------------------------------------------
+
+    def _sequence(self, request: DecodeRequest) -> DecodeSequence:
+        mc = self.model.config
+        params = request.sampling
+        if bad := [i for i in params.stop_token_ids if i >= mc.vocab_size]:
+            raise DecodeError(f"stop_token_ids {bad} lie outside the vocabulary [0, {mc.vocab_size})")
+        detokenize = request.detokenize or self.config.detokenize
+        if params.stop and detokenize is None:
+            raise DecodeError("stop strings need a detokenize callable (token ids -> text): give one in "
+                              "DecodeRequest.detokenize or DecodeConfig.detokenize, or use stop_token_ids")
+        handoff = isinstance(request.prompt, PrefillResult)
+        prompt = self._handed_over_prompt(request.prompt) if handoff else self._prompt_ids(request.prompt)
+        context = mc.max_position_embeddings
+        if len(prompt) >= context:
+            raise DecodeError(f"prompt of {len(prompt)} tokens leaves no room for a reply in the model's "
+                              f"context of {context}")
+        if params.max_tokens is not None and len(prompt) + params.max_tokens > context:
+            raise DecodeError(f"max_tokens {params.max_tokens} after a prompt of {len(prompt)} tokens passes the "
+                              f"model's context of {context}: lower it to {context - len(prompt)} or less, or "
+                              "give None to stop at the context (finish reason \"context\")")
+        most = context if params.max_tokens is None else len(prompt) + params.max_tokens
+        pages = -(-(most - 1) // self.pool.block_tokens)  # the last token is sampled, never fed
+        if self.pool.layers and pages > self.pool.num_pages:
+            raise DecodeError(f"prompt + max_tokens need up to {pages} KV pages; the pool has "
+                              f"{self.pool.num_pages}: lower max_tokens or raise DecodeConfig.kv_pages")
+        sequence = DecodeSequence(next(self._ids), request, params, make_generator(params, self.model.device),
+                                  prompt, len(prompt), context, detokenize)
+        if handoff:
+            result = request.prompt
+            (first,) = sample(result.logits.to(self.model.device)[None], [params], [sequence.generator])
+            sequence.kv, sequence.computed = result.kv, result.prompt_tokens
+            sequence.append(first)
+            sequence.token_times_s[-1] = 0.0  # it came with the prefill
+        return sequence
+
+    def _prompt_ids(self, prompt) -> list[int]:
+        try:
+            tokens = [operator.index(t) for t in prompt]
+        except TypeError:
+            raise DecodeError("prompt token ids must be integers") from None
+        if not tokens:
+            raise DecodeError("empty prompt: at least one token is needed")
+        vocab = self.model.config.vocab_size
+        if min(tokens) < 0 or max(tokens) >= vocab:
+            raise DecodeError(f"prompt token id {min(tokens) if min(tokens) < 0 else max(tokens)} lies outside "
+                              f"the vocabulary [0, {vocab})")
+        return tokens
+
+    def _handed_over_prompt(self, result: PrefillResult) -> list[int]:
+        kv = result.kv
+        if kv.pool is not self.pool:
+            raise DecodeError("the PrefillResult's KV lives in another page pool: build the DecodeEngine on that "
+                              "PrefillEngine (or its pool) to continue it in place")
+        if kv.length != result.prompt_tokens or len(result.request.tokens) != result.prompt_tokens:
+            raise DecodeError(f"the PrefillResult's KV holds {kv.length} of its {result.prompt_tokens} prompt "
+                              "tokens: it was released or already decoded; hand over a fresh result")
+        if any(s.kv is kv for s in (*self._waiting, *self._running)):
+            raise DecodeError("this PrefillResult is already being decoded here")
+        return list(result.request.tokens)
+
+    # -- steps --------------------------------------------------------------------------------------
+
+    def _prepare(self) -> StepBatch:
+        """Host side of a step: admit, plan each running sequence's tokens, grow its pages (preempting
+        the youngest where the pool is full), and build the chunks."""
+        self._admit()
+        if not self._running and self._waiting:
+            raise KVCapacityError(f"{self.pool.free_pages} free KV pages cannot hold the oldest waiting sequence "
+                                  "and nothing runs here to free more: release finished prefill results' KV")
+        budget = self.config.prefill_tokens_per_step
+        planned: list[tuple[DecodeSequence, int]] = []
+        for sequence in self._running:
+            n = sequence.uncomputed
+            if n > 1:  # (re)prefilling: from the step's prompt budget
+                n = min(n, budget)
+                budget -= n
+            if n:
+                planned.append((sequence, n))
+        batch = StepBatch([], [], [])
+        for sequence, n in planned:
+            if sequence.kv is None or not self._grow(sequence, sequence.computed + n):
+                continue  # preempted for an older sequence in this step
+            start = sequence.computed
+            batch.sequences.append(sequence)
+            batch.chunks.append(Chunk(sequence.kv, torch.tensor(sequence.tokens[start : start + n]), start))
+            batch.samples.append(start + n == len(sequence.tokens))
+        return batch
+
+    def _execute(self, batch: StepBatch) -> list[torch.Tensor]:
+        """The step's one forward: the logits of each chunk's last token, (vocab,) each."""
+        return self.model.forward(batch.chunks)
+
+    def _complete(self, batch: StepBatch, logits: list[torch.Tensor]) -> list[DecodeResult]:
+        """Sample a token for every sequence whose chunk reached its end, and finish those that stop."""
+        for sequence, chunk in zip(batch.sequences, batch.chunks):
+            sequence.computed += len(chunk.tokens)
+        rows = [i for i, sampled in enumerate(batch.samples) if sampled]
+        if not rows:
+            return []
+        sampling = [batch.sequences[i] for i in rows]
+        tokens = sample(torch.stack([logits[i] for i in rows]), [s.params for s in sampling],
+                        [s.generator for s in sampling])
+        finished = []
+        for sequence, token in zip(sampling, tokens):
+            if (reason := sequence.append(token)) is not None:
+                self._running.remove(sequence)
+                self._release(sequence)
+                finished.append(sequence.result(reason))
+        return finished
+
+    def _admit(self) -> None:
+        # sequences that hold KV (handed over) cost no pages: first, so none of them blocks the queue
+        holding = [s for s in self._waiting if s.kv is not None]
+        for sequence in holding[: self.config.max_running - len(self._running)]:
+            self._waiting.remove(sequence)
+            self._running.append(sequence)
+        while self._waiting and len(self._running) < self.config.max_running:
+            sequence = self._waiting[0]
+            kv = RequestKV(self.model.config, self.pool)
+            try:
+                kv.reserve(len(sequence.tokens))
+            except KVCapacityError:
+                return
+            sequence.kv = kv
+            self._running.append(self._waiting.pop(0))
+
+    def _grow(self, sequence: DecodeSequence, tokens: int) -> bool:
+        """Pages for `tokens` positions of `sequence`, preempting the youngest running sequences while the
+        pool is full; False if `sequence` itself was preempted."""
+        while True:
+            try:
+                sequence.kv.reserve(tokens)
+                return True
+            except KVCapacityError:
+                youngest = self._running.pop()
+                youngest.preempt()
+                self._waiting.insert(0, youngest)  # ahead of new requests; older victims end up first
+                if youngest is sequence:
+                    return False
+
+    def _release(self, sequence: DecodeSequence) -> None:
+        if sequence.kv is not None:
+            sequence.kv.release()
+            sequence.kv = None

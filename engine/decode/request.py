@@ -1,0 +1,57 @@
+"""What the decode engine takes and returns, and the error it raises for bad input."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from engine.decode.errors import DecodeError
+from engine.decode.sampling import SamplingParams
+from engine.prefill.request import PrefillResult
+
+__all__ = ["CANCELLED", "CONTEXT", "DecodeError", "DecodeRequest", "DecodeResult", "FINISH_REASONS", "MAX_TOKENS",
+           "STOP_STRING", "STOP_TOKEN"]
+
+# Why a reply ended.
+STOP_TOKEN = "stop_token"  # its last token is one of the request's stop_token_ids
+STOP_STRING = "stop_string"  # the text of its tokens contains one of the request's stop strings
+MAX_TOKENS = "max_tokens"  # it reached the request's max_tokens
+CONTEXT = "context"  # prompt + reply filled the model's context (max_tokens None)
+CANCELLED = "cancelled"  # DecodeEngine.cancel
+FINISH_REASONS = (STOP_TOKEN, STOP_STRING, MAX_TOKENS, CONTEXT, CANCELLED)
+
+
+@dataclass
+class DecodeRequest:
+    """A sequence to continue.
+
+    `prompt` is either the prompt's token ids, which the decode engine computes itself, or the
+    `PrefillResult` of a prefill engine in this process whose KV pool the decode engine shares: its KV
+    continues without recompute, and the decode engine owns (and at the end releases) it from submit on.
+    """
+
+    prompt: Sequence[int] | PrefillResult
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    detokenize: Callable[[Sequence[int]], str] | None = None  # token ids -> text for stop strings; None: the config's
+
+
+@dataclass
+class DecodeResult:
+    """A finished reply: token ids only (the caller detokenizes), and why it ended.
+
+    The tokens include a final stop token, and the tokens that completed a stop string (whose text the
+    caller trims)."""
+
+    id: int
+    request: DecodeRequest
+    tokens: list[int]
+    finish_reason: str  # one of FINISH_REASONS
+    prompt_tokens: int
+    token_times_s: list[float]  # per token, seconds from submit to its sampling (a handed-over first token: 0)
+    preemptions: int = 0  # times its KV was released to let older sequences grow
+    recomputed_tokens: int = 0  # tokens computed again after preemptions
+
+    @property
+    def inter_token_s(self) -> list[float]:
+        """Gaps between consecutive tokens, seconds."""
+        return [b - a for a, b in zip(self.token_times_s, self.token_times_s[1:])]

@@ -1,0 +1,110 @@
+"""How a request picks its tokens: greedy, or temperature → top-k → top-p → a draw from its own generator.
+
+Each sampled request owns a `torch.Generator`, seeded from `SamplingParams.seed`, and only its own rows
+draw from it: its tokens depend on its logits and its seed, never on what else shares the batch (or on
+being preempted and resumed, since the generator travels with the request).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import torch
+
+from engine.decode.errors import DecodeError
+
+SEED_LIMIT = 2**64  # torch.Generator.manual_seed takes seeds in [0, 2**64)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples and when it stops. Invalid values raise DecodeError on construction."""
+
+    temperature: float = 0.0  # 0: greedy (argmax); the other fields but max_tokens and stops are then unused
+    top_k: int = 0  # keep the k likeliest tokens; 0: off
+    top_p: float = 1.0  # keep the smallest set of likeliest tokens whose probability reaches p; 1: off
+    seed: int | None = None  # the request's generator; None: drawn from the OS, not reproducible
+    max_tokens: int | None = 256  # tokens to generate at most; None: until a stop or the model's context
+    stop_token_ids: tuple[int, ...] = ()  # any iterable of ints; the stop token ends the reply and is kept in it
+    stop: tuple[str, ...] = ()  # stop strings (a str or an iterable of them); need a detokenize callable
+
+    def __post_init__(self) -> None:
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise DecodeError(f"SamplingParams: temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise DecodeError(f"SamplingParams: top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        p = self.top_p
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
+            raise DecodeError(f"SamplingParams: top_p must lie in (0, 1] (1 = off), got {p!r}")
+        s = self.seed
+        if s is not None and (isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < SEED_LIMIT):
+            raise DecodeError(f"SamplingParams: seed must be an integer in [0, 2**64) or None, got {s!r}")
+        m = self.max_tokens
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+            raise DecodeError(f"SamplingParams: max_tokens must be an integer >= 1, or None to stop only at a "
+                              f"stop or the model's context; got {m!r}")
+        object.__setattr__(self, "stop_token_ids", _token_ids(self.stop_token_ids))
+        object.__setattr__(self, "stop", _stop_strings(self.stop))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _token_ids(ids: Iterable[int]) -> tuple[int, ...]:
+    try:
+        ids = tuple(operator.index(i) for i in ids if not isinstance(i, bool))
+    except TypeError:
+        raise DecodeError(f"SamplingParams: stop_token_ids must be integers, got {ids!r}") from None
+    if any(i < 0 for i in ids):
+        raise DecodeError(f"SamplingParams: stop_token_ids must be >= 0, got {ids}")
+    return ids
+
+
+def _stop_strings(stop: str | Iterable[str]) -> tuple[str, ...]:
+    strings = (stop,) if isinstance(stop, str) else tuple(stop)
+    if not all(isinstance(s, str) and s for s in strings):
+        raise DecodeError(f"SamplingParams: stop strings must be non-empty strings, got {strings!r}")
+    return strings
+
+
+def make_generator(params: SamplingParams, device: torch.device | str) -> torch.Generator | None:
+    """The request's own generator; None for greedy requests, which draw nothing."""
+    if params.greedy:
+        return None
+    generator = torch.Generator(device=device)
+    if params.seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(params.seed)
+    return generator
+
+
+def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
+           generators: Sequence[torch.Generator | None]) -> list[int]:
+    """One token per row of `logits` (rows, vocab): argmax for greedy rows, a draw from the row's own
+    generator (advancing it) for the others."""
+    assert logits.dim() == 2 and len(params) == len(generators) == logits.shape[0]
+    chosen = logits.argmax(dim=-1).tolist()
+    for row, (p, generator) in enumerate(zip(params, generators)):
+        if not p.greedy:
+            chosen[row] = _draw(logits[row], p, generator)
+    return chosen
+
+
+def _draw(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
+    scores = logits.float() / p.temperature  # (vocab,)
+    if 0 < p.top_k < scores.numel():
+        kth = torch.topk(scores, p.top_k).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)  # (vocab,)
+    if p.top_p < 1:
+        ordered, order = probs.sort(descending=True)
+        before = ordered.cumsum(0) - ordered  # the mass of the likelier tokens: the likeliest is always kept
+        ordered[before >= p.top_p] = 0
+        probs = torch.zeros_like(probs).scatter_(0, order, ordered)
+    return int(torch.multinomial(probs, 1, generator=generator))

@@ -1,0 +1,78 @@
+"""One request's state inside the decode engine: its tokens, how many of them its KV holds, when it ends."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from engine.decode.request import (CONTEXT, MAX_TOKENS, STOP_STRING, STOP_TOKEN, DecodeRequest, DecodeResult)
+from engine.decode.sampling import SamplingParams
+from engine.kv import RequestKV
+
+
+@dataclass
+class DecodeSequence:
+    id: int
+    request: DecodeRequest
+    params: SamplingParams
+    generator: torch.Generator | None
+    tokens: list[int]  # prompt, then the reply so far; the last one is not yet in the KV
+    prompt_tokens: int
+    context: int  # the model's max positions: prompt + reply never exceed it
+    detokenize: Callable[[Sequence[int]], str] | None
+    kv: RequestKV | None = None  # None while waiting without KV (new, or preempted)
+    computed: int = 0  # tokens [0, computed) are in the KV
+    submitted: float = field(default_factory=time.perf_counter)
+    token_times_s: list[float] = field(default_factory=list)
+    preemptions: int = 0
+    recomputed_tokens: int = 0
+
+    @property
+    def reply(self) -> list[int]:
+        return self.tokens[self.prompt_tokens:]
+
+    @property
+    def uncomputed(self) -> int:
+        """Tokens still to feed before the next one can be sampled: 1 when decoding, more when (re)prefilling."""
+        return len(self.tokens) - self.computed
+
+    def append(self, token: int) -> str | None:
+        """Add a sampled token; the finish reason it causes, or None to go on."""
+        self.tokens.append(token)
+        self.token_times_s.append(time.perf_counter() - self.submitted)
+        return self.finish_reason()
+
+    def finish_reason(self) -> str | None:
+        p = self.params
+        if self.tokens[-1] in p.stop_token_ids:
+            return STOP_TOKEN
+        if p.stop and self._stop_string_seen():
+            return STOP_STRING
+        if p.max_tokens is not None and len(self.reply) >= p.max_tokens:
+            return MAX_TOKENS
+        if len(self.tokens) >= self.context:
+            return CONTEXT
+        return None
+
+    def _stop_string_seen(self) -> bool:
+        # checked every token, so a stop string can only newly end in the tail: decoding the last few
+        # tokens (a token spells at least one character, bar byte pieces, hence the margin) suffices
+        tail = max(len(s) for s in self.params.stop) + 8
+        text = self.detokenize(self.reply[-tail:])
+        return any(s in text for s in self.params.stop)
+
+    def preempt(self) -> None:
+        """Give up the KV; the sequence recomputes prompt + reply when it is admitted again."""
+        assert self.kv is not None
+        self.kv.release()
+        self.kv = None
+        self.recomputed_tokens += self.computed
+        self.computed = 0
+        self.preemptions += 1
+
+    def result(self, reason: str) -> DecodeResult:
+        return DecodeResult(self.id, self.request, self.reply, reason, self.prompt_tokens, self.token_times_s,
+                            self.preemptions, self.recomputed_tokens)
