@@ -42,7 +42,7 @@ REPLY_TOKENS = 12  # greedy tokens decoded per turn: enough to read the start of
 
 def run_real(sessions: int, turns: int, workdir: Path, reply_tokens: int = REPLY_TOKENS) -> None:
     # imported here so that --random needs neither the models extra nor the tokenizer
-    from engine.greedy import greedy
+    from engine.decode import DecodeEngine, DecodeRequest, SamplingParams
     from engine.real_model import load_real_model
     from engine.real_text import demo_sessions, stop_token_ids
 
@@ -53,6 +53,7 @@ def run_real(sessions: int, turns: int, workdir: Path, reply_tokens: int = REPLY
     block_bytes = cold_engine.block_bytes
     mc = engine.model.config
     stops = stop_token_ids(tokenizer)
+    decoder = DecodeEngine(engine.model, engine)  # continues each prefill in its own KV pages: no recompute
     conversations = demo_sessions(tokenizer, sessions)
     shared = _common_prefix([c.next_prompt() for c in conversations])
     print(f"model: {folder.name}, {mc.num_layers} layers ({len(mc.full_layers)} full, {len(mc.sliding_layers)} "
@@ -60,7 +61,8 @@ def run_real(sessions: int, turns: int, workdir: Path, reply_tokens: int = REPLY
           f"{block_bytes / 2**20:.2f} MiB; host tier {config.host_tier_bytes // 2**20} MiB; ready in "
           f"{time.perf_counter() - began:.0f} s")
     print(f"{sessions} sessions of standard-library documentation through Gemma 3's chat template, sharing a "
-          f"{shared}-token prefix (system prompt and a worked example); replies: {reply_tokens} greedy tokens\n")
+          f"{shared}-token prefix (system prompt and a worked example); replies: {reply_tokens} greedy tokens "
+          "from the decode engine\n")
     print(f"{'turn':>4} {'session':>9} {'prompt':>6} {'hit':>6}  {'path':<14} {'host':>4} {'DRAM':>4} {'SSD':>4} "
           f"{'ttft':>7} {'no cache':>8} {'speed-up':>8}  same token")
     totals = Counter()
@@ -69,6 +71,7 @@ def run_real(sessions: int, turns: int, workdir: Path, reply_tokens: int = REPLY
             if turn == turns // 2 and turn:
                 client = restarted(client, daemons, config)
                 engine = PrefillEngine(engine.model, client, engine.config, engine.model_id)
+                decoder = DecodeEngine(engine.model, engine)
                 print("     -- both daemons, the client and the engine restarted: the store's blocks remain on "
                       "SSD, the window states are gone --")
             for conversation in conversations:
@@ -76,14 +79,14 @@ def run_real(sessions: int, turns: int, workdir: Path, reply_tokens: int = REPLY
                 before = tier_hits(client)
                 result = engine.prefill(PrefillRequest(prompt, traffic_class=conversation.kind,
                                                        session_id=conversation.name, turn=turn))
-                result.kv.release()
                 client.write_behind.flush(timeout=60)
                 served = {k: v - before[k] for k, v in tier_hits(client).items()}
                 cold = cold_engine.prefill(PrefillRequest(prompt))
                 cold.kv.release()
-                # the reply decodes through the engine again: its prompt is now all but the last block cached
-                reply = greedy(engine, prompt, reply_tokens, stop_ids=stops, session_id=conversation.name)
-                client.write_behind.flush(timeout=60)
+                # the reply continues the prefill's KV (handed over in this process), one batched step per token
+                decoder.submit(DecodeRequest(result, SamplingParams(max_tokens=reply_tokens, stop_token_ids=stops)))
+                (decoded,) = decoder.run()
+                reply = decoded.tokens
                 same = "yes" if cold.first_token == result.first_token == reply[0] else "no"
                 text = tokenizer.decode([t for t in reply if t not in stops], skip_special_tokens=True)
                 print(f"{turn + 1:>4} {conversation.name:>9} {len(prompt):>6} {result.loaded_tokens:>6}  "
