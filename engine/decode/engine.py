@@ -19,8 +19,10 @@ travels with it, so a preempted sequence's tokens are those it would have had al
 
 A `PrefillResult` from a prefill engine of this process continues in place: the decode engine is built
 on that engine (sharing its page pool), takes over the request's KV and samples the first token from the
-prefill's logits (the prefill's own argmax for greedy requests). Prompt ids are computed here, without
-the store.
+prefill's logits (the prefill's own argmax for greedy requests). As its reply fills KV blocks they are saved
+(write-behind) in the prompt's chain, and for a hybrid model the window at the last block boundary is
+kept, so the next turn finds prompt and reply cached (`engine.decode.saving`). Prompt ids are computed
+here, without the store, and their replies are not saved.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import torch
 from engine.decode.config import DecodeConfig
 from engine.decode.request import CANCELLED, DecodeError, DecodeRequest, DecodeResult
 from engine.decode.sampling import make_generator, sample
+from engine.decode.saving import ReplySaver
 from engine.decode.sequence import DecodeSequence
 from engine.kv import KVCapacityError, PagePool, RequestKV
 from engine.model import Chunk, Decoder
@@ -67,6 +70,7 @@ class DecodeEngine:
             raise ValueError(f"DecodeEngine: kv_source must be a PrefillEngine, a PagePool or None, "
                              f"got {type(kv_source).__name__}")
         self.model, self.pool, self.config = model, pool, config
+        self._saver = ReplySaver(kv_source) if isinstance(kv_source, PrefillEngine) else None
         self._waiting: list[DecodeSequence] = []  # submitted or preempted, oldest first
         self._running: list[DecodeSequence] = []  # admitted, oldest first: the last is preempted first
         self._done: list[DecodeResult] = []  # finished outside a step (at submit, cancelled): the next step returns them
@@ -81,7 +85,7 @@ class DecodeEngine:
         a refused one stays the caller's."""
         sequence = self._sequence(request)
         if (reason := sequence.finish_reason()) is not None:  # a handed-over first token may already end it
-            self._release(sequence)
+            self._end(sequence)
             self._done.append(sequence.result(reason))
         else:
             self._waiting.append(sequence)
@@ -93,7 +97,7 @@ class DecodeEngine:
             for sequence in queue:
                 if sequence.id == request_id:
                     queue.remove(sequence)
-                    self._release(sequence)
+                    self._end(sequence)
                     self._done.append(sequence.result(CANCELLED))
                     return True
         return False
@@ -167,6 +171,7 @@ class DecodeEngine:
             result = request.prompt
             (first,) = sample(result.logits.to(self.model.device)[None], [params], [sequence.generator])
             sequence.kv, sequence.computed = result.kv, result.prompt_tokens
+            sequence.chain = self._saver.chain(result) if self._saver is not None else None
             sequence.append(first)
             sequence.token_times_s[-1] = 0.0  # it came with the prefill
         return sequence
@@ -219,6 +224,8 @@ class DecodeEngine:
             if sequence.kv is None or not self._grow(sequence, sequence.computed + n):
                 continue  # preempted for an older sequence in this step
             start = sequence.computed
+            if sequence.chain is not None:
+                self._saver.before_chunk(sequence.chain, sequence.kv, start, n)
             batch.sequences.append(sequence)
             batch.chunks.append(Chunk(sequence.kv, torch.tensor(sequence.tokens[start : start + n]), start))
             batch.samples.append(start + n == len(sequence.tokens))
@@ -232,6 +239,8 @@ class DecodeEngine:
         """Sample a token for every sequence whose chunk reached its end, and finish those that stop."""
         for sequence, chunk in zip(batch.sequences, batch.chunks):
             sequence.computed += len(chunk.tokens)
+            if sequence.chain is not None:
+                self._saver.after_chunk(sequence.chain, sequence.kv, sequence.tokens, sequence.computed)
         rows = [i for i, sampled in enumerate(batch.samples) if sampled]
         if not rows:
             return []
@@ -242,7 +251,7 @@ class DecodeEngine:
         for sequence, token in zip(sampling, tokens):
             if (reason := sequence.append(token)) is not None:
                 self._running.remove(sequence)
-                self._release(sequence)
+                self._end(sequence)
                 finished.append(sequence.result(reason))
         return finished
 
@@ -272,9 +281,17 @@ class DecodeEngine:
             except KVCapacityError:
                 youngest = self._running.pop()
                 youngest.preempt()
+                if youngest.chain is not None:
+                    self._saver.preempted(youngest.chain)
                 self._waiting.insert(0, youngest)  # ahead of new requests; older victims end up first
                 if youngest is sequence:
                     return False
+
+    def _end(self, sequence: DecodeSequence) -> None:
+        """A sequence is done (finished or cancelled): keep its window for the next turn, free its KV."""
+        if sequence.chain is not None:
+            self._saver.finished(sequence.chain, sequence.tokens)
+        self._release(sequence)
 
     def _release(self, sequence: DecodeSequence) -> None:
         if sequence.kv is not None:

@@ -10,6 +10,7 @@ import torch
 
 from engine.decode.request import (CONTEXT, MAX_TOKENS, STOP_STRING, STOP_TOKEN, DecodeRequest, DecodeResult)
 from engine.decode.sampling import SamplingParams
+from engine.decode.saving import ReplyChain
 from engine.kv import RequestKV
 
 
@@ -29,6 +30,7 @@ class DecodeSequence:
     token_times_s: list[float] = field(default_factory=list)
     preemptions: int = 0
     recomputed_tokens: int = 0
+    chain: ReplyChain | None = None  # where a handed-over sequence's filled blocks are saved; None: not saved
 
     @property
     def reply(self) -> list[int]:

@@ -26,7 +26,7 @@ from typing import Sequence
 
 import torch
 
-from engine.kv import KVCapacityError, PagePool, RequestKV
+from engine.kv import KVCapacityError, PagePool, RequestKV, WindowState
 from engine.model import Chunk, Decoder
 from engine.prefill import cost as chunk_cost
 from engine.prefill.config import PrefillConfig
@@ -108,6 +108,36 @@ class PrefillEngine:
             if len(self._namespaces) > 1024:
                 self._namespaces.popitem(last=False)
         return space
+
+    # -- a conversation's chain, for the decode engine that continues a result ----------------------
+
+    def chain_namespace(self, request: PrefillRequest, exact: bool = True,
+                        namespace: Namespace | None = None) -> Namespace:
+        """The namespace whose chain holds the KV of `request`'s conversation: the request's own (its
+        `namespace`, else its salt's) for exact KV, or that namespace's replayed twin (model identity +
+        REPLAYED_SUFFIX) for KV that descends from a bounded replay (`PrefillResult.exact` False)."""
+        if namespace is None:
+            namespace = request.namespace if request.namespace is not None else self.namespace(request.salt)
+        return namespace if exact else namespace.with_model_id(namespace.model_id + REPLAYED_SUFFIX)
+
+    def save_blocks(self, blocks: Sequence[Block], pages: Sequence[int], request: PrefillRequest,
+                    hint: ReuseHint) -> bool:
+        """Queue `blocks`, whose KV lies in `pages` of this engine's pool, for write-behind under the request's
+        traffic class. Their bytes are copied now (the pages may be reused once this returns); the store I/O
+        runs in the background. False where there is no client or its queue had no room (the blocks dropped)."""
+        if self.client is None or not blocks:
+            return False
+        items = [(block, self._payload(page)) for block, page in zip(blocks, pages, strict=True)]
+        return self.client.save(items, self.layout.num_layers, request.traffic_class, hint)
+
+    def keep_window(self, block: Block, state: WindowState, request: PrefillRequest) -> bool:
+        """Keep `state`, the sliding window as of the end of `block`, in the window tier under the block's
+        key, as the latest state of the request's session (sessions are per tenant). False if it cannot."""
+        if self.window_tier is None:
+            return False
+        # sessions are per tenant: another tenant's session of the same name must not replace this one's state
+        session = f"{block.tenant.hex()}/{request.session_id}" if request.session_id is not None else None
+        return self.window_tier.put(block.key, state, session)
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -282,7 +312,7 @@ class PrefillEngine:
                 and a.namespace.tenant.hex() not in self.config.exact_tenants)
 
     def _replayed_chain(self, a: _Active) -> list[Block]:
-        return a.namespace.with_model_id(a.namespace.model_id + REPLAYED_SUFFIX).blocks(a.tokens.tolist())
+        return self.chain_namespace(a.request, exact=False, namespace=a.namespace).blocks(a.tokens.tolist())
 
     def _follow_replayed_chain(self, a: _Active) -> None:
         """A conversation that went on from a replay has its later blocks in the replayed chain: use it
@@ -331,10 +361,11 @@ class PrefillEngine:
             for boundary, state in sorted(a.kv.captured.items()):
                 if a.exact and state.window_from:
                     continue  # a replayed window is never kept under an exact chain's key
-                # sessions are per tenant: another tenant's session of the same name must not replace it
-                session = (f"{a.namespace.tenant.hex()}/{a.request.session_id}"
-                           if a.request.session_id is not None and boundary == full * self.block_tokens else None)
-                self.window_tier.put(a.blocks[boundary // self.block_tokens - 1].key, state, session)
+                block = a.blocks[boundary // self.block_tokens - 1]
+                if boundary == full * self.block_tokens:
+                    self.keep_window(block, state, a.request)  # the session's latest state
+                else:
+                    self.window_tier.put(block.key, state)
         a.kv.capture_at, a.kv.captured = set(), {}
         logits = logits.float().cpu()
         return PrefillResult(a.request, int(logits.argmax()), logits, a.kv, len(a.tokens),
