@@ -126,16 +126,22 @@ class RequestKV:
             raise ValueError(f"a chunk at position {start} starts before the window this KV holds (from "
                              f"{self.window_from}, where a replay began); restart from the replay's start")
         ring, window, x = self.rings[layer], self.window, k.shape[0]  # ring (2, W, kv_heads, head_dim)
-        before = torch.arange(max(self.window_from, start - window), start, device=k.device)  # (<=W,)
-        keys = torch.cat((ring[0, before % window], k))  # (n, kv_heads, head_dim)
-        values = torch.cat((ring[1, before % window], v))
+        low = max(self.window_from, start - window)
+        if start - low == window:  # a whole window before the chunk: the ring as it lies, slot s at the
+            # latest position before `start` that is s mod W (attention masks by position, not by order)
+            before = start - 1 - (start - 1 - torch.arange(window, device=k.device)) % window  # (W,)
+            keys, values = torch.cat((ring[0], k)), torch.cat((ring[1], v))  # (n, kv_heads, head_dim)
+        else:  # the start of a sequence or of a replay: only the positions the ring holds
+            before = torch.arange(low, start, device=k.device)  # (<W,)
+            keys, values = torch.cat((ring[0, before % window], k)), torch.cat((ring[1, before % window], v))
         positions = torch.cat((before, torch.arange(start, start + x, device=k.device)))  # (n,)
         for boundary in self.capture_at:
             if start <= boundary <= start + x:
                 self._capture(layer, boundary, keys, values, positions)
-        kept = positions[-window:]
-        ring[0, kept % window] = keys[-window:]
-        ring[1, kept % window] = values[-window:]
+        new = min(x, window)  # of the window after the chunk, the ring already holds what precedes the chunk
+        slots = torch.arange(start + x - new, start + x, device=k.device) % window
+        ring[0, slots] = k[-new:]
+        ring[1, slots] = v[-new:]
         return keys, values, positions
 
     def _capture(self, layer: int, boundary: int, keys: torch.Tensor, values: torch.Tensor,
