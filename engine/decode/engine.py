@@ -28,7 +28,6 @@ here, without the store, and their replies are not saved.
 from __future__ import annotations
 
 import itertools
-import operator
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +41,7 @@ from engine.kv import KVCapacityError, PagePool, RequestKV
 from engine.model import Chunk, Decoder
 from engine.prefill.engine import PrefillEngine
 from engine.prefill.request import PrefillResult
+from engine.token_ids import checked_token_ids
 
 
 @dataclass
@@ -151,7 +151,7 @@ class DecodeEngine:
             raise DecodeError("stop strings need a detokenize callable (token ids -> text): give one in "
                               "DecodeRequest.detokenize or DecodeConfig.detokenize, or use stop_token_ids")
         handoff = isinstance(request.prompt, PrefillResult)
-        prompt = self._handed_over_prompt(request.prompt) if handoff else self._prompt_ids(request.prompt)
+        prompt = self._handed_over_prompt(request.prompt) if handoff else checked_token_ids(request.prompt, mc.vocab_size, DecodeError)
         context = mc.max_position_embeddings
         if len(prompt) >= context:
             raise DecodeError(f"prompt of {len(prompt)} tokens leaves no room for a reply in the model's "
@@ -175,19 +175,6 @@ class DecodeEngine:
             sequence.append(first)
             sequence.token_times_s[-1] = 0.0  # it came with the prefill
         return sequence
-
-    def _prompt_ids(self, prompt) -> list[int]:
-        try:
-            tokens = [operator.index(t) for t in prompt]
-        except TypeError:
-            raise DecodeError("prompt token ids must be integers") from None
-        if not tokens:
-            raise DecodeError("empty prompt: at least one token is needed")
-        vocab = self.model.config.vocab_size
-        if min(tokens) < 0 or max(tokens) >= vocab:
-            raise DecodeError(f"prompt token id {min(tokens) if min(tokens) < 0 else max(tokens)} lies outside "
-                              f"the vocabulary [0, {vocab})")
-        return tokens
 
     def _handed_over_prompt(self, result: PrefillResult) -> list[int]:
         kv = result.kv

@@ -17,7 +17,6 @@ replayed conversation do. `PrefillResult.path` says which way each request went.
 from __future__ import annotations
 
 import itertools
-import operator
 import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
@@ -35,6 +34,7 @@ from engine.prefill.request import (CACHED, COLD, LOAD_FAILED, NOT_WORTH, REPLAY
 from engine.prefill.scheduler import Waiting, plan_step
 from engine.weights import model_identity
 from engine.swa_replay import WindowTier, begin_replay, default_replay_tokens, worth_replaying
+from engine.token_ids import checked_token_ids
 from kvstore.block import Block, KVLayout, Namespace
 from kvstore.client import KVClient
 from kvstore.client.loading import LoadCancelled, LoadHandle
@@ -144,15 +144,7 @@ class PrefillEngine:
     def submit(self, request: PrefillRequest) -> int:
         """Validate and queue a request; its id. Raises PrefillError for bad input."""
         mc = self.model.config
-        try:
-            tokens = [operator.index(t) for t in request.tokens]
-        except TypeError:
-            raise PrefillError("token ids must be integers") from None
-        if not tokens:
-            raise PrefillError("empty prompt: at least one token is needed")
-        low, high = min(tokens), max(tokens)
-        if low < 0 or high >= mc.vocab_size:
-            raise PrefillError(f"token id {low if low < 0 else high} outside the vocabulary [0, {mc.vocab_size})")
+        tokens = checked_token_ids(request.tokens, mc.vocab_size, PrefillError)
         if not isinstance(request.turn, int) or request.turn < 0:
             raise PrefillError(f"turn must be a non-negative integer, got {request.turn!r}")
         if len(tokens) > mc.max_position_embeddings:
