@@ -150,13 +150,18 @@ def test_a_client_stalled_inside_a_frame_is_dropped(daemon):
 
 
 def test_memory_stays_bounded_under_abandoned_puts(daemon):
-    (block, payload), = prompt(1, start=700)
-    header, _ = build_record(block, payload, NS.num_layers, "chat")
+    """100 clients each send the header and half the payload of a valid 3 MiB record, then hang up: what
+    they sent (150 MiB in all) is dropped with them. The record is valid so that the daemon reads on: one
+    it refuses at once resets the connection while the client still sends."""
+    big = Namespace("data-test-big", KVLayout(num_layers=4, kv_heads=8, head_dim=128, dtype="float16"),
+                    block_tokens=192)
+    block, = big.blocks(range(big.block_tokens))
+    header, payload = build_record(block, os.urandom(big.block_bytes), big.num_layers, "chat")
     rss_before = daemon.rss_bytes()
-    for _ in range(60):
+    for _ in range(100):
         with socket.create_connection(("127.0.0.1", daemon.data_port), timeout=5) as sock:
-            sock.sendall(wire.frame(wire.PUT, pb.PutHead(record_bytes=4 * 2**20 - 1).SerializeToString()) + header
-                         + os.urandom(2**20))
+            sock.sendall(wire.frame(wire.PUT, pb.PutHead(record_bytes=len(header) + len(payload)).SerializeToString())
+                         + header + payload[: len(payload) // 2])
     time.sleep(0.5)
     assert daemon.rss_bytes() - rss_before < 96 * 2**20
     with KVClient([daemon.address]) as client:
