@@ -25,12 +25,13 @@ from typing import Sequence
 
 import torch
 
+from engine import handoff
 from engine.kv import KVCapacityError, PagePool, RequestKV, WindowState
 from engine.model import Chunk, Decoder
 from engine.prefill import cost as chunk_cost
 from engine.prefill.config import PrefillConfig
-from engine.prefill.request import (CACHED, COLD, LOAD_FAILED, NOT_WORTH, REPLAYED, WINDOW_MISSING, PrefillError,
-                                    PrefillRequest, PrefillResult)
+from engine.prefill.request import (CACHED, COLD, HANDED_OVER, LOAD_FAILED, NOT_WORTH, REPLAYED, WINDOW_MISSING,
+                                    PrefillError, PrefillRequest, PrefillResult)
 from engine.prefill.scheduler import Waiting, plan_step
 from engine.weights import model_identity
 from engine.swa_replay import WindowTier, begin_replay, default_replay_tokens, worth_replaying
@@ -162,8 +163,9 @@ class PrefillEngine:
                 raise PrefillError(f"namespace {given!r} does not match this model "
                                    f"({self.model_id}, {self.layout}, {self.block_tokens}-token blocks)")
             namespace = given
-        if not isinstance(request.exact, bool):
-            raise PrefillError(f"exact must be True or False, got {request.exact!r}")
+        for flag in ("exact", "hand_off", "from_handoff"):
+            if not isinstance(getattr(request, flag), bool):
+                raise PrefillError(f"{flag} must be True or False, got {getattr(request, flag)!r}")
         active = _Active(next(self._ids), request, torch.tensor(tokens, dtype=torch.long), namespace,
                          namespace.blocks(tokens), time.perf_counter())
         self._queue.append(active)
@@ -187,6 +189,11 @@ class PrefillEngine:
     @property
     def pending(self) -> int:
         return len(self._queue) + len(self._active)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every block and continuation record queued for the store is stored (or failed): before
+        telling a decode instance in another process to continue a `hand_off` request. False on timeout."""
+        return self.client is None or self.client.write_behind.flush(timeout)
 
     # -- steps ------------------------------------------------------------------------------------
 
@@ -238,12 +245,14 @@ class PrefillEngine:
             a.kv = kv
             if self.window_tier is not None and a.blocks:
                 kv.capture_at.add(len(a.blocks) * self.block_tokens)  # the window the next turn resumes from
+            if self.window_tier is not None and a.request.hand_off:
+                kv.capture_at.add(len(a.tokens) - 1)  # the window a decode instance continues from
             self._active[a.id] = a
             self._plan_prefix(a)
 
     def _plan_prefix(self, a: _Active) -> None:
         """Decide what of the stored prefix to load and how to get its window, and start loading it."""
-        if self.client is None or not a.blocks:
+        if self.client is None or (a.request.from_handoff and self._continue_handoff(a)) or not a.blocks:
             return
         B, hybrid = self.block_tokens, self.window_tier is not None
         a.stored = a.save_from = self.client.lookup(a.blocks)
@@ -299,9 +308,37 @@ class PrefillEngine:
             (a.blocks, a.stored), a.exact = exact_chain, True
             a.save_from = a.stored
 
+    def _continue_handoff(self, a: _Active) -> bool:
+        """Continue from the state another process handed over (engine.handoff): its chain's full blocks
+        loaded, the partial block and the window from the continuation record, the last token to compute.
+        False, touching nothing the normal path needs, where the record or a block is gone or corrupt."""
+        tokens = a.tokens.tolist()
+        for exact in (True, False) if self._accepts_approximate(a) else (True,):
+            space = self.chain_namespace(a.request, exact, a.namespace)
+            found = handoff.continuation(space, tokens)
+            records = self.client.get([found.record])
+            full = len(found.blocks)
+            if not records or (full and self.client.lookup(found.blocks) < full):
+                continue
+            try:
+                handoff.restore(records[0].payload, a.kv, found.position)
+            except handoff.CorruptContinuation:
+                continue
+            a.blocks, a.exact = space.blocks(tokens), exact
+            a.stored = a.save_from = a.loaded = full
+            a.start, a.path = found.position, HANDED_OVER
+            if full:
+                sources = self.client.block_sources(found.blocks)
+                a.sources = dict(Counter("host" if s == "host" else "daemon" for s in sources))
+                a.load = self.client.load(found.blocks, PagedKV(self.pool.layers, a.kv.block_table[:full]), full)
+            return True
+        return False
+
+    def _accepts_approximate(self, a: _Active) -> bool:
+        return not a.request.exact and a.namespace.tenant.hex() not in self.config.exact_tenants
+
     def _may_replay(self, a: _Active) -> bool:
-        return (self.replay_tokens > 0 and not a.request.exact
-                and a.namespace.tenant.hex() not in self.config.exact_tenants)
+        return self.replay_tokens > 0 and self._accepts_approximate(a)
 
     def _replayed_chain(self, a: _Active) -> list[Block]:
         return self.chain_namespace(a.request, exact=False, namespace=a.namespace).blocks(a.tokens.tolist())
@@ -349,10 +386,11 @@ class PrefillEngine:
             items = [(a.blocks[i], self._payload(a.kv.block_table[i])) for i in range(a.save_from, full)]
             self.client.save(items, self.layout.num_layers, a.request.traffic_class,
                              ReuseHint(a.stored, full, a.request.turn))
+        handed_off = a.request.hand_off and self._hand_off(a)
         if self.window_tier is not None:
             for boundary, state in sorted(a.kv.captured.items()):
-                if a.exact and state.window_from:
-                    continue  # a replayed window is never kept under an exact chain's key
+                if boundary % self.block_tokens or (a.exact and state.window_from):
+                    continue  # not a block boundary (a hand-off's); a replayed window never goes with an exact chain
                 block = a.blocks[boundary // self.block_tokens - 1]
                 if boundary == full * self.block_tokens:
                     self.keep_window(block, state, a.request)  # the session's latest state
@@ -362,7 +400,19 @@ class PrefillEngine:
         logits = logits.float().cpu()
         return PrefillResult(a.request, int(logits.argmax()), logits, a.kv, len(a.tokens),
                              a.stored * self.block_tokens, a.loaded * self.block_tokens, a.path, a.sources,
-                             time.perf_counter() - a.submitted, a.chunks, tuple(a.blocks), a.replayed, a.exact)
+                             time.perf_counter() - a.submitted, a.chunks, tuple(a.blocks), a.replayed, a.exact,
+                             handed_off)
+
+    def _hand_off(self, a: _Active) -> bool:
+        """Queue the continuation record of a `hand_off` request (its blocks are queued already)."""
+        if self.client is None:
+            return False
+        found = handoff.continuation(self.chain_namespace(a.request, a.exact, a.namespace), a.tokens.tolist())
+        window = a.kv.captured.get(found.position) if self.window_tier is not None else None
+        if self.window_tier is not None and window is None:
+            return False
+        payload = handoff.encode(a.kv, found.position, window)
+        return self.client.save([(found.record, payload)], 1, handoff.HANDOFF_CLASS)
 
     def _payload(self, page: int) -> bytes:
         """A stored block's bytes: each full layer's page, layer-major: (full_layers, 2, block_tokens, kv_heads, head_dim)."""

@@ -19,7 +19,9 @@ REPLAYED = "replayed"  # the store held a prefix, its window state was gone: reb
 NOT_WORTH = "not_worth"  # loading was estimated slower than recomputing
 LOAD_FAILED = "load_failed"  # the load delivered less than planned (a daemon died, a block failed
 #                              verification): the rest was recomputed
-PATHS = (COLD, CACHED, WINDOW_MISSING, REPLAYED, NOT_WORTH, LOAD_FAILED)
+HANDED_OVER = "handed_over"  # continued from the state another process's prefill handed over through the
+#                              store (`from_handoff`): only the last token was computed here
+PATHS = (COLD, CACHED, WINDOW_MISSING, REPLAYED, NOT_WORTH, LOAD_FAILED, HANDED_OVER)
 
 
 class PrefillError(ValueError):
@@ -35,6 +37,11 @@ class PrefillRequest:
     namespace: Namespace | None = None  # if given, must be this model's namespace
     turn: int = 0  # earlier turns of the conversation the prompt holds (its assistant messages): for eviction
     exact: bool = False  # never use a replayed (approximate) window or KV: bit-exact continuation, at full cost
+    # Prefill -> decode across processes (engine.handoff): the prefill side sets `hand_off`, and besides the
+    # prompt's blocks saves what a decode instance needs to continue it; the decode side sets `from_handoff`
+    # and continues from that (or, where it is gone, from whatever the store holds: `PrefillResult.path`).
+    hand_off: bool = False
+    from_handoff: bool = False
 
 
 @dataclass
@@ -54,3 +61,4 @@ class PrefillResult:
     # client.advise(blocks, continues) tells the store whether the conversation goes on
     replayed_tokens: int = 0  # tokens of the stored prefix recomputed to rebuild the window (path "replayed")
     exact: bool = True  # False where the KV descends from a replay, in this request or an earlier turn
+    handed_off: bool = False  # `hand_off`: the continuation record was queued for the store (flush() to wait)
