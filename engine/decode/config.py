@@ -13,12 +13,17 @@ class DecodeConfig:
     kv_pages: int = 512  # pages of the engine's own pool: used only when given no pool or prefill engine
     block_tokens: int = 256  # tokens per page of that own pool
     detokenize: Callable[[Sequence[int]], str] | None = None  # token ids -> text, for stop strings
+    # a preempted sequence whose reply goes to the store saves its state there and resumes from it (False:
+    # it recomputes prompt + reply, as a sequence of bare token ids always does)
+    preempt_to_store: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_running", "prefill_tokens_per_step", "kv_pages", "block_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"DecodeConfig: {name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.preempt_to_store, bool):
+            raise ValueError(f"DecodeConfig: preempt_to_store must be True or False, got {self.preempt_to_store!r}")
         if self.detokenize is not None and not callable(self.detokenize):
             raise ValueError("DecodeConfig: detokenize must be a callable (token ids -> text) or None, "
                              f"got {type(self.detokenize).__name__}")

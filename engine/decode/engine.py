@@ -13,16 +13,19 @@ later overlap the execution of step n: `_prepare` (admission, page growth, preem
 
 KV memory: a sequence is admitted when pages for all its uncomputed tokens are free; each step it grows
 by the pages its new tokens need. When the pool is full, the youngest running sequence is preempted: its
-KV is released and it re-queues at the front, to recompute prompt + reply when admitted again (simple
-and exact; saving the KV through the store instead comes with the store handoff). Its sampling generator
-travels with it, so a preempted sequence's tokens are those it would have had alone.
+KV is released and it re-queues at the front. A sequence whose reply goes to the store saves its state
+there first and resumes from it when admitted again (one token recomputed); any other recomputes prompt
++ reply (exact). Its sampling generator travels with it, so a preempted sequence's tokens are those it
+would have had alone.
 
-A `PrefillResult` from a prefill engine of this process continues in place: the decode engine is built
-on that engine (sharing its page pool), takes over the request's KV and samples the first token from the
-prefill's logits (the prefill's own argmax for greedy requests). As its reply fills KV blocks they are saved
-(write-behind) in the prompt's chain, and for a hybrid model the window at the last block boundary is
-kept, so the next turn finds prompt and reply cached (`engine.decode.saving`). Prompt ids are computed
-here, without the store, and their replies are not saved.
+Built on a prefill engine of this process (sharing its page pool), the engine continues what it prefills:
+a `PrefillResult` handed over in place, or a `PrefillRequest` it submits to that engine itself, stepping
+it before each decode step; with `from_handoff` the prefill continues from the state a prefill process
+saved in the store (`engine.handoff`) and computes only the last prompt token. Either way the decode
+engine takes over the request's KV and samples the first token from the prefill's logits. As its reply
+fills KV blocks they are saved (write-behind) in the prompt's chain, and for a hybrid model the window at
+the last block boundary is kept, so the next turn finds prompt and reply cached (`engine.decode.saving`).
+Prompt ids are computed here, without the store, and their replies are not saved.
 """
 
 from __future__ import annotations
@@ -40,8 +43,11 @@ from engine.decode.sequence import DecodeSequence
 from engine.kv import KVCapacityError, PagePool, RequestKV
 from engine.model import Chunk, Decoder
 from engine.prefill.engine import PrefillEngine
-from engine.prefill.request import PrefillResult
+from engine.prefill.request import HANDED_OVER, PrefillError, PrefillRequest, PrefillResult
 from engine.token_ids import checked_token_ids
+
+
+RESUME_FLUSH_S = 2.0  # how long a resumption waits for the store writes queued before it (its state's)
 
 
 @dataclass
@@ -70,7 +76,9 @@ class DecodeEngine:
             raise ValueError(f"DecodeEngine: kv_source must be a PrefillEngine, a PagePool or None, "
                              f"got {type(kv_source).__name__}")
         self.model, self.pool, self.config = model, pool, config
-        self._saver = ReplySaver(kv_source) if isinstance(kv_source, PrefillEngine) else None
+        self._prefill = kv_source if isinstance(kv_source, PrefillEngine) else None
+        self._saver = ReplySaver(kv_source) if self._prefill is not None else None
+        self._prefilling: dict[int, DecodeSequence] = {}  # prefill id -> the sequence it (re)fills
         self._waiting: list[DecodeSequence] = []  # submitted or preempted, oldest first
         self._running: list[DecodeSequence] = []  # admitted, oldest first: the last is preempted first
         self._done: list[DecodeResult] = []  # finished outside a step (at submit, cancelled): the next step returns them
@@ -84,9 +92,13 @@ class DecodeEngine:
         A handed-over PrefillResult's KV belongs to this engine once accepted (released when it finishes);
         a refused one stays the caller's."""
         sequence = self._sequence(request)
-        if (reason := sequence.finish_reason()) is not None:  # a handed-over first token may already end it
-            self._end(sequence)
-            self._done.append(sequence.result(reason))
+        if isinstance(request.prompt, PrefillRequest):
+            try:
+                self._prefilling[self._prefill.submit(request.prompt)] = sequence
+            except PrefillError as exc:
+                raise DecodeError(str(exc)) from None
+        elif isinstance(request.prompt, PrefillResult):
+            self._continue(sequence, request.prompt)
         else:
             self._waiting.append(sequence)
         return sequence.id
@@ -100,6 +112,11 @@ class DecodeEngine:
                     self._end(sequence)
                     self._done.append(sequence.result(CANCELLED))
                     return True
+        for sequence in self._prefilling.values():
+            if sequence.id == request_id and not sequence.cancelled:
+                sequence.cancelled = True  # its KV is freed when its prefill returns it
+                self._done.append(sequence.result(CANCELLED))
+                return True
         return False
 
     def step(self) -> list[DecodeResult]:
@@ -108,9 +125,20 @@ class DecodeEngine:
         Raises KVCapacityError when nothing runs and the oldest waiting sequence cannot get its pages
         (they are held outside this engine, e.g. by unreleased prefill results)."""
         finished, self._done = self._done, []
+        prefill_waits = False  # for pages the running sequences hold
+        if self._prefill is not None and self._prefill.pending:
+            try:
+                for result in self._prefill.step():
+                    self._continue(self._prefilling.pop(result.id), result)
+            except KVCapacityError:
+                prefill_waits = True
+            finished, self._done = finished + self._done, []
         batch = self._prepare()
         if batch.chunks:
             finished += self._complete(batch, self._execute(batch))
+        elif prefill_waits and not finished:
+            raise KVCapacityError(f"{self.pool.free_pages} free KV pages cannot hold the oldest prefill and "
+                                  "nothing runs here to free more: release finished prefill results' KV")
         return finished
 
     def run(self) -> list[DecodeResult]:
@@ -122,7 +150,7 @@ class DecodeEngine:
 
     @property
     def pending(self) -> int:
-        return len(self._waiting) + len(self._running) + len(self._done)
+        return len(self._waiting) + len(self._running) + len(self._done) + len(self._prefilling)
 
     @property
     def running(self) -> int:
@@ -131,8 +159,8 @@ class DecodeEngine:
 
     @property
     def waiting(self) -> int:
-        """Sequences queued for admission (new, or preempted)."""
-        return len(self._waiting)
+        """Sequences queued for admission (new, or preempted) or for their prefill."""
+        return len(self._waiting) + len(self._prefilling)
 
     @property
     def kv_tokens(self) -> int:
@@ -150,8 +178,15 @@ class DecodeEngine:
         if params.stop and detokenize is None:
             raise DecodeError("stop strings need a detokenize callable (token ids -> text): give one in "
                               "DecodeRequest.detokenize or DecodeConfig.detokenize, or use stop_token_ids")
-        handoff = isinstance(request.prompt, PrefillResult)
-        prompt = self._handed_over_prompt(request.prompt) if handoff else checked_token_ids(request.prompt, mc.vocab_size, DecodeError)
+        if isinstance(request.prompt, PrefillResult):
+            prompt = self._handed_over_prompt(request.prompt)
+        elif isinstance(request.prompt, PrefillRequest):
+            if self._prefill is None:
+                raise DecodeError("a PrefillRequest is prefilled by the engine's PrefillEngine: build the "
+                                  "DecodeEngine on one (DecodeEngine(model, prefill_engine))")
+            prompt = checked_token_ids(request.prompt.tokens, mc.vocab_size, DecodeError)
+        else:
+            prompt = checked_token_ids(request.prompt, mc.vocab_size, DecodeError)
         context = mc.max_position_embeddings
         if len(prompt) >= context:
             raise DecodeError(f"prompt of {len(prompt)} tokens leaves no room for a reply in the model's "
@@ -165,16 +200,32 @@ class DecodeEngine:
         if self.pool.layers and pages > self.pool.num_pages:
             raise DecodeError(f"prompt + max_tokens need up to {pages} KV pages; the pool has "
                               f"{self.pool.num_pages}: lower max_tokens or raise DecodeConfig.kv_pages")
-        sequence = DecodeSequence(next(self._ids), request, params, make_generator(params, self.model.device),
-                                  prompt, len(prompt), context, detokenize)
-        if handoff:
-            result = request.prompt
-            (first,) = sample(result.logits.to(self.model.device)[None], [params], [sequence.generator])
-            sequence.kv, sequence.computed = result.kv, result.prompt_tokens
+        return DecodeSequence(next(self._ids), request, params, make_generator(params, self.model.device),
+                              prompt, len(prompt), context, detokenize)
+
+    def _continue(self, sequence: DecodeSequence, result: PrefillResult) -> None:
+        """Take over a prefill's KV (the prompt's, or a preempted sequence's resumed) and sample the next token
+        from its logits; the sequence then waits to run, or ends."""
+        if sequence.cancelled:
+            result.kv.release()
+            return
+        (token,) = sample(result.logits.to(self.model.device)[None], [sequence.params], [sequence.generator])
+        sequence.kv, sequence.computed = result.kv, result.prompt_tokens
+        if sequence.resume is not None:
+            sequence.resume = None
+            sequence.resumed_from_store += result.path == HANDED_OVER
+            self._saver.resumed(sequence.chain, result)
+        else:
             sequence.chain = self._saver.chain(result) if self._saver is not None else None
-            sequence.append(first)
-            sequence.token_times_s[-1] = 0.0  # it came with the prefill
-        return sequence
+            sequence.prefill_path = result.path
+        sequence.append(token)
+        if result is sequence.request.prompt:
+            sequence.token_times_s[-1] = 0.0  # it came with the prefill, before submit
+        if (reason := sequence.finish_reason()) is not None:
+            self._end(sequence)
+            self._done.append(sequence.result(reason))
+        else:
+            self._waiting.append(sequence)
 
     def _handed_over_prompt(self, result: PrefillResult) -> list[int]:
         kv = result.kv
@@ -184,7 +235,7 @@ class DecodeEngine:
         if kv.length != result.prompt_tokens or len(result.request.tokens) != result.prompt_tokens:
             raise DecodeError(f"the PrefillResult's KV holds {kv.length} of its {result.prompt_tokens} prompt "
                               "tokens: it was released or already decoded; hand over a fresh result")
-        if any(s.kv is kv for s in (*self._waiting, *self._running)):
+        if any(s.kv is kv for s in (*self._waiting, *self._running, *self._prefilling.values())):
             raise DecodeError("this PrefillResult is already being decoded here")
         return list(result.request.tokens)
 
@@ -250,6 +301,11 @@ class DecodeEngine:
             self._running.append(sequence)
         while self._waiting and len(self._running) < self.config.max_running:
             sequence = self._waiting[0]
+            if sequence.resume is not None:  # its state is in the store: the prefill engine gets it back
+                self._waiting.pop(0)
+                self._prefill.flush(RESUME_FLUSH_S)  # its continuation record may still be on its way
+                self._prefilling[self._prefill.submit(sequence.resume)] = sequence
+                continue
             kv = RequestKV(self.model.config, self.pool)
             try:
                 kv.reserve(len(sequence.tokens))
@@ -267,9 +323,12 @@ class DecodeEngine:
                 return True
             except KVCapacityError:
                 youngest = self._running.pop()
-                youngest.preempt()
-                if youngest.chain is not None:
+                resume = None
+                if youngest.chain is not None and youngest.uncomputed == 1 and self.config.preempt_to_store:
+                    resume = self._saver.save_state(youngest.chain, youngest.kv, youngest.tokens)
+                if youngest.chain is not None and resume is None:
                     self._saver.preempted(youngest.chain)
+                youngest.preempt(resume)
                 self._waiting.insert(0, youngest)  # ahead of new requests; older victims end up first
                 if youngest is sequence:
                     return False

@@ -7,7 +7,7 @@ from typing import Callable, Sequence
 
 from engine.decode.errors import DecodeError
 from engine.decode.sampling import SamplingParams
-from engine.prefill.request import PrefillResult
+from engine.prefill.request import PrefillRequest, PrefillResult
 
 __all__ = ["CANCELLED", "CONTEXT", "DecodeError", "DecodeRequest", "DecodeResult", "FINISH_REASONS", "MAX_TOKENS",
            "STOP_STRING", "STOP_TOKEN"]
@@ -27,10 +27,12 @@ class DecodeRequest:
 
     `prompt` is either the prompt's token ids, which the decode engine computes itself, or the
     `PrefillResult` of a prefill engine in this process whose KV pool the decode engine shares: its KV
-    continues without recompute, and the decode engine owns (and at the end releases) it from submit on.
+    continues without recompute, and the decode engine owns (and at the end releases) it from submit on;
+    or a `PrefillRequest` that engine prefills first (with `from_handoff`: continuing from the state a
+    prefill in another process handed over through the store, `engine.handoff`).
     """
 
-    prompt: Sequence[int] | PrefillResult
+    prompt: Sequence[int] | PrefillResult | PrefillRequest
     sampling: SamplingParams = field(default_factory=SamplingParams)
     detokenize: Callable[[Sequence[int]], str] | None = None  # token ids -> text for stop strings; None: the config's
 
@@ -50,6 +52,9 @@ class DecodeResult:
     token_times_s: list[float]  # per token, seconds from submit to its sampling (a handed-over first token: 0)
     preemptions: int = 0  # times its KV was released to let older sequences grow
     recomputed_tokens: int = 0  # tokens computed again after preemptions
+    prefill_path: str | None = None  # how the prompt's KV came (a PrefillResult's path: "handed_over", or the
+    #                                  fallback where the handed-over state was gone); None for token ids
+    resumed_from_store: int = 0  # preemptions resumed from the KV saved through the store, not recomputed
 
     @property
     def inter_token_s(self) -> list[float]:

@@ -8,18 +8,24 @@ bytes its pages hold. For a hybrid model the sliding window is captured at each 
 sequence passes, only the latest kept (one per sequence), and put in the window tier under that block's
 key and the request's session when the sequence ends: the next turn resumes exactly from it.
 
-Preemption recomputes prompt + reply from scratch, which is exact: a sequence on the exact chain goes on
-saving where it was; one on the replayed chain moves to the exact chain and saves every block again from
-the first (as the prefill engine does when it recomputes), dropping the replayed window it held.
+A sequence preempted between decode steps saves its state through the store, as a prefill hands a prompt
+over to another process (`engine.handoff`: its blocks are saved already, the partial block and the window
+go in a continuation record), and resumes from it by a prefill of its tokens `from_handoff`: only its last
+token is computed again. Where that state is gone by then, the prefill falls back (loads what is stored,
+or recomputes) and the chain follows what it got. A sequence preempted while still (re)prefilling
+recomputes from scratch, which is exact: on the exact chain it goes on saving where it was; on the
+replayed chain it moves to the exact chain and saves every block again from the first (as the prefill
+engine does when it recomputes), dropping the replayed window it held.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine import handoff
 from engine.kv import RequestKV, WindowState
 from engine.prefill.engine import PrefillEngine
-from engine.prefill.request import PrefillResult
+from engine.prefill.request import PrefillRequest, PrefillResult
 from kvstore.block import Namespace
 from kvstore.eviction import ReuseHint
 
@@ -67,6 +73,27 @@ class ReplySaver:
             hint = ReuseHint(result.stored_tokens // self.block_tokens, full, result.request.turn)
             self.prefill.save_blocks(blocks, kv.block_table[chain.saved : full], result.request, hint)
             chain.saved = full
+
+    def save_state(self, chain: ReplyChain, kv: RequestKV, tokens: list[int]) -> PrefillRequest | None:
+        """Save the state of a sequence about to give up its KV, which holds every token but the last (its
+        blocks are saved already); the prefill request that resumes it, or None where it could not be queued."""
+        found = handoff.continuation(chain.namespace, tokens)
+        if kv.length != found.position or chain.saved < len(found.blocks):
+            return None
+        window = WindowState(found.position, kv.rings, kv.window_from) if self.hybrid else None
+        record = [(found.record, handoff.encode(kv, found.position, window))]
+        if not self.prefill.client.save(record, 1, handoff.HANDOFF_CLASS):
+            return None
+        request = chain.result.request
+        return PrefillRequest(list(tokens), request.salt, request.traffic_class, request.session_id,
+                              request.namespace, request.turn, exact=chain.exact, from_handoff=True)
+
+    def resumed(self, chain: ReplyChain, result: PrefillResult) -> None:
+        """The prefill that resumed a preempted sequence saved its blocks in the chain its KV came from."""
+        if result.exact != chain.exact:
+            chain.namespace = self.prefill.chain_namespace(chain.result.request, result.exact)
+            chain.exact, chain.window = result.exact, None
+        chain.saved = len(result.blocks)
 
     def preempted(self, chain: ReplyChain) -> None:
         """The sequence gave up its KV and will recompute it exactly."""

@@ -12,6 +12,7 @@ from engine.decode.request import (CONTEXT, MAX_TOKENS, STOP_STRING, STOP_TOKEN,
 from engine.decode.sampling import SamplingParams
 from engine.decode.saving import ReplyChain
 from engine.kv import RequestKV
+from engine.prefill.request import PrefillRequest
 
 
 @dataclass
@@ -31,6 +32,10 @@ class DecodeSequence:
     preemptions: int = 0
     recomputed_tokens: int = 0
     chain: ReplyChain | None = None  # where a handed-over sequence's filled blocks are saved; None: not saved
+    resume: PrefillRequest | None = None  # preempted with its KV saved through the store: how to get it back
+    cancelled: bool = False  # cancelled while its prefill ran: its KV is released when the prefill returns
+    prefill_path: str | None = None
+    resumed_from_store: int = 0
 
     @property
     def reply(self) -> list[int]:
@@ -66,15 +71,17 @@ class DecodeSequence:
         text = self.detokenize(self.reply[-tail:])
         return any(s in text for s in self.params.stop)
 
-    def preempt(self) -> None:
-        """Give up the KV; the sequence recomputes prompt + reply when it is admitted again."""
+    def preempt(self, resume: PrefillRequest | None = None) -> None:
+        """Give up the KV. With `resume` (its KV was saved through the store) the sequence gets it back by
+        that prefill when admitted again; else it recomputes prompt + reply."""
         assert self.kv is not None
         self.kv.release()
         self.kv = None
-        self.recomputed_tokens += self.computed
-        self.computed = 0
+        if resume is None:
+            self.recomputed_tokens += self.computed
+        self.resume, self.computed = resume, 0
         self.preemptions += 1
 
     def result(self, reason: str) -> DecodeResult:
         return DecodeResult(self.id, self.request, self.reply, reason, self.prompt_tokens, self.token_times_s,
-                            self.preemptions, self.recomputed_tokens)
+                            self.preemptions, self.recomputed_tokens, self.prefill_path, self.resumed_from_store)

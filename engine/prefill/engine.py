@@ -401,7 +401,7 @@ class PrefillEngine:
         return PrefillResult(a.request, int(logits.argmax()), logits, a.kv, len(a.tokens),
                              a.stored * self.block_tokens, a.loaded * self.block_tokens, a.path, a.sources,
                              time.perf_counter() - a.submitted, a.chunks, tuple(a.blocks), a.replayed, a.exact,
-                             handed_off)
+                             handed_off, a.id)
 
     def _hand_off(self, a: _Active) -> bool:
         """Queue the continuation record of a `hand_off` request (its blocks are queued already)."""

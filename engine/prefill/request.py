@@ -62,3 +62,4 @@ class PrefillResult:
     replayed_tokens: int = 0  # tokens of the stored prefix recomputed to rebuild the window (path "replayed")
     exact: bool = True  # False where the KV descends from a replay, in this request or an earlier turn
     handed_off: bool = False  # `hand_off`: the continuation record was queued for the store (flush() to wait)
+    id: int = -1  # the id submit() returned

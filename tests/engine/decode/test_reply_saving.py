@@ -14,9 +14,9 @@ from tests.engine.prefill.test_replay import R, STORED, _replayed_logits, _store
 pytestmark = pytest.mark.integration
 
 
-def _decode(prefill: PrefillEngine, results, n: int) -> list[DecodeResult]:
+def _decode(prefill: PrefillEngine, results, n: int, **config) -> list[DecodeResult]:
     """Greedy replies of n tokens to handed-over results, decoded together; the store holds what they saved."""
-    decode = DecodeEngine(prefill.model, prefill, DecodeConfig())
+    decode = DecodeEngine(prefill.model, prefill, DecodeConfig(**config))
     ids = [decode.submit(DecodeRequest(r, SamplingParams(max_tokens=n))) for r in results]
     done = {d.id: d for d in decode.run()}
     assert prefill.client.write_behind.flush()
@@ -81,8 +81,8 @@ def test_a_preempted_replayed_sequence_recomputes_exactly_into_the_exact_chain(t
         older = engine.prefill(PrefillRequest(other))
         first = engine.prefill(PrefillRequest(tokens[:600], session_id="s"))
         assert first.path == REPLAYED
-        done_other, done = _decode(engine, [older, first], 40)
-        assert done.preemptions == 1 and done_other.preemptions == 0
+        done_other, done = _decode(engine, [older, first], 40, preempt_to_store=False)
+        assert done.preemptions == 1 and done_other.preemptions == 0 and done.resumed_from_store == 0
         conversation = tokens[:600] + done.tokens
         turn = conversation + tokens[640:660]
         # recomputed from scratch, its KV is exact: every full block saved again, in the exact chain
@@ -115,8 +115,8 @@ def test_a_preempted_exact_sequence_goes_on_saving_where_it_was(tiny_models, dae
         engine = _engine(gpt_oss, client, kv_pages=18)  # 7 + 10 pages of prompts, then the younger is preempted
         older = engine.prefill(PrefillRequest(other))
         first = engine.prefill(PrefillRequest(prompt, session_id="s"))
-        done_other, done = _decode(engine, [older, first], 45)
-        assert done.preemptions == 1 and done_other.preemptions == 0
+        done_other, done = _decode(engine, [older, first], 45, preempt_to_store=False)
+        assert done.preemptions == 1 and done_other.preemptions == 0 and done.resumed_from_store == 0
         conversation = prompt + done.tokens
         turn = conversation + other[:30]
         second = engine.prefill(PrefillRequest(turn, session_id="s"))
