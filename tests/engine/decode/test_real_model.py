@@ -1,20 +1,27 @@
-"""The decode engine on the real Gemma 3 270M: greedy tokens for a real chat prompt equal transformers'
-generate(do_sample=False) on the same converted weights, fp32, decoded alone and batched with a second
-prompt that joins a few steps later (its prompt computed in the same steps as the first's decoding).
-
-64 tokens, not the issue's 128: the demo prompt is ~2,000 tokens and one step of the 262k-word output head
-costs ~0.1 s on one core, so three prefills and 3 x 128 steps (reference, alone, batched) took ~70 s."""
+"""The decode engine on the real Gemma 3 270M: greedy tokens for a real chat prompt (~2,000 tokens: the
+demo's system prompt and first question) equal transformers' generate(do_sample=False) on the same
+converted weights, fp32, for 128 tokens: decoded alone; batched with 7 other real-text prompts of
+different lengths (40 to 1,100 tokens, across the 512-token window) joining at different steps, their
+replies checked too; and prefilled in another process that hands it over through a daemon."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from engine.decode import DecodeConfig, DecodeEngine, DecodeRequest, SamplingParams
 from engine.model import Decoder
-from engine.real_text import chat_question, demo_sessions
+from engine.prefill import PrefillConfig, PrefillEngine, PrefillRequest
+from engine.prefill.cost import ChunkCost
+from engine.prefill.request import HANDED_OVER
+from engine.real_text import demo_sessions
+from engine.weights import model_identity
+from kvstore.client import KVClient
 from tests.engine.decode.conftest import drive
 
 pytestmark = [
@@ -25,9 +32,9 @@ pytestmark = [
     pytest.mark.unit,
 ]
 
-REPLY = 64
+REPLY = 128
 JOINER_REPLY = 16
-JOIN_STEP = 5
+JOINERS = [(40, 1), (150, 3), (300, 6), (520, 10), (800, 15), (1100, 21), (60, 30)]  # (prompt tokens, join step)
 
 
 class Real:
@@ -39,12 +46,13 @@ class Real:
         folder, tokenizer = load_real_model()
         self.model = Decoder.from_pretrained(folder)  # fp32
         reference = transformers.Gemma3ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-        self.prompt = demo_sessions(tokenizer, 1)[0].next_prompt()
-        question = [{"role": "user", "content": chat_question("json.dumps")}]
-        self.joiner = list(tokenizer.apply_chat_template(question, add_generation_prompt=True,
-                                                         tokenize=True)["input_ids"])
+        self.folder = folder
+        sessions = demo_sessions(tokenizer, 1 + len(JOINERS))
+        self.prompt = sessions[0].next_prompt()
+        # the ends of other sessions' first prompts: real text, different questions
+        self.joiners = [session.next_prompt()[-n:] for session, (n, _) in zip(sessions[1:], JOINERS)]
         self.expected = _generate(reference, self.prompt, REPLY)
-        self.joiner_expected = _generate(reference, self.joiner, JOINER_REPLY)
+        self.joiners_expected = [_generate(reference, joiner, JOINER_REPLY) for joiner in self.joiners]
 
 
 @torch.inference_mode()
@@ -71,8 +79,34 @@ def test_greedy_alone_is_transformers_generate(real):
     assert result.tokens == real.expected
 
 
-def test_greedy_batched_with_a_prompt_joining_later_is_transformers_generate(real):
-    results = drive(_engine(real), {0: [DecodeRequest(real.prompt, SamplingParams(max_tokens=REPLY))],
-                                    JOIN_STEP: [DecodeRequest(real.joiner, SamplingParams(max_tokens=JOINER_REPLY))]})
+def test_greedy_batched_with_seven_joining_at_different_steps_is_transformers_generate(real):
+    joins = {0: [DecodeRequest(real.prompt, SamplingParams(max_tokens=REPLY))]}
+    for joiner, (_, step) in zip(real.joiners, JOINERS):
+        joins[step] = [DecodeRequest(joiner, SamplingParams(max_tokens=JOINER_REPLY))]
+    results = drive(_engine(real), joins)
     assert results[0].tokens == real.expected
-    assert results[1].tokens == real.joiner_expected
+    assert [results[i + 1].tokens for i in range(len(JOINERS))] == real.joiners_expected
+
+
+@pytest.mark.integration
+def test_greedy_handed_over_from_a_prefill_process_is_transformers_generate(real, daemons):
+    (daemon,) = daemons(1)
+    config = PrefillConfig(kv_pages=16, cost=ChunkCost(a=1e-10, b=1e-4, c=1e-3))  # fixed: nothing to time
+    script = f"""
+import json, sys
+from engine.prefill import PrefillConfig, PrefillEngine, PrefillRequest
+from engine.prefill.cost import ChunkCost
+from kvstore.client import KVClient
+with KVClient([{daemon.address!r}]) as client:
+    engine = PrefillEngine.from_pretrained({str(real.folder)!r}, client, PrefillConfig(kv_pages=16, cost=ChunkCost(a=1e-10, b=1e-4, c=1e-3)))
+    result = engine.prefill(PrefillRequest(json.loads(sys.stdin.read()), hand_off=True))
+    assert result.handed_off and engine.flush(60)
+"""
+    subprocess.run([sys.executable, "-c", script], input=json.dumps(real.prompt), text=True, check=True, timeout=300)
+    with KVClient([daemon.address]) as client:
+        prefill = PrefillEngine(real.model, client, config, model_identity(real.folder))
+        decode = DecodeEngine(real.model, prefill, DecodeConfig())
+        (result,) = drive(decode, {0: [DecodeRequest(PrefillRequest(real.prompt, from_handoff=True),
+                                                     SamplingParams(max_tokens=REPLY))]}).values()
+    assert result.prefill_path == HANDED_OVER
+    assert result.tokens == real.expected
