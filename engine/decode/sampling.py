@@ -17,6 +17,7 @@ import torch
 from engine.decode.errors import DecodeError
 
 SEED_LIMIT = 2**64  # torch.Generator.manual_seed takes seeds in [0, 2**64)
+CANDIDATES = 1024  # top-p first looks for its nucleus among this many likeliest tokens (then 4x more, ...)
 
 
 @dataclass(frozen=True)
@@ -96,15 +97,36 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     return chosen
 
 
+CANDIDATES = 1024  # top-p first looks for its nucleus among this many likeliest tokens (then 4x more, ...)
+
+
 def _draw(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
+    tokens, weights = candidates(logits, p)
+    return int(tokens[torch.multinomial(weights, 1, generator=generator)])
+
+
+def candidates(logits: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens temperature -> top-k -> top-p leaves (n,), likeliest first, and their weights (n,)
+    (proportional to the probabilities, zero where top-p cut), found without sorting the vocabulary:
+    `torch.topk` takes the likeliest, where a sort of 262k logits cost ~25 ms per row (at batch 8, as long
+    as the step's forward). The distribution is exactly the sorted one's."""
     scores = logits.float() / p.temperature  # (vocab,)
-    if 0 < p.top_k < scores.numel():
-        kth = torch.topk(scores, p.top_k).values[-1]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)  # (vocab,)
+    vocab = scores.numel()
+    if not 0 < p.top_k < vocab and p.top_p >= 1:  # temperature alone: the whole vocabulary
+        return torch.arange(vocab), torch.softmax(scores, dim=-1)
+    if 0 < p.top_k < vocab:  # the k likeliest, renormalised among themselves
+        values, tokens = torch.topk(scores, p.top_k)  # (k,) each, likeliest first
+        probs = torch.softmax(values, dim=-1)
+    else:
+        total = torch.logsumexp(scores, dim=-1)
+        size = min(CANDIDATES, vocab)
+        while True:  # enough candidates once their mass reaches top_p: the nucleus lies among them
+            values, tokens = torch.topk(scores, size)
+            probs = torch.exp(values - total)  # (size,) probabilities over the whole vocabulary
+            if size == vocab or probs.sum() >= p.top_p:
+                break
+            size = min(4 * size, vocab)
     if p.top_p < 1:
-        ordered, order = probs.sort(descending=True)
-        before = ordered.cumsum(0) - ordered  # the mass of the likelier tokens: the likeliest is always kept
-        ordered[before >= p.top_p] = 0
-        probs = torch.zeros_like(probs).scatter_(0, order, ordered)
-    return int(torch.multinomial(probs, 1, generator=generator))
+        before = probs.cumsum(0) - probs  # the mass of the likelier tokens: the likeliest is always kept
+        probs = probs.masked_fill(before >= p.top_p, 0)
+    return tokens, probs

@@ -69,3 +69,30 @@ def test_a_rows_draws_depend_on_its_own_generator_only():
     assert run([2]) == [together[2]]
     assert run([3, 0]) == [together[3], together[0]]
     assert together[0] != together[1]
+
+
+def _sorted_reference(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """temperature -> top-k -> top-p the plain way, sorting the whole vocabulary: probabilities (vocab,)."""
+    scores = logits.float() / p.temperature
+    if 0 < p.top_k < scores.numel():
+        scores = scores.masked_fill(scores < torch.topk(scores, p.top_k).values[-1], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    ordered, order = probs.sort(descending=True)
+    ordered[ordered.cumsum(0) - ordered >= p.top_p] = 0
+    return torch.zeros_like(probs).scatter_(0, order, ordered / ordered.sum())
+
+
+@pytest.mark.parametrize("scale", [8.0, 0.05])  # peaked, and so flat that the nucleus passes the first candidates
+@pytest.mark.parametrize("params", [dict(temperature=0.7, top_p=0.9), dict(temperature=1.3, top_p=0.5, top_k=40),
+                                    dict(temperature=0.9, top_k=7), dict(temperature=1.1)])
+def test_candidates_give_the_distribution_a_full_sort_gives(scale, params):
+    from engine.decode.sampling import CANDIDATES, candidates
+
+    logits = torch.randn(50_000, generator=torch.Generator().manual_seed(3)) * scale
+    p = SamplingParams(**params)
+    tokens, weights = candidates(logits, p)
+    got = torch.zeros(50_000).index_add_(0, tokens, weights / weights.sum())
+    expected = _sorted_reference(logits, p)
+    assert (got - expected).abs().max().item() < 1e-6
+    if scale < 1 and p.top_k == 0 and p.top_p < 1:
+        assert int((expected > 0).sum()) > CANDIDATES  # the nucleus did pass the first candidate set
