@@ -185,3 +185,21 @@ def test_waiting_for_pages_held_outside_the_engine_raises_when_nothing_runs(qwen
         engine.step()
     held.release()
     assert len(engine.run()[0].tokens) == 3
+
+
+def test_overlap_gives_the_same_tokens_and_counts_the_gaps(family):
+    """The next step's admission and pages prepared during the forward: same replies, with joins and
+    preemptions (three sequences of 30 + 40 tokens need 15 of the pool's 8 pages of 16)."""
+    prompts = [family.prompt(30), tokens(30, seed=1), tokens(30, seed=2)]
+    replies = []
+    for overlap in (False, True):
+        engine = DecodeEngine(family.model, None, DecodeConfig(kv_pages=8, block_tokens=16, overlap=overlap))
+        results = drive(engine, {0: [DecodeRequest(prompts[0], SamplingParams(max_tokens=REPLY))],
+                                 2: [DecodeRequest(p, SamplingParams(max_tokens=REPLY, temperature=0.8, seed=i))
+                                     for i, p in enumerate(prompts[1:])]})
+        replies.append([r.tokens for r in results.values()])
+        assert sum(r.preemptions for r in results.values()) > 0
+        assert len(engine.idle_gaps_s) >= REPLY - 1 and min(engine.idle_gaps_s) >= 0
+        engine.close()
+    assert replies[0] == replies[1]
+    assert replies[0][0] == family.generate(prompts[0])
