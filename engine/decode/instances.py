@@ -57,7 +57,7 @@ class InstanceClient:
         self._loads: deque[Future] = deque()  # load queries in flight, oldest first
         self._shutdown: Future | None = None
         self.unmatched: list[dict] = []  # errors no request in flight claims (e.g. a cancel that came too late)
-        self._closed = False
+        self._ended = False  # the connection ended: sends fail at once instead of waiting for no answer
         self._reader = threading.Thread(target=self._read, name=f"client-{port}", daemon=True)
         self._reader.start()
 
@@ -87,8 +87,12 @@ class InstanceClient:
     def load_async(self) -> Future:
         future: Future = Future()
         with self._send_lock:
-            self._loads.append(future)
-            self._send({"op": "load"})
+            self._loads.append(future)  # before the send: the answer may come before this thread goes on
+            try:
+                self._send({"op": "load"})
+            except InstanceError:
+                self._loads.pop()
+                raise
         return future
 
     def load(self, timeout_s: float = 30.0) -> dict:
@@ -111,7 +115,6 @@ class InstanceClient:
         return len(self._pending)
 
     def close(self) -> None:
-        self._closed = True
         try:
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -122,6 +125,9 @@ class InstanceClient:
     # -- wire --
 
     def _send(self, message: dict) -> None:
+        """Under the send lock."""
+        if self._ended:
+            raise InstanceError(f"the connection to instance {self.address} has ended")
         try:
             self._sock.sendall(json.dumps(message, separators=(",", ":")).encode() + b"\n")
         except OSError as e:
@@ -150,12 +156,15 @@ class InstanceClient:
         except (OSError, ValueError):
             pass
         finally:  # the connection ended: nothing in flight will be answered
-            reason = InstanceError(f"connection to instance {self.address} ended")
-            for future in [*self._pending.values(), *self._loads, *([self._shutdown] if self._shutdown else [])]:
+            with self._send_lock:  # no request can slip in between: later sends raise at once
+                self._ended = True
+                waiting = [*self._pending.values(), *self._loads, *([self._shutdown] if self._shutdown else [])]
+                self._pending.clear()
+                self._loads.clear()
+            reason = InstanceError(f"the connection to instance {self.address} ended")
+            for future in waiting:
                 if not future.done():
                     future.set_exception(reason)
-            self._pending.clear()
-            self._loads.clear()
 
 
 def to_instance_load(load: dict) -> InstanceLoad:

@@ -2,9 +2,11 @@
 
 A decode step's time grows with the number of sequences it runs (token-wise work) and with the KV they
 attend to (attention), and an instance's memory is its KV. So the KV-aware policy places a request on
-the instance with the lowest weighted sum of its running requests (relative to the busiest instance)
-and its KV after placement (relative to its capacity). Round-robin and least-requests are there to
-measure it against.
+the instance with the lowest weighted sum of its running requests and its KV after placement (as a
+fraction of its capacity), each relative to the busiest instance's: both terms span [0, 1] across the
+fleet, so the weights trade them evenly. (Relative to capacity alone, the KV term stayed small until
+instances filled, and one extra request outweighed ~6,000 tokens of KV: the policy was least-requests.)
+Round-robin and least-requests are there to measure it against.
 
     router = Router(RouterConfig(policy=KV_AWARE))
     instance = router.place([InstanceLoad(running=3, kv_tokens=9_000, kv_capacity=65_536), ...], prompt_tokens=2_000)
@@ -66,8 +68,10 @@ class Router:
             chosen = min(fits, key=lambda i: loads[i].running)
         else:
             busiest = max(1, max(load.running for load in loads))
+            used = [(load.kv_tokens + prompt_tokens) / load.kv_capacity for load in loads]  # after placement
+            fullest = max(used) or 1.0
             c = self.config
             chosen = min(fits, key=lambda i: c.request_weight * loads[i].running / busiest
-                         + c.kv_weight * (loads[i].kv_tokens + prompt_tokens) / loads[i].kv_capacity)
+                         + c.kv_weight * used[i] / fullest)
         self._next = (chosen + 1) % len(loads)
         return chosen

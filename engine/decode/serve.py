@@ -32,7 +32,7 @@ default); stop strings are refused (the instance has no tokenizer). A line longe
 is discarded up to its newline and answered with an error, so a client cannot make the instance buffer
 without bound. A connection's end (EOF) cancels its requests in flight: nobody is left to read them.
 SIGTERM or SIGINT shut down like the shutdown op; with --exit-on-stdin-eof so does the end of stdin, so
-instances started by a parent die with it.
+instances started by a parent die with it. SIGUSR1 dumps every thread's stack to stderr (a hung instance).
 
 Threads: the engine is not thread-safe, so one thread (the main one) owns it and does all engine work.
 Per connection a reader thread parses and validates lines into an inbox queue, and a writer thread sends
@@ -47,6 +47,7 @@ among load replies; "done" and "error" replies come when ready.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import queue
@@ -63,7 +64,7 @@ import torch
 
 from engine.decode.config import DecodeConfig
 from engine.decode.engine import DecodeEngine
-from engine.decode.request import CANCELLED, DecodeError, DecodeRequest, DecodeResult
+from engine.decode.request import DecodeError, DecodeRequest, DecodeResult
 from engine.decode.sampling import SamplingParams
 from engine.model import Decoder
 
@@ -165,6 +166,22 @@ def parse_line(line: bytes) -> tuple[str, dict, DecodeRequest | None]:
     raise ProtocolError(f"unknown op {op!r}: one of generate, cancel, load, shutdown")
 
 
+def _thread(target: Any, name: str, *args: Any) -> threading.Thread:
+    """A daemon thread that leaves SIGTERM and SIGINT to the main thread.
+
+    The kernel hands a process signal to any thread that does not block it; CPython then only sets a flag
+    and runs the handler in the main thread when that thread next wakes, so a main thread idle on the
+    inbox would not see the signal. Blocked here, the signal goes to the main thread and wakes it."""
+
+    def run() -> None:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+        target(*args)
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    return thread
+
+
 # -- connections --------------------------------------------------------------------------------------------
 
 class Connection:
@@ -178,8 +195,7 @@ class Connection:
         self.requests: dict[str | int, int] = {}  # client id -> engine id of its requests in flight (engine thread)
         # unbounded, but only by this client's own requests' replies: the engine thread never waits on a socket
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._writer = threading.Thread(target=self._write, name=f"writer-{number}", daemon=True)
-        self._writer.start()
+        self._writer = _thread(self._write, f"writer-{number}")
 
     def send(self, message: dict) -> None:
         if self.alive:
@@ -246,9 +262,9 @@ class Instance:
     # -- threads that feed the inbox --
 
     def start_threads(self) -> None:
-        threading.Thread(target=self._accept, name="accept", daemon=True).start()
+        _thread(self._accept, "accept")
         if self.config.exit_on_stdin_eof:
-            threading.Thread(target=self._watch_stdin, name="stdin", daemon=True).start()
+            _thread(self._watch_stdin, "stdin")
 
     def _accept(self) -> None:
         number = 0
@@ -264,7 +280,7 @@ class Instance:
                     conn.close()
                     continue
                 self.connections.add(conn)
-            threading.Thread(target=self._read, args=(conn,), name=f"reader-{number}", daemon=True).start()
+            _thread(self._read, f"reader-{number}", conn)
 
     def _read(self, conn: Connection) -> None:
         limit = self.config.max_line_bytes
@@ -321,7 +337,7 @@ class Instance:
         """Serve until shutdown; the exit status."""
         while not self._stopping:
             # block only when idle: with work pending the engine steps after draining what has arrived
-            item = self.inbox.get() if not self.engine.pending else self._poll()
+            item = self._wait() if not self.engine.pending else self._poll()
             handled = 0
             while item is not None:
                 self._handle(*item)
@@ -344,6 +360,14 @@ class Instance:
                     self._finished(result)
                 self._publish()
         return 0
+
+    def _wait(self) -> tuple | None:
+        try:
+            # the timeout is a fallback only: a signal that reached another thread (one torch started, say)
+            # runs its handler once the main thread wakes
+            return self.inbox.get(timeout=1.0)
+        except queue.Empty:
+            return None
 
     def _poll(self) -> tuple | None:
         try:
@@ -445,6 +469,7 @@ def serve(config: ServeConfig, ready: Any = None) -> int:
     instance = Instance(config, engine, listener)
     signal.signal(signal.SIGTERM, instance.request_shutdown)
     signal.signal(signal.SIGINT, instance.request_shutdown)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: every thread's stack, to stderr
     instance.start_threads()
     out = ready if ready is not None else sys.stdout
     print(f"READY {instance.port}", file=out, flush=True)

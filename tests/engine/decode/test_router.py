@@ -70,3 +70,11 @@ def test_bad_placements_are_refused():
         Router().place(_loads((0, 0)), -1)
     with pytest.raises(ValueError, match="invalid instance load"):
         Router().place([InstanceLoad(0, 0, 0)], 10)
+
+
+def test_kv_aware_weighs_kv_far_from_capacity_too():
+    """Both terms are relative to the busiest instance: far from capacity, 6,000 tokens of KV still count
+    against one extra short request (relative to capacity alone they were 6% of it, and lost)."""
+    loads = [InstanceLoad(1, 6_000, 100_000), InstanceLoad(2, 100, 100_000)]
+    assert Router(RouterConfig(policy=KV_AWARE)).place(loads, 50) == 1
+    assert Router(RouterConfig(policy=LEAST_REQUESTS)).place(loads, 50) == 0
