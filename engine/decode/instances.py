@@ -219,7 +219,8 @@ class Instances(Sequence[Instance]):
 
 
 def serve_args(model: Path | str, *, kv_pages: int = 512, block_tokens: int = 256, max_running: int = 64,
-               prefill_tokens_per_step: int = 2048, threads: int = 1, max_line_bytes: int | None = None) -> list[str]:
+               prefill_tokens_per_step: int = 2048, threads: int = 1, max_line_bytes: int | None = None,
+               servers: Sequence[str] = ()) -> list[str]:
     """The command line of one instance."""
     args = [sys.executable, "-m", "engine.decode.serve", "--model", str(model), "--port", "0",
             "--kv-pages", str(kv_pages), "--block-tokens", str(block_tokens), "--max-running", str(max_running),
@@ -227,6 +228,8 @@ def serve_args(model: Path | str, *, kv_pages: int = 512, block_tokens: int = 25
             "--exit-on-stdin-eof"]
     if max_line_bytes is not None:
         args += ["--max-line-bytes", str(max_line_bytes)]
+    if servers:
+        args += ["--servers", ",".join(servers)]
     return args
 
 

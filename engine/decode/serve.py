@@ -2,7 +2,13 @@
 
     python -m engine.decode.serve --model PATH [--port 0] [--kv-pages N] [--block-tokens B] [--max-running M]
                                   [--prefill-tokens-per-step P] [--threads T] [--max-line-bytes L]
-                                  [--exit-on-stdin-eof]
+                                  [--exit-on-stdin-eof] [--servers HOST:PORT,...]
+
+With --servers the instance is a client of the store: every prompt goes through its prefill engine, which
+loads what the daemons hold of it, and the reply's blocks are saved for the next turn; a generate with
+"from_handoff": true continues from the state a prefill process handed over (`engine.handoff`), and its
+"done" says how the prompt's KV came ("prefill_path": "handed_over", or the fallback's path). Without it,
+prompts are computed here and nothing is saved.
 
 It loads the model, listens on 127.0.0.1:PORT (0: a free port) and, once it can serve, prints exactly one
 line, `READY <port>`, on stdout (flushed); everything else it says goes to stderr. Several such processes
@@ -12,9 +18,10 @@ Protocol: each message is one JSON object on one line (UTF-8, `\\n`-terminated),
 keep any number of requests in flight on one connection; replies come when ready, matched by `id`.
 
     -> {"op": "generate", "id": ID, "prompt": [token ids], "max_tokens": N or null,
-        optional "temperature", "top_k", "top_p", "seed", "stop_token_ids"}   (see SamplingParams)
+        optional "temperature", "top_k", "top_p", "seed", "stop_token_ids"   (see SamplingParams),
+        and with --servers "from_handoff", "salt", "traffic_class", "session_id"   (see PrefillRequest)}
     <- {"op": "done", "id": ID, "tokens": [...], "finish_reason": "...", "token_times_s": [...],
-        "prompt_tokens": N, "preemptions": N}
+        "prompt_tokens": N, "preemptions": N, "prefill_path": "..." or null}
     -> {"op": "cancel", "id": ID}        <- the request's "done", finish_reason "cancelled"
     -> {"op": "load"}                    <- {"op": "load", "running": .., "waiting": .., "kv_tokens": ..,
                                              "queued_tokens": .., "kv_capacity": ..}   (at once)
@@ -67,10 +74,14 @@ from engine.decode.engine import DecodeEngine
 from engine.decode.request import DecodeError, DecodeRequest, DecodeResult
 from engine.decode.sampling import SamplingParams
 from engine.model import Decoder
+from engine.prefill import PrefillConfig, PrefillEngine, PrefillRequest
+from engine.weights import model_identity
+from kvstore.client import KVClient
 
 MAX_LINE_BYTES = 16 * 1024 * 1024  # a 16 MiB line holds a prompt of ~2M token ids: far past any context
 DRAIN_PER_STEP = 256  # inbox messages handled between two steps: a flood of messages cannot starve decoding
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed", "stop_token_ids")
+STORE_FIELDS = {"from_handoff": bool, "salt": str, "traffic_class": str, "session_id": str}  # with --servers
 GENERATE_FIELDS = {"op", "id", "prompt", "max_tokens", *SAMPLING_FIELDS}
 
 
@@ -88,6 +99,7 @@ class ServeConfig:
     threads: int = 1  # torch threads: several instances share a machine's cores, so one each by default
     max_line_bytes: int = MAX_LINE_BYTES
     exit_on_stdin_eof: bool = False
+    servers: tuple[str, ...] = ()  # the store's daemons (host:port); none: no store
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model", Path(self.model))
@@ -102,6 +114,9 @@ class ServeConfig:
             raise ValueError(f"ServeConfig: port must be an integer in [0, 65535], got {self.port!r}")
         if not isinstance(self.host, str) or not self.host:
             raise ValueError(f"ServeConfig: host must be a non-empty string, got {self.host!r}")
+        object.__setattr__(self, "servers", tuple(self.servers))
+        if not all(isinstance(s, str) and s.rpartition(":")[2].isdigit() for s in self.servers):
+            raise ValueError(f"ServeConfig: servers must be host:port addresses, got {self.servers!r}")
 
     def decode_config(self) -> DecodeConfig:
         return DecodeConfig(max_running=self.max_running, prefill_tokens_per_step=self.prefill_tokens_per_step,
@@ -125,9 +140,10 @@ def _request_id(message: dict) -> str | int:
     return rid
 
 
-def parse_generate(message: dict) -> DecodeRequest:
-    """The DecodeRequest of a generate message; ProtocolError or DecodeError saying why not."""
-    if unknown := sorted(set(message) - GENERATE_FIELDS):
+def parse_generate(message: dict, store: bool = False) -> DecodeRequest:
+    """The DecodeRequest of a generate message; ProtocolError or DecodeError saying why not. With a `store`,
+    its prompt is a PrefillRequest (prefilled through the store, the reply saved)."""
+    if unknown := sorted(set(message) - GENERATE_FIELDS - (set(STORE_FIELDS) if store else set())):
         hint = " (stop strings need a tokenizer, which an instance has not: use stop_token_ids)" \
             if "stop" in unknown else ""
         raise ProtocolError(f"generate: unknown fields {unknown}{hint}")
@@ -143,10 +159,21 @@ def parse_generate(message: dict) -> DecodeRequest:
             raise ProtocolError("generate: stop_token_ids must be a list of integers")
         sampling["stop_token_ids"] = tuple(ids)
     params = SamplingParams(max_tokens=message["max_tokens"], **sampling)  # DecodeError for bad values
-    return DecodeRequest(prompt, params)
+    if not store:
+        return DecodeRequest(prompt, params)
+    fields = {name: message[name] for name in STORE_FIELDS if name in message}
+    for name, value in fields.items():
+        if not isinstance(value, STORE_FIELDS[name]):
+            raise ProtocolError(f"generate: {name} must be a {STORE_FIELDS[name].__name__}, got {value!r}")
+    return DecodeRequest(PrefillRequest(prompt, **fields), params)
 
 
-def parse_line(line: bytes) -> tuple[str, dict, DecodeRequest | None]:
+def _prompt_tokens(request: DecodeRequest) -> int:
+    prompt = request.prompt
+    return len(prompt.tokens if isinstance(prompt, PrefillRequest) else prompt)
+
+
+def parse_line(line: bytes, store: bool = False) -> tuple[str, dict, DecodeRequest | None]:
     """(op, message, the DecodeRequest of a generate): everything about a line that needs no engine."""
     try:
         message = json.loads(line)
@@ -157,7 +184,7 @@ def parse_line(line: bytes) -> tuple[str, dict, DecodeRequest | None]:
     op = message.get("op")
     if op == "generate":
         _request_id(message)
-        return op, message, parse_generate(message)
+        return op, message, parse_generate(message, store)
     if op == "cancel":
         _request_id(message)
         return op, message, None
@@ -295,7 +322,7 @@ class Instance:
                 if not line.strip():
                     continue
                 try:
-                    op, message, request = parse_line(line)
+                    op, message, request = parse_line(line, bool(self.config.servers))
                 except (ProtocolError, DecodeError) as e:
                     rid = None
                     try:
@@ -310,7 +337,7 @@ class Instance:
                 if op == "generate":
                     with self._load_lock:
                         self._unsubmitted[0] += 1
-                        self._unsubmitted[1] += len(request.prompt)
+                        self._unsubmitted[1] += _prompt_tokens(request)
                 self.inbox.put((op, conn, message, request))
         except OSError:
             pass  # reset by the peer, or shut down by us: the same as its end
@@ -379,7 +406,7 @@ class Instance:
         if op == "generate":
             # taken off the readers' count only when the engine's next published state includes it
             self._taken[0] += 1
-            self._taken[1] += len(request.prompt)
+            self._taken[1] += _prompt_tokens(request)
             rid = message["id"]
             if rid in conn.requests:
                 conn.send(_error(rid, f"id {rid!r} is already in flight on this connection"))
@@ -390,7 +417,7 @@ class Instance:
                 conn.send(_error(rid, str(e)))
                 return
             conn.requests[rid] = eid
-            self.inflight[eid] = (conn, rid, len(request.prompt))
+            self.inflight[eid] = (conn, rid, _prompt_tokens(request))
             self.order.append(eid)
         elif op == "cancel":
             rid = message["id"]
@@ -433,7 +460,7 @@ class Instance:
         conn.requests.pop(rid, None)
         conn.send({"op": "done", "id": rid, "tokens": result.tokens, "finish_reason": result.finish_reason,
                    "token_times_s": result.token_times_s, "prompt_tokens": result.prompt_tokens,
-                   "preemptions": result.preemptions})
+                   "preemptions": result.preemptions, "prefill_path": result.prefill_path})
 
     def _shutdown(self, requester: Connection | None) -> None:
         """Cancel what is in flight (each gets its "done"), acknowledge, close everything."""
@@ -464,7 +491,12 @@ def serve(config: ServeConfig, ready: Any = None) -> int:
     """Load the model, listen, announce `READY <port>` on `ready` (stdout), serve; the exit status."""
     torch.set_num_threads(config.threads)
     model = Decoder.from_pretrained(config.model)
-    engine = DecodeEngine(model, None, config.decode_config())
+    prefill = None
+    if config.servers:  # the prefill engine shares its page pool with the decode engine
+        client = KVClient(list(config.servers))
+        prefill = PrefillEngine(model, client, PrefillConfig(block_tokens=config.block_tokens,
+                                                             kv_pages=config.kv_pages), model_identity(config.model))
+    engine = DecodeEngine(model, prefill, config.decode_config())
     listener = socket.create_server((config.host, config.port))
     instance = Instance(config, engine, listener)
     signal.signal(signal.SIGTERM, instance.request_shutdown)
@@ -489,11 +521,13 @@ def parse_args(argv: Sequence[str] | None = None) -> ServeConfig:
     parser.add_argument("--max-line-bytes", type=int, default=MAX_LINE_BYTES)
     parser.add_argument("--exit-on-stdin-eof", action="store_true",
                         help="shut down when stdin ends (a parent holding the pipe died or closed it)")
+    parser.add_argument("--servers", default="", help="the store's daemons, host:port,...: prompts go through it")
     a = parser.parse_args(argv)
     try:
         return ServeConfig(model=a.model, host=a.host, port=a.port, kv_pages=a.kv_pages, block_tokens=a.block_tokens,
                            max_running=a.max_running, prefill_tokens_per_step=a.prefill_tokens_per_step,
-                           threads=a.threads, max_line_bytes=a.max_line_bytes, exit_on_stdin_eof=a.exit_on_stdin_eof)
+                           threads=a.threads, max_line_bytes=a.max_line_bytes, exit_on_stdin_eof=a.exit_on_stdin_eof,
+                           servers=tuple(s for s in a.servers.split(",") if s))
     except ValueError as e:
         parser.error(str(e))
 

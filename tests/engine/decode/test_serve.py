@@ -202,3 +202,32 @@ def test_sigterm_stdin_end_and_the_shutdown_op_each_cancel_what_is_in_flight_and
 def test_an_instance_that_cannot_start_is_reported_with_its_stderr(tmp_path):
     with pytest.raises(InstanceStartError, match="model must be a model directory"):
         start_instances(tmp_path / "no-model", 1, ready_timeout_s=60)
+
+
+def test_an_instance_with_a_store_continues_a_handed_over_prompt(model_dir, daemons):
+    """A prefill process hands a prompt over through a daemon; the instance continues from that state (one
+    token computed) and says so; a prompt nobody handed over is prefilled through the store and says how."""
+    from engine.prefill import PrefillConfig, PrefillEngine, PrefillRequest
+    from engine.prefill.cost import ChunkCost
+    from kvstore.client import KVClient
+
+    (daemon,) = daemons(1)
+    handed, other = tokens(300, seed=60), tokens(100, seed=61)
+    model = Decoder.from_pretrained(model_dir)
+    with KVClient([daemon.address]) as client:
+        prefill = PrefillEngine.from_pretrained(model_dir, client, PrefillConfig(block_tokens=BLOCK, kv_pages=16,
+                                                                                 cost=ChunkCost(1e-9, 1e-3, 1e-3)))
+        result = prefill.prefill(PrefillRequest(handed, hand_off=True, salt="t"))
+        assert result.handed_off and prefill.flush(10)
+        result.kv.release()
+    expected = DecodeEngine(model, None, DecodeConfig(kv_pages=PAGES, block_tokens=BLOCK))
+    expected.submit(DecodeRequest(handed, SamplingParams(max_tokens=20)))
+    (reference,) = expected.run()
+    with start_instances(model_dir, 1, servers=[daemon.address], **OPTIONS) as instances:
+        client = instances[0].client
+        done = client.generate(handed, 20, from_handoff=True, salt="t").result(60)
+        assert done["prefill_path"] == "handed_over" and done["tokens"] == reference.tokens
+        assert client.generate(other, 5, salt="t").result(60)["prefill_path"] == "cold"
+        with pytest.raises(InstanceError, match="from_handoff must be a bool"):
+            client.generate(other, 5, from_handoff="yes").result(60)
+        instances.stop()
