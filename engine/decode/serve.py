@@ -71,18 +71,15 @@ import torch
 
 from engine.decode.config import DecodeConfig
 from engine.decode.engine import DecodeEngine
+from engine.decode.protocol import ProtocolError, is_int, parse_line, prompt_tokens
 from engine.decode.request import DecodeError, DecodeRequest, DecodeResult
-from engine.decode.sampling import SamplingParams
 from engine.model import Decoder
-from engine.prefill import PrefillConfig, PrefillEngine, PrefillRequest
+from engine.prefill import PrefillConfig, PrefillEngine
 from engine.weights import model_identity
 from kvstore.client import KVClient
 
 MAX_LINE_BYTES = 16 * 1024 * 1024  # a 16 MiB line holds a prompt of ~2M token ids: far past any context
 DRAIN_PER_STEP = 256  # inbox messages handled between two steps: a flood of messages cannot starve decoding
-SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed", "stop_token_ids")
-STORE_FIELDS = {"from_handoff": bool, "salt": str, "traffic_class": str, "session_id": str}  # with --servers
-GENERATE_FIELDS = {"op", "id", "prompt", "max_tokens", *SAMPLING_FIELDS}
 
 
 @dataclass(frozen=True)
@@ -121,76 +118,6 @@ class ServeConfig:
     def decode_config(self) -> DecodeConfig:
         return DecodeConfig(max_running=self.max_running, prefill_tokens_per_step=self.prefill_tokens_per_step,
                             kv_pages=self.kv_pages, block_tokens=self.block_tokens)
-
-
-class ProtocolError(ValueError):
-    """A line or request the instance refuses; answered with an error for it alone."""
-
-
-# -- parsing (reader threads; touches no engine state) ------------------------------------------------------
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)  # JSON true must not pass for the id 1
-
-
-def _request_id(message: dict) -> str | int:
-    rid = message.get("id")
-    if not (_is_int(rid) or isinstance(rid, str)):
-        raise ProtocolError(f"id must be a string or an integer, got {rid!r}")
-    return rid
-
-
-def parse_generate(message: dict, store: bool = False) -> DecodeRequest:
-    """The DecodeRequest of a generate message; ProtocolError or DecodeError saying why not. With a `store`,
-    its prompt is a PrefillRequest (prefilled through the store, the reply saved)."""
-    if unknown := sorted(set(message) - GENERATE_FIELDS - (set(STORE_FIELDS) if store else set())):
-        hint = " (stop strings need a tokenizer, which an instance has not: use stop_token_ids)" \
-            if "stop" in unknown else ""
-        raise ProtocolError(f"generate: unknown fields {unknown}{hint}")
-    prompt = message.get("prompt")
-    if not isinstance(prompt, list) or not all(_is_int(t) for t in prompt):
-        raise ProtocolError("generate: prompt must be a list of integer token ids")
-    if "max_tokens" not in message:
-        raise ProtocolError("generate: max_tokens is required (an integer >= 1, or null to stop at the context)")
-    sampling = {name: message[name] for name in SAMPLING_FIELDS if name in message}
-    if "stop_token_ids" in sampling:
-        ids = sampling["stop_token_ids"]
-        if not isinstance(ids, list) or not all(_is_int(i) for i in ids):
-            raise ProtocolError("generate: stop_token_ids must be a list of integers")
-        sampling["stop_token_ids"] = tuple(ids)
-    params = SamplingParams(max_tokens=message["max_tokens"], **sampling)  # DecodeError for bad values
-    if not store:
-        return DecodeRequest(prompt, params)
-    fields = {name: message[name] for name in STORE_FIELDS if name in message}
-    for name, value in fields.items():
-        if not isinstance(value, STORE_FIELDS[name]):
-            raise ProtocolError(f"generate: {name} must be a {STORE_FIELDS[name].__name__}, got {value!r}")
-    return DecodeRequest(PrefillRequest(prompt, **fields), params)
-
-
-def _prompt_tokens(request: DecodeRequest) -> int:
-    prompt = request.prompt
-    return len(prompt.tokens if isinstance(prompt, PrefillRequest) else prompt)
-
-
-def parse_line(line: bytes, store: bool = False) -> tuple[str, dict, DecodeRequest | None]:
-    """(op, message, the DecodeRequest of a generate): everything about a line that needs no engine."""
-    try:
-        message = json.loads(line)
-    except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, an over-long int, nesting past the stack
-        raise ProtocolError(f"not a JSON line: {type(e).__name__}: {str(e)[:200]}") from None
-    if not isinstance(message, dict):
-        raise ProtocolError("a message must be a JSON object")
-    op = message.get("op")
-    if op == "generate":
-        _request_id(message)
-        return op, message, parse_generate(message, store)
-    if op == "cancel":
-        _request_id(message)
-        return op, message, None
-    if op in ("load", "shutdown"):
-        return op, message, None
-    raise ProtocolError(f"unknown op {op!r}: one of generate, cancel, load, shutdown")
 
 
 def _thread(target: Any, name: str, *args: Any) -> threading.Thread:
@@ -252,7 +179,7 @@ class Connection:
 
 
 def _error(rid: Any, message: str) -> dict:
-    return {"op": "error", "id": rid if (_is_int(rid) or isinstance(rid, str)) else None, "message": message}
+    return {"op": "error", "id": rid if (is_int(rid) or isinstance(rid, str)) else None, "message": message}
 
 
 # -- the instance -------------------------------------------------------------------------------------------
@@ -337,7 +264,7 @@ class Instance:
                 if op == "generate":
                     with self._load_lock:
                         self._unsubmitted[0] += 1
-                        self._unsubmitted[1] += _prompt_tokens(request)
+                        self._unsubmitted[1] += prompt_tokens(request)
                 self.inbox.put((op, conn, message, request))
         except OSError:
             pass  # reset by the peer, or shut down by us: the same as its end
@@ -406,7 +333,7 @@ class Instance:
         if op == "generate":
             # taken off the readers' count only when the engine's next published state includes it
             self._taken[0] += 1
-            self._taken[1] += _prompt_tokens(request)
+            self._taken[1] += prompt_tokens(request)
             rid = message["id"]
             if rid in conn.requests:
                 conn.send(_error(rid, f"id {rid!r} is already in flight on this connection"))
@@ -417,7 +344,7 @@ class Instance:
                 conn.send(_error(rid, str(e)))
                 return
             conn.requests[rid] = eid
-            self.inflight[eid] = (conn, rid, _prompt_tokens(request))
+            self.inflight[eid] = (conn, rid, prompt_tokens(request))
             self.order.append(eid)
         elif op == "cancel":
             rid = message["id"]
