@@ -6,7 +6,8 @@ gates with tanh-GELU and gives sliding layers a RoPE base of their own.
 
 The forward pass runs one *step*: chunks of several requests at once, layer by layer. Token-wise work
 (projections, norms, MLPs) runs over all the step's tokens together; attention runs per chunk against
-that request's explicit KV (pages for full layers, the window ring for sliding ones). `before_layer(l)`
+that request's explicit KV (pages for full layers, the window ring for sliding ones); a step of one token
+per chunk attends for all chunks at once (`engine.decode_attention`). `before_layer(l)`
 is called before layer l reads any KV: where a load is streaming the cached prefix in, layer by layer,
 the engine waits there, so copying layer l+1 overlaps computing layer l.
 """
@@ -21,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import SLIDING, ModelConfig
+from engine.decode_attention import DecodeBatch
 from engine.kv import RequestKV
 from engine.rope import Rope, apply_rope
 from engine.weights import load_weights
@@ -51,6 +53,7 @@ class Decoder:
         # position of each layer among the full or the sliding layers: its page tensor or its ring
         self._kv_index = {layer: i for group in (config.full_layers, config.sliding_layers)
                           for i, layer in enumerate(group)}
+        self._sinks = any(name.endswith("self_attn.sinks") for name in weights)  # decode steps attend per chunk
 
     @classmethod
     def from_pretrained(cls, path: Path | str, dtype: torch.dtype = torch.float32,
@@ -68,6 +71,9 @@ class Decoder:
         positions = torch.cat([torch.arange(ch.start, ch.start + n) for ch, n in zip(chunks, sizes)]).to(self.device)
         full_rope = self.rope.cos_sin(positions, self.dtype)  # cos and sin, each (T, head_dim/2)
         local_rope = self.local_rope.cos_sin(positions, self.dtype) if self.local_rope is not self.rope else full_rope
+        kvs, starts = [chunk.kv for chunk in chunks], [chunk.start for chunk in chunks]
+        batch = DecodeBatch(kvs, starts, self.device) \
+            if not self._sinks and DecodeBatch.applies(kvs, sizes, starts) else None
         h = self.w["embed_tokens.weight"][tokens]  # (T, hidden)
         if c.embedding_scale != 1.0:
             h = h * self.embedding_scale
@@ -76,7 +82,8 @@ class Decoder:
                 before_layer(layer)
             p = f"layers.{layer}."
             cos, sin = local_rope if c.layer_types[layer] == SLIDING else full_rope
-            attended = self._attention(layer, p, self._norm(h, p + "input_layernorm.weight"), cos, sin, chunks, sizes)
+            attended = self._attention(layer, p, self._norm(h, p + "input_layernorm.weight"), cos, sin, chunks, sizes,
+                                       batch)
             if c.sandwich_norms:  # Gemma: each branch's output normed before it joins the residual stream
                 h = h + self._norm(attended, p + "post_attention_layernorm.weight")
                 mlp = self._mlp(p, self._norm(h, p + "pre_feedforward_layernorm.weight"))
@@ -105,7 +112,7 @@ class Decoder:
         return F.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"))
 
     def _attention(self, layer: int, p: str, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   chunks: Sequence[Chunk], sizes: list[int]) -> torch.Tensor:
+                   chunks: Sequence[Chunk], sizes: list[int], batch: DecodeBatch | None = None) -> torch.Tensor:
         c = self.config
         q = self._linear(x, p + "self_attn.q_proj").view(-1, c.num_heads, c.head_dim)  # (T, heads, head_dim)
         k = self._linear(x, p + "self_attn.k_proj").view(-1, c.num_kv_heads, c.head_dim)  # (T, kv_heads, head_dim)
@@ -115,6 +122,9 @@ class Decoder:
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         sliding = c.layer_types[layer] == SLIDING
         index = self._kv_index[layer]
+        if batch is not None:  # one token per chunk: all chunks in one attention call
+            attend_all = batch.sliding if sliding else batch.full
+            return self._linear(attend_all(index, q, k, v, self.scale), p + "self_attn.o_proj")
         sinks = self.w.get(p + "self_attn.sinks")
         out, begin = [], 0
         for chunk, n in zip(chunks, sizes):

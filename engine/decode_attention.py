@@ -1,0 +1,91 @@
+"""Attention for a step in which every chunk is one token (a decode step), batched over the sequences.
+
+The general path (`Decoder._attention`) attends chunk by chunk: for one token, some twenty small tensor
+ops per sequence and layer, which at batch 32 cost more host time than the attention's arithmetic. Here
+each layer is one fused attention call over all sequences:
+
+* full layers: each sequence's new K/V written into its page, then its pages gathered into a padded
+  (B, L, kv_heads, head_dim) view (L = the longest sequence's pages x block tokens), positions past a
+  sequence's own masked;
+* sliding layers: the new K/V written into each ring, the rings stacked to (B, W, kv_heads, head_dim),
+  slot s holding the latest position p' <= p with p' = s mod W, masked where p' < 0 or before the
+  window the KV holds (a replay's start).
+
+Used only where it computes what the general path does: one token per chunk, no attention sinks, no
+window to capture in this step (those steps, one per block boundary, take the general path).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from engine.kv import RequestKV
+
+
+class DecodeBatch:
+    """What every layer of one decode step shares: positions, padded block tables, ring masks."""
+
+    def __init__(self, kvs: Sequence[RequestKV], positions: Sequence[int], device: torch.device) -> None:
+        self.kvs = kvs
+        self.pos = torch.tensor(positions, device=device)  # (B,)
+        self.rows = torch.arange(len(kvs), device=device)
+        first = kvs[0]
+        if first.pool.layers:
+            B = first.block_tokens
+            width = max(p // B + 1 for p in positions)
+            tables = [kv.block_table[:width] + [0] * (width - min(width, len(kv.block_table))) for kv in kvs]
+            self.tables = torch.tensor(tables, device=device)  # (B, pages), padded with page 0
+            self.page = self.tables[self.rows, self.pos // B]  # (B,) where each new token goes
+            self.offset = self.pos % B
+            self.full_mask = torch.arange(width * B, device=device)[None] <= self.pos[:, None]  # (B, L)
+        if first.rings is not None:
+            W = first.window
+            self.slot = self.pos % W  # (B,)
+            self.slots = min(W, max(positions) + 1)  # before the window fills, slots past the newest are empty
+            held = self.pos[:, None] - (self.pos[:, None] - torch.arange(self.slots, device=device)[None]) % W
+            lower = torch.tensor([kv.window_from for kv in kvs], device=device).clamp(min=0)
+            self.ring_mask = held >= lower[:, None]  # (B, slots); held >= 0 too: window_from >= 0
+
+    @staticmethod
+    def applies(kvs: Sequence[RequestKV], sizes: Sequence[int], starts: Sequence[int]) -> bool:
+        """Whether a step of these chunks can take the batched path."""
+        if not kvs or any(n != 1 for n in sizes):
+            return False
+        pool = kvs[0].pool
+        for kv, start in zip(kvs, starts):
+            if kv.pool is not pool or start < kv.window_from or start < kv.keep_full_before:
+                return False
+            if any(start <= boundary <= start + 1 for boundary in kv.capture_at):
+                return False
+        return True
+
+    def full(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """q (B, heads, d), k and v (B, kv_heads, d) of full layer `layer`; returns (B, heads * d)."""
+        pages = self.kvs[0].pool.layers[layer]  # (num_pages, 2, block_tokens, kv_heads, d)
+        pages[self.page, 0, self.offset] = k
+        pages[self.page, 1, self.offset] = v
+        used = pages[self.tables]  # (B, pages, 2, block_tokens, kv_heads, d)
+        B, width, _, block, kv_heads, d = used.shape
+        keys = used[:, :, 0].reshape(B, width * block, kv_heads, d)
+        values = used[:, :, 1].reshape(B, width * block, kv_heads, d)
+        return _attend(q, keys, values, self.full_mask, scale)
+
+    def sliding(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """q (B, heads, d), k and v (B, kv_heads, d) of sliding layer `layer`; returns (B, heads * d)."""
+        rings = [kv.rings[layer] for kv in self.kvs]  # each (2, W, kv_heads, d)
+        for ring, slot, key, value in zip(rings, self.slot.tolist(), k, v):
+            ring[0, slot] = key
+            ring[1, slot] = value
+        stacked = torch.stack([ring[:, : self.slots] for ring in rings])  # (B, 2, slots, kv_heads, d)
+        return _attend(q, stacked[:, 0], stacked[:, 1], self.ring_mask, scale)
+
+
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+            scale: float) -> torch.Tensor:
+    """q (B, heads, d) over keys, values (B, n, kv_heads, d) where mask (B, n); returns (B, heads * d)."""
+    out = F.scaled_dot_product_attention(q[:, :, None], keys.transpose(1, 2), values.transpose(1, 2),
+                                         attn_mask=mask[:, None, None], scale=scale, enable_gqa=True)
+    return out.reshape(q.shape[0], -1)  # (B, heads, 1, d) -> (B, heads * d)
