@@ -1,7 +1,7 @@
 """Decode throughput of the decode engine beside `transformers` `generate`, on the real Gemma 3 270M.
 
     python bench/decode.py [--batches 1,8,32] [--prompt-tokens 256] [--tokens 24] [--repeats 3] [--json out.json]
-                           [--router-requests 200] [--router-speedup 8] [--no-router]
+                           [--router-requests 200] [--router-speedup 4] [--no-router]
 
 For each batch size B: B real-text prompts (chat sessions of standard-library documentation through the
 chat template, `engine.real_text`, each cut to --prompt-tokens so no padding is needed), greedy, the same
@@ -137,7 +137,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--router-requests", type=int, default=200)
-    parser.add_argument("--router-speedup", type=float, default=8.0)
+    parser.add_argument("--router-speedup", type=float, default=4.0)
     parser.add_argument("--no-router", action="store_true", help="skip the router measurement")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]

@@ -10,15 +10,15 @@ after the other on the same instances, each beginning when the previous one has 
 answered), after one warm-up request per instance.
 
 Workload: the first --requests records of ../shared/data/conversation_trace.jsonl. Their lengths are the
-trace's divided by --scale (default 16: the mean input of ~14k tokens becomes ~900, the largest, 120k,
-~7.5k, inside the model's context; outputs of ~380 become ~24), at least 1 token each; prompts are random
+trace's inputs divided by --scale (default 16: the mean input of ~14k tokens becomes ~900, the largest,
+120k, ~7.5k, inside the model's context) and outputs by --output-scale (default 2: ~380 become ~190, so
+that each instance decodes several requests at once), at least 1 token each; prompts are random
 token ids (the same per request for every policy), replies greedy to exactly max_tokens (no stop token), so
 every policy gets identical work. Arrivals replay at `timestamp / speedup` (timestamp in ms), measured
-from the policy's start. The default x8 puts 200 requests into ~9 s: on 2 cores that loads three instances
-without saturating them, though how heavily depends on what else runs there (runs on a shared machine
-ranged from a mean of ~1k KV tokens per instance and no preemption to ~3k and a few). At x20 every instance
-sits near its KV capacity whatever the policy (all look alike); at x2 mostly one request runs at a time
-and the imbalance only says which instance holds it.
+from the policy's start. The default x4 puts 200 requests into ~22 s, which keeps three instances on 2
+cores busy (several thousand KV tokens each) without holding them at capacity; at x8 every instance sits
+at its KV capacity with a queue, whatever the policy, and at x2 most arrivals find an idle instance, where
+every policy places alike.
 
 Routing: before placing each request the router asks every instance for its load (the "load" op, all at
 once; each answers at once from its state after its last step and the requests it has received since),
@@ -182,7 +182,7 @@ def run_policy(instances: Instances, policy: str, records: Sequence[dict], speed
     return _summarise(sampler.samples, poll_s, replies, placed, len(instances), total, late), sampler.samples
 
 
-def measure_routers(requests: int = 200, instances: int = 3, speedup: float = 8.0, *, trace: Path = TRACE,
+def measure_routers(requests: int = 200, instances: int = 3, speedup: float = 4.0, *, trace: Path = TRACE,
                     scale: int = LENGTH_SCALE, output_scale: int = OUTPUT_SCALE, repeats: int = 3,
                     poll_ms: float = 50.0, kv_pages: int = 192, block_tokens: int = 64,
                     max_running: int = 64, policies: Sequence[str] = POLICIES, request_weight: float = 0.5,
@@ -268,7 +268,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--instances", type=int, default=3)
     parser.add_argument("--requests", type=int, default=200)
-    parser.add_argument("--speedup", type=float, default=8.0, help="arrivals replay at timestamp / speedup")
+    parser.add_argument("--speedup", type=float, default=4.0, help="arrivals replay at timestamp / speedup")
     parser.add_argument("--scale", type=int, default=LENGTH_SCALE, help="trace input lengths are divided by this")
     parser.add_argument("--output-scale", type=int, default=OUTPUT_SCALE, help="trace output lengths are divided by this")
     parser.add_argument("--repeats", type=int, default=3)
