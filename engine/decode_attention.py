@@ -12,7 +12,12 @@ each layer is one fused attention call over all sequences:
   window the KV holds (a replay's start).
 
 Used only where it computes what the general path does: one token per chunk, no attention sinks, no
-window to capture in this step (those steps, one per block boundary, take the general path).
+window to capture in this step (those steps, one per block boundary, take the general path). It computes
+it to float rounding, not bit for bit: padded keys change the order of the softmax's sums, so a
+sequence's logits move by ~1e-6 with the lengths of the others in its step.
+
+Memory: the full layers' gather is (B, longest sequence) per layer, not the sum of the lengths; for long
+contexts at large batches, gathering only each sequence's own pages (a varlen kernel) is the next step.
 """
 
 from __future__ import annotations
@@ -58,6 +63,8 @@ class DecodeBatch:
         for kv, start in zip(kvs, starts):
             if kv.pool is not pool or start < kv.window_from or start < kv.keep_full_before:
                 return False
+            if pool.layers and len(kv.block_table) <= start // kv.block_tokens:
+                return False  # no page for the new token: the general path fails loudly, never writes elsewhere
             if any(start <= boundary <= start + 1 for boundary in kv.capture_at):
                 return False
         return True

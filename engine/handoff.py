@@ -100,9 +100,10 @@ def encode(kv: RequestKV, position: int, window: WindowState | None) -> bytes:
     return prelude + _bytes(full) + _bytes(sliding)
 
 
-def restore(payload: bytes | memoryview, kv: RequestKV, position: int) -> None:
+def restore(payload: bytes | memoryview, kv: RequestKV, position: int, exact: bool) -> None:
     """Write the continuation at `position` into `kv`: the tail into its pages (already reserved), the window
-    into its rings. CorruptContinuation, leaving `kv`'s pages of [0, F·B) untouched, if it does not fit."""
+    into its rings. CorruptContinuation, leaving `kv`'s pages of [0, F·B) untouched, if it does not fit, or
+    if it holds a replayed window (`window_from` > 0) for an `exact` chain."""
     view = memoryview(payload).cast("B")
     if len(view) < _PRELUDE.size:
         raise CorruptContinuation(f"{len(view)} bytes: shorter than the prelude")
@@ -110,6 +111,8 @@ def restore(payload: bytes | memoryview, kv: RequestKV, position: int) -> None:
     if (magic, version) != (_MAGIC, _VERSION):
         raise CorruptContinuation(f"magic {magic!r} version {version}: not a continuation record this engine reads")
     expected_w = min(kv.window, position - window_from) if kv.rings is not None else 0
+    if exact and window_from:
+        raise CorruptContinuation(f"a replayed window (from {window_from}) in an exact chain's record")
     if at != position or window_from > position or w != expected_w:
         raise CorruptContinuation(f"record at position {at} (window from {window_from}, {w} positions) does not "
                                   f"continue position {position}")

@@ -134,22 +134,23 @@ class DecodeEngine:
         Raises KVCapacityError when nothing runs and the oldest waiting sequence cannot get its pages
         (they are held outside this engine, e.g. by unreleased prefill results)."""
         finished, self._done = self._done, []
-        prefill_waits = False  # for pages the running sequences hold
+        prefill_moved = False  # the prefill engine computed (its requests may be holding pages others wait for)
         if self._prefill is not None and self._prefill.pending:
             try:
                 for result in self._prefill.step():
                     self._continue(self._prefilling.pop(result.id), result)
-            except KVCapacityError:
-                prefill_waits = True
+                prefill_moved = True
+            except KVCapacityError:  # it waits for pages; the running sequences may free them
+                pass
             finished, self._done = finished + self._done, []
         batch = self._prepare()
         if batch.chunks:
             finished += self._complete(batch, self._timed_execute(batch))
         else:
             self._forward_ended = None  # idle: no gap to count until work comes
-        if not batch.chunks and prefill_waits and not finished:
-            raise KVCapacityError(f"{self.pool.free_pages} free KV pages cannot hold the oldest prefill and "
-                                  "nothing runs here to free more: release finished prefill results' KV")
+        if not batch.chunks and not prefill_moved and not finished and (self._waiting or self._prefilling):
+            raise KVCapacityError(f"{self.pool.free_pages} free KV pages cannot hold the oldest waiting sequence "
+                                  "and nothing runs here to free more: release finished prefill results' KV")
         return finished
 
     def run(self) -> list[DecodeResult]:
@@ -262,9 +263,6 @@ class DecodeEngine:
         """Host side of a step: admit, plan each running sequence's tokens, grow its pages (preempting
         the youngest where the pool is full), and build the chunks."""
         self._admit()
-        if not self._running and self._waiting:
-            raise KVCapacityError(f"{self.pool.free_pages} free KV pages cannot hold the oldest waiting sequence "
-                                  "and nothing runs here to free more: release finished prefill results' KV")
         budget = self.config.prefill_tokens_per_step
         planned: list[tuple[DecodeSequence, int]] = []
         for sequence in self._running:

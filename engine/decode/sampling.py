@@ -1,8 +1,9 @@
 """How a request picks its tokens: greedy, or temperature → top-k → top-p → a draw from its own generator.
 
 Each sampled request owns a `torch.Generator`, seeded from `SamplingParams.seed`, and only its own rows
-draw from it: its tokens depend on its logits and its seed, never on what else shares the batch (or on
-being preempted and resumed, since the generator travels with the request).
+draw from it: its draws depend on its logits and its seed, never on what else shares the batch (or on
+being preempted and resumed, since the generator travels with the request). Its logits themselves may
+move by float rounding (~1e-6) with its neighbours in a step (`engine.decode_attention`).
 """
 
 from __future__ import annotations
@@ -110,12 +111,19 @@ def candidates(logits: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor, t
     (proportional to the probabilities, zero where top-p cut), found without sorting the vocabulary:
     `torch.topk` takes the likeliest, where a sort of 262k logits cost ~25 ms per row (at batch 8, as long
     as the step's forward). The distribution is exactly the sorted one's."""
-    scores = logits.float() / p.temperature  # (vocab,)
+    logits = logits.float()
+    # shifted by the maximum first, and by no less than fp32's smallest normal: a tiny temperature then sends
+    # the others to -inf and keeps the likeliest at 0, never inf - inf or 0 / 0 (NaN)
+    temperature = max(p.temperature, torch.finfo(torch.float32).tiny)
+    scores = (logits - logits.max()) / temperature  # (vocab,)
     vocab = scores.numel()
     if not 0 < p.top_k < vocab and p.top_p >= 1:  # temperature alone: the whole vocabulary
         return torch.arange(vocab), torch.softmax(scores, dim=-1)
-    if 0 < p.top_k < vocab:  # the k likeliest, renormalised among themselves
-        values, tokens = torch.topk(scores, p.top_k)  # (k,) each, likeliest first
+    if 0 < p.top_k < vocab:  # the k likeliest (and any tied with the k-th), renormalised among themselves
+        kth = torch.topk(scores, p.top_k).values[-1]
+        tied = (scores >= kth).nonzero()[:, 0]
+        values, order = scores[tied].sort(descending=True)
+        tokens = tied[order]
         probs = torch.softmax(values, dim=-1)
     else:
         total = torch.logsumexp(scores, dim=-1)

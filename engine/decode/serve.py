@@ -78,7 +78,8 @@ from engine.prefill import PrefillConfig, PrefillEngine
 from engine.weights import model_identity
 from kvstore.client import KVClient
 
-MAX_LINE_BYTES = 16 * 1024 * 1024  # a 16 MiB line holds a prompt of ~2M token ids: far past any context
+MAX_LINE_BYTES = 2**20  # a 1 MiB line holds a prompt of >100k token ids: past these models' contexts
+MAX_OUTBOX = 4096  # replies queued for one client; past that it is not reading them, and it is dropped
 DRAIN_PER_STEP = 256  # inbox messages handled between two steps: a flood of messages cannot starve decoding
 
 
@@ -147,17 +148,34 @@ class Connection:
         self.sock, self.number = sock, number
         self.alive = True  # False once it ended or a send failed: its replies are dropped
         self.requests: dict[str | int, int] = {}  # client id -> engine id of its requests in flight (engine thread)
-        # unbounded, but only by this client's own requests' replies: the engine thread never waits on a socket
-        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        # bounded: a client that sends (loads, say) but never reads must not grow the instance's memory
+        self._outbox: queue.Queue = queue.Queue(MAX_OUTBOX)
         self._writer = _thread(self._write, f"writer-{number}")
 
     def send(self, message: dict) -> None:
+        """Queue a reply (from any thread; never waits on the socket)."""
         if self.alive:
-            self._outbox.put(message)
+            try:
+                self._outbox.put_nowait(message)
+            except queue.Full:
+                self._drop()
 
     def close(self) -> None:
         """Send what is queued, then close (from any thread)."""
-        self._outbox.put(self._CLOSE)
+        try:
+            self._outbox.put_nowait(self._CLOSE)
+        except queue.Full:
+            self._drop()
+            self._outbox.put(self._CLOSE)  # the writer, failing its sends now, drains the queue
+
+    def _drop(self) -> None:
+        """The client does not read its replies: end the connection (its reader sees the end and its
+        requests in flight are cancelled)."""
+        self.alive = False
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
     def join(self, timeout: float) -> None:
         self._writer.join(timeout)
@@ -208,6 +226,7 @@ class Instance:
         self._unsubmitted = [0, 0]  # generates in the inbox or taken since the last publish: requests, tokens
         self._taken = [0, 0]  # engine thread: generates taken from the inbox since the last publish
         self._capacity = engine.pool.num_pages * engine.pool.block_tokens
+        self.context = engine.model.config.max_position_embeddings
 
     @property
     def port(self) -> int:
@@ -260,6 +279,10 @@ class Instance:
                     continue
                 if op == "load":
                     conn.send(self.load())
+                    continue
+                if op == "generate" and prompt_tokens(request) >= self.context:  # before it queues anything
+                    conn.send(_error(message["id"], f"prompt of {prompt_tokens(request)} tokens leaves no room "
+                                                    f"for a reply in the model's context of {self.context}"))
                     continue
                 if op == "generate":
                     with self._load_lock:

@@ -321,7 +321,7 @@ class PrefillEngine:
             if not records or (full and self.client.lookup(found.blocks) < full):
                 continue
             try:
-                handoff.restore(records[0].payload, a.kv, found.position)
+                handoff.restore(records[0].payload, a.kv, found.position, exact)
             except handoff.CorruptContinuation:
                 continue
             a.blocks, a.exact = space.blocks(tokens), exact

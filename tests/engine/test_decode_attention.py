@@ -79,3 +79,5 @@ def test_steps_the_batched_path_does_not_take(tiny_gemma3):
     a.capture_at = set()
     other = RequestKV(model.config, PagePool(model.config, 4, BLOCK, model.dtype))
     assert not DecodeBatch.applies([a, other], [1, 1], [5, 0])  # two pools
+    assert not DecodeBatch.applies([a, b], [1, 1], [5, 3 * BLOCK])  # no page reserved for b's token: never
+    #                                                                 written into page 0, another request's

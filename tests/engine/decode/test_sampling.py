@@ -96,3 +96,17 @@ def test_candidates_give_the_distribution_a_full_sort_gives(scale, params):
     assert (got - expected).abs().max().item() < 1e-6
     if scale < 1 and p.top_k == 0 and p.top_p < 1:
         assert int((expected > 0).sum()) > CANDIDATES  # the nucleus did pass the first candidate set
+
+
+def test_a_tiny_temperature_is_all_but_greedy_never_nan():
+    logits = torch.randn(2, 1000, generator=torch.Generator().manual_seed(5)) * 30
+    params = [SamplingParams(temperature=1e-300, top_p=0.9, seed=1), SamplingParams(temperature=1e-300, seed=2)]
+    assert sample(logits, params, [make_generator(p, "cpu") for p in params]) == logits.argmax(-1).tolist()
+
+
+def test_top_k_keeps_the_tokens_tied_with_the_kth():
+    """As transformers' TopKLogitsWarper: ties with the k-th likeliest stay in (bf16 logits tie often)."""
+    from engine.decode.sampling import candidates
+
+    tokens, weights = candidates(torch.tensor([2.0, 1.0, 1.0, 1.0, 0.0]), SamplingParams(temperature=1.0, top_k=2))
+    assert sorted(tokens.tolist()) == [0, 1, 2, 3] and int(tokens[0]) == 0 and bool((weights > 0).all())

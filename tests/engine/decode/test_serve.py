@@ -109,6 +109,8 @@ def test_bad_lines_and_requests_get_errors_and_the_next_request_is_served(pair):
         (json.dumps({"op": "generate", "id": "e", "prompt": [1], "max_tokens": 2, "stop": ["x"]}).encode(), "e",
          "stop strings"),
         (json.dumps({"op": "generate", "id": "f", "prompt": [1], "max_tokens": 2, "top_p": 2}).encode(), "f", "top_p"),
+        (json.dumps({"op": "generate", "id": "i", "prompt": [1] * CONTEXT, "max_tokens": 2}).encode(), "i",
+         "leaves no room"),  # refused as it is read: a prompt past the context never queues
         # refused by DecodeEngine.submit itself: outside the vocabulary, past the context
         (json.dumps({"op": "generate", "id": "g", "prompt": [VOCAB], "max_tokens": 2}).encode(), "g", "vocabulary"),
         (json.dumps({"op": "generate", "id": "h", "prompt": [1] * 8000, "max_tokens": 500}).encode(), "h", "context"),
@@ -125,6 +127,29 @@ def test_bad_lines_and_requests_get_errors_and_the_next_request_is_served(pair):
     for (_, rid, text), error in zip(bad, errors):
         assert error["id"] == rid and text in error["message"], (error, text)
     assert len(replies[-1]["tokens"]) == 6 and replies[-1]["finish_reason"] == "max_tokens"
+
+
+def test_a_client_that_never_reads_its_replies_is_dropped_and_others_are_served(pair):
+    """Loads asked for and never read: once its socket buffers and its bounded outbox are full, the
+    instance ends that connection instead of growing its memory."""
+    with socket.create_connection(("127.0.0.1", pair[1].port), timeout=30) as flood:
+        flood.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        line = b'{"op":"load"}\n'
+        try:
+            for _ in range(100):
+                flood.sendall(line * 2000)  # 200,000 loads, ~3 MB
+        except OSError:
+            pass  # dropped while still sending: what is asserted below
+        flood.settimeout(60)
+        replies = 0
+        try:
+            while data := flood.recv(1 << 16):  # what was sent before the drop, then the end
+                replies += data.count(b"\n")
+        except ConnectionResetError:
+            pass  # reset: also an end (a timeout is not, and fails the test)
+        assert replies < 200_000  # the instance stopped answering it, rather than queue every reply
+        done = pair[1].client.generate(tokens(10, seed=3), 4).result(60)
+        assert len(done["tokens"]) == 4
 
 
 def test_an_id_in_flight_is_refused_twice_and_a_request_can_be_cancelled(pair):

@@ -130,3 +130,22 @@ def test_a_cancelled_request_frees_its_kv_when_its_prefill_returns(families, tin
         assert engine.pool.free_pages == engine.pool.num_pages and decode.pending == 0
         assert engine.flush(10)
         assert client.lookup(engine.namespace().blocks(_tokens(60, seed=45))) == 60 // BLOCK  # prefill saved
+
+
+def test_a_sequence_waiting_for_pages_a_prefill_holds_waits_rather_than_fails(families):
+    """Nothing runs, a sequence waits for pages, and the pages are the prefill engine's, which goes on:
+    the step waits for it (it used to raise KVCapacityError)."""
+    from engine.prefill.config import PrefillConfig
+    from engine.prefill.cost import ChunkCost
+    from engine.prefill.engine import PrefillEngine
+
+    family = families["qwen3"]
+    # 1 s per token by the cost model and an 8 s budget: a prompt prefills 8 tokens (one page) a step
+    prefill = PrefillEngine(family.model, None, PrefillConfig(block_tokens=8, kv_pages=11, step_budget_s=8.0,
+                                                              cost=ChunkCost(0.0, 1.0, 0.0)), "m")
+    decode = DecodeEngine(family.model, prefill, DecodeConfig())
+    short = DecodeRequest(PrefillRequest(_tokens(13, seed=46)), SamplingParams(max_tokens=40))
+    long = DecodeRequest(PrefillRequest(_tokens(72, seed=47)), SamplingParams(max_tokens=4))
+    results = drive(decode, {0: [short], 3: [long]})
+    assert [r.finish_reason for r in results.values()] == ["max_tokens", "max_tokens"]
+    assert results[0].preemptions >= 1 and prefill.pool.free_pages == prefill.pool.num_pages

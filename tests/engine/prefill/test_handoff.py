@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engine import handoff
+from engine.kv import WindowState
 from engine.model import Chunk
 from engine.prefill.request import CACHED, COLD, HANDED_OVER, REPLAYED, WINDOW_MISSING, PrefillRequest
 from tests.engine.prefill.test_engine import BLOCK, TOLERANCE, _client, _engine, _tokens
@@ -77,6 +78,26 @@ def test_a_corrupt_record_is_a_fallback_not_wrong_kv(tiny, daemons):
         result = _engine(tiny, client).prefill(PrefillRequest(tokens, from_handoff=True))
         assert result.path != HANDED_OVER
         assert (result.logits - tiny.logits(tokens)[-1]).abs().max().item() <= TOLERANCE
+        result.kv.release()
+
+
+def test_a_replayed_window_under_an_exact_chains_key_is_refused(tiny_models, daemons):
+    """A record in the exact chain that claims a window starting late (what only a replay leaves) is a
+    lie or a bug: the exact request falls back rather than continue an approximate state."""
+    gpt_oss = tiny_models["gpt_oss"]
+    (daemon,) = daemons(1)
+    tokens = _tokens(30, seed=9)
+    with _client(daemon) as client:
+        engine = _engine(gpt_oss, client)
+        found = handoff.continuation(engine.namespace(), tokens)
+        kv = engine.prefill(PrefillRequest(tokens[:-1])).kv  # the honest state of the first 29 tokens ...
+        kv.window_from = 20  # ... dressed up as a replay that began at 20
+        window = WindowState(29, kv.rings.clone(), kv.window_from)
+        assert client.put([(found.record, handoff.encode(kv, 29, window))], 1, handoff.HANDOFF_CLASS).stored == 1
+        kv.release()
+        result = engine.prefill(PrefillRequest(tokens, from_handoff=True, exact=True))
+        assert result.path != HANDED_OVER and result.exact and result.kv.window_from == 0
+        assert (result.logits - gpt_oss.logits(tokens)[-1]).abs().max().item() <= TOLERANCE
         result.kv.release()
 
 
