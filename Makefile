@@ -10,7 +10,7 @@ PROTO_OUT := kvstore/proto/kvstore_pb2.py
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[test,models]'
+	$(BIN)/pip install -q -e '.[test,models,api]'
 	touch $@
 
 $(PROTO_OUT): proto/kvstore.proto $(STAMP)

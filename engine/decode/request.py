@@ -35,6 +35,8 @@ class DecodeRequest:
     prompt: Sequence[int] | PrefillResult | PrefillRequest
     sampling: SamplingParams = field(default_factory=SamplingParams)
     detokenize: Callable[[Sequence[int]], str] | None = None  # token ids -> text for stop strings; None: the config's
+    on_token: Callable[[int], None] | None = None  # called with each token as it is sampled (streaming), on the
+    #                                               engine's thread: it must not block
 
 
 @dataclass
@@ -55,6 +57,7 @@ class DecodeResult:
     prefill_path: str | None = None  # how the prompt's KV came (a PrefillResult's path: "handed_over", or the
     #                                  fallback where the handed-over state was gone); None for token ids
     resumed_from_store: int = 0  # preemptions resumed from the KV saved through the store, not recomputed
+    cached_tokens: int = 0  # prompt tokens loaded from the store (or handed over) rather than computed
 
     @property
     def inter_token_s(self) -> list[float]:

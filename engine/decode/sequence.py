@@ -35,6 +35,7 @@ class DecodeSequence:
     resume: PrefillRequest | None = None  # preempted with its KV saved through the store: how to get it back
     cancelled: bool = False  # cancelled while its prefill ran: its KV is released when the prefill returns
     prefill_path: str | None = None
+    cached_tokens: int = 0  # of the prompt, loaded from the store rather than computed
     resumed_from_store: int = 0
 
     @property
@@ -50,6 +51,8 @@ class DecodeSequence:
         """Add a sampled token; the finish reason it causes, or None to go on."""
         self.tokens.append(token)
         self.token_times_s.append(time.perf_counter() - self.submitted)
+        if self.request.on_token is not None:
+            self.request.on_token(token)
         return self.finish_reason()
 
     def finish_reason(self) -> str | None:
@@ -84,4 +87,5 @@ class DecodeSequence:
 
     def result(self, reason: str) -> DecodeResult:
         return DecodeResult(self.id, self.request, self.reply, reason, self.prompt_tokens, self.token_times_s,
-                            self.preemptions, self.recomputed_tokens, self.prefill_path, self.resumed_from_store)
+                            self.preemptions, self.recomputed_tokens, self.prefill_path, self.resumed_from_store,
+                            self.cached_tokens)
