@@ -21,7 +21,17 @@ QUESTION = [{"role": "user", "content": "What does len() return? <end_of_turn>"}
 
 
 @pytest.fixture(scope="module")
-def server():
+def daemon(tmp_path_factory):
+    from kvstore.server.process import DaemonProcess
+
+    root = tmp_path_factory.mktemp("api-store")
+    process = DaemonProcess(root / "daemon", root).start()
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def server(daemon):
     import uvicorn
 
     from engine.api.config import ApiConfig
@@ -30,7 +40,7 @@ def server():
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    config = ApiConfig(port=port, api_keys=KEYS, kv_pages=32)
+    config = ApiConfig(port=port, api_keys=KEYS, kv_pages=32, servers=(daemon.address,))
     runner, tokenizer = build(config)
     http = uvicorn.Server(uvicorn.Config(create_app(runner, tokenizer, config), host="127.0.0.1", port=port,
                                          log_level="warning"))
@@ -110,3 +120,20 @@ def test_errors_are_the_apis_with_their_status_codes(server):
                      headers={"Authorization": "Bearer key-bob", "Content-Type": "application/json"})
     assert raw.status_code == 400 and raw.json()["error"]["type"] == "invalid_request_error"
     assert _client(server, "key-bob").models.list().data[0].id == "gemma-3-270m"
+
+
+def test_a_tenant_reuses_its_own_cached_prefix_and_never_anothers(server):
+    from engine.real_text import system_prompt
+
+    messages = [{"role": "system", "content": system_prompt()}, *QUESTION]  # several 256-token blocks
+    cached = {}
+    for key in ("key-alice", "key-alice", "key-bob", "key-bob"):
+        reply = _client(server, key).chat.completions.create(model="gemma-3-270m", messages=messages, max_tokens=2,
+                                                              temperature=0)
+        server[1].prefill.flush(30)  # the blocks are saved behind the reply: stored before the next request
+        cached.setdefault(key, []).append(reply.usage.prompt_tokens_details.cached_tokens)
+    prompt = reply.usage.prompt_tokens
+    assert prompt > 512
+    assert cached["key-alice"][0] == 0 and cached["key-alice"][1] >= prompt // 256 * 256 - 256
+    assert cached["key-bob"][0] == 0, "bob hit alice's blocks"
+    assert cached["key-bob"][1] == cached["key-alice"][1]
