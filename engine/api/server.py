@@ -29,12 +29,12 @@ from engine.api.config import TRAFFIC_CLASSES, ApiConfig
 from engine.api.openai_chat import ApiError
 from engine.api.runner import EngineRunner, Generation
 from engine.chat_prompt import ChatPromptError, encode_chat
+from engine.real_text import stop_token_ids
 
 
 def create_app(runner: EngineRunner, tokenizer: Any, config: ApiConfig) -> FastAPI:
     app = FastAPI(title="kvstore-serve")
-    stop_ids = sorted({i for i in (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<end_of_turn>"))
-                       if isinstance(i, int) and i >= 0})
+    stop_ids = sorted(stop_token_ids(tokenizer))  # the end of the model's turn, the end of sequence
     tokenize = ThreadPoolExecutor(2, thread_name_prefix="tokenize")  # templates and tokenizers off the loop
 
     @app.exception_handler(ApiError)
