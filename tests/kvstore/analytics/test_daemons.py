@@ -81,8 +81,11 @@ def test_a_daemon_advised_of_each_conversations_fate_agrees_with_the_simulator(d
     advised, unadvised = (replay(trace, "prefix-reuse", int(capacity * 0.99), low_blocks=int(capacity * 0.97),
                                  continuation_signal=signal) for signal in (1.0, None))
     assert driven.evictions > 0
-    assert abs(driven.token_hit_rate - advised.token_hit_rate) < 0.01, (driven, advised)
-    assert advised.token_hit_rate - unadvised.token_hit_rate > 0.02, "the advice is worth something here"
+    # The daemon evicts on its sweep thread, so its watermarks overshoot by a few blocks, more or less
+    # from run to run (1.2 points seen): the bound is half the advice's worth, so a daemon that ignored
+    # the advice would still fail it.
+    assert advised.token_hit_rate - unadvised.token_hit_rate > 0.05, "the advice is worth something here"
+    assert abs(driven.token_hit_rate - advised.token_hit_rate) < 0.025, (driven, advised)
 
 
 def _pressed(daemons, policy: str, capacity_blocks: int) -> str:
