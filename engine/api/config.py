@@ -20,15 +20,26 @@ class ApiConfig:
     kv_pages: int = 256
     block_tokens: int = 256
     max_running: int = 32
+    tokenize_workers: int = 2  # processes encoding prompts off the event loop
+    max_stored_responses: int = 10_000  # Responses kept for previous_response_id, least recently used out first
+    # How long a conversation of each class may idle before the store is advised that it ended: 600 s is
+    # about the 95th percentile of the gap between a conversation's turns in the shared trace (chat only;
+    # nothing there tells agent gaps apart), so about 4% of such advice is wrong (bench/api_advice.py)
+    idle_s: dict[str, float] = field(default_factory=lambda: {"chat": 600.0, "agent": 600.0})
+    sweep_interval_s: float = 5.0  # how often idle conversations are looked for
 
     def __post_init__(self) -> None:
         if not self.model_name:
             raise ValueError("ApiConfig: model_name must be non-empty")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"ApiConfig: port must lie in [0, 65535], got {self.port}")
-        for name in ("kv_pages", "block_tokens", "max_running"):
+        for name in ("kv_pages", "block_tokens", "max_running", "tokenize_workers", "max_stored_responses"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ApiConfig: {name} must be >= 1")
         if any(not key or not tenant for key, tenant in self.api_keys.items()):
             raise ValueError("ApiConfig: api_keys maps non-empty keys to non-empty tenant names")
+        if set(self.idle_s) - set(TRAFFIC_CLASSES) or any(not v > 0 for v in self.idle_s.values()):
+            raise ValueError(f"ApiConfig: idle_s maps traffic classes {TRAFFIC_CLASSES} to seconds > 0")
+        if not self.sweep_interval_s > 0:
+            raise ValueError("ApiConfig: sweep_interval_s must be > 0")
         object.__setattr__(self, "servers", tuple(self.servers))

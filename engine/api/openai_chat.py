@@ -1,48 +1,29 @@
-"""OpenAI Chat Completions: a request body to messages and sampling, a reply to the API's objects.
+"""OpenAI Chat Completions: a request body to a `Prompt`, a `Reply` to the API's objects and stream chunks.
 
-Every field the API defines is either honoured or refused with a 400 naming it; none is ignored.
-Unknown fields are refused too. Text content only; tools and tool calls are not supported yet.
+Every field the API defines is either honoured or refused with a 400 naming it; none is ignored, and
+unknown fields are refused too. Text content only (no images or audio); function tools and tool calls
+travel as `engine.api.conversation` describes.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Any, Sequence
 
+from engine.api.conversation import Message, Prompt, Reply, Tool, ToolCall
+from engine.api.errors import ApiError
 from engine.decode import DecodeError, SamplingParams
-from engine.decode.request import CONTEXT, MAX_TOKENS
 
 HONOURED = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stream",
-            "stream_options", "stop", "seed", "user"}
+            "stream_options", "stop", "seed", "user", "tools", "tool_choice", "parallel_tool_calls"}
 NEUTRAL = {"frequency_penalty": 0, "presence_penalty": 0, "logprobs": False, "logit_bias": None,
-           "top_logprobs": None, "tools": None, "tool_choice": None, "parallel_tool_calls": None,
-           "response_format": None}  # accepted only at their no-op value
+           "top_logprobs": None, "response_format": None}  # accepted only at their no-op value
 DEFAULT_MAX_TOKENS = 256
 
 
-class ApiError(Exception):
-    """A request the API refuses: its HTTP status and the API's error object."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind = status, message, param, kind
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}}
-
-
-@dataclass
-class ChatRequest:
-    model: str
-    messages: list[dict]  # {role: system|user|assistant, content: str}
-    sampling: SamplingParams
-    stream: bool
-    include_usage: bool
-
-
-def parse(body: Any, stop_token_ids: Sequence[int]) -> ChatRequest:
+def parse(body: Any, stop_token_ids: Sequence[int]) -> Prompt:
     """The request, or ApiError(400) naming the field at fault."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
@@ -57,17 +38,19 @@ def parse(body: Any, stop_token_ids: Sequence[int]) -> ChatRequest:
         raise ApiError(400, "model is required", "model")
     if body.get("n", 1) != 1:
         raise ApiError(400, "only n = 1 is supported", "n")
+    if body.get("tool_choice", "auto") not in ("auto", None) or body.get("parallel_tool_calls") is False:
+        raise ApiError(400, "tool_choice may only be 'auto' (and parallel_tool_calls not false)", "tool_choice")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError(400, "stream must be a boolean", "stream")
     options = body.get("stream_options") or {}
     if not isinstance(options, dict) or set(options) - {"include_usage"}:
         raise ApiError(400, "stream_options may hold include_usage only", "stream_options")
-    return ChatRequest(model, _messages(body.get("messages")), _sampling(body, stop_token_ids), stream,
-                       bool(options.get("include_usage", False)))
+    return Prompt(model, _messages(body.get("messages")), _sampling(body, stop_token_ids), stream,
+                  _tools(body.get("tools")), bool(options.get("include_usage", False)))
 
 
-def _messages(messages: Any) -> list[dict]:
+def _messages(messages: Any) -> list[Message]:
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty array", "messages")
     out = []
@@ -75,14 +58,30 @@ def _messages(messages: Any) -> list[dict]:
         if not isinstance(message, dict):
             raise ApiError(400, f"messages[{i}] must be an object", "messages")
         role = {"developer": "system"}.get(message.get("role"), message.get("role"))
-        if role not in ("system", "user", "assistant"):
+        allowed = {"role", "content", "name"} | {"assistant": {"tool_calls"}, "tool": {"tool_call_id"}}.get(role, set())
+        if role not in ("system", "user", "assistant", "tool"):
             raise ApiError(400, f"messages[{i}].role {message.get('role')!r} is not supported (system, developer, "
-                                "user, assistant)", "messages")
-        if set(message) - {"role", "content", "name"}:
-            raise ApiError(400, f"messages[{i}] has unsupported fields {sorted(set(message) - {'role', 'content', 'name'})}",
-                           "messages")
-        out.append({"role": role, "content": _text(message.get("content"), i)})
+                                "user, assistant, tool)", "messages")
+        if set(message) - allowed:
+            raise ApiError(400, f"messages[{i}] has unsupported fields {sorted(set(message) - allowed)}", "messages")
+        calls = tuple(_call(call, i) for call in message.get("tool_calls") or ())
+        content = "" if message.get("content") is None and (calls or role == "assistant") else \
+            _text(message.get("content"), i)
+        if role == "tool" and not isinstance(message.get("tool_call_id"), str):
+            raise ApiError(400, f"messages[{i}]: a tool message needs its tool_call_id", "messages")
+        out.append(Message(role, content, calls, message.get("tool_call_id")))
     return out
+
+
+def _call(call: Any, i: int) -> ToolCall:
+    try:
+        function = call["function"]
+        arguments = json.loads(function["arguments"])
+        assert call.get("type", "function") == "function" and isinstance(arguments, dict)
+        return ToolCall(str(call["id"]), str(function["name"]), arguments)
+    except (KeyError, TypeError, ValueError, AssertionError):
+        raise ApiError(400, f"messages[{i}].tool_calls: each must be a function call with an id, a name and "
+                            "JSON object arguments", "messages") from None
 
 
 def _text(content: Any, i: int) -> str:
@@ -92,6 +91,20 @@ def _text(content: Any, i: int) -> str:
                                          and isinstance(p.get("text"), str) for p in content):
         return "".join(p["text"] for p in content)
     raise ApiError(400, f"messages[{i}].content must be a string or text parts", "messages")
+
+
+def _tools(tools: Any) -> list[Tool]:
+    if tools in (None, []):
+        return []
+    out = []
+    for i, tool in enumerate(tools if isinstance(tools, list) else [None]):
+        function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+            raise ApiError(400, f"tools[{i}] must be a function tool with a name", "tools")
+        if set(function) - {"name", "description", "parameters", "strict"}:
+            raise ApiError(400, f"tools[{i}].function has unsupported fields", "tools")
+        out.append(Tool(function["name"], str(function.get("description", "")), function.get("parameters") or {}))
+    return out
 
 
 def _sampling(body: dict, stop_token_ids: Sequence[int]) -> SamplingParams:
@@ -113,69 +126,63 @@ def _sampling(body: dict, stop_token_ids: Sequence[int]) -> SamplingParams:
         raise ApiError(400, str(exc).replace("SamplingParams: ", "")) from None
 
 
-def finish_reason(reason: str) -> str:
-    return "length" if reason in (MAX_TOKENS, CONTEXT) else "stop"
+def error_body(error: ApiError) -> dict:
+    return {"error": {"message": error.message, "type": error.kind, "param": error.param, "code": None}}
 
 
 def completion_id() -> str:
     return f"chatcmpl-{uuid.uuid4().hex}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+def usage(reply: Reply) -> dict:
+    return {"prompt_tokens": reply.prompt_tokens, "completion_tokens": reply.completion_tokens,
+            "total_tokens": reply.prompt_tokens + reply.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": reply.cached_tokens}}
 
 
-def completion(rid: str, model: str, text: str, reason: str, usage_: dict) -> dict:
+def _tool_calls(reply: Reply) -> list[dict]:
+    return [{"index": i, "id": call.id, "type": "function",
+             "function": {"name": call.name, "arguments": json.dumps(call.arguments)}}
+            for i, call in enumerate(reply.tool_calls)]
+
+
+def completion(reply: Reply, rid: str, model: str) -> dict:
+    message = {"role": "assistant", "content": reply.text if reply.text or not reply.tool_calls else None}
+    if reply.tool_calls:
+        message["tool_calls"] = [{k: v for k, v in call.items() if k != "index"} for call in _tool_calls(reply)]
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "finish_reason": finish_reason(reason), "logprobs": None}],
-            "usage": usage_}
+            "choices": [{"index": 0, "message": message, "finish_reason": reply.finish_reason, "logprobs": None}],
+            "usage": usage(reply)}
 
 
-def chunk(rid: str, model: str, delta: dict, reason: str | None = None, usage_: dict | None = None) -> dict:
-    choices = [] if usage_ is not None else [{"index": 0, "delta": delta, "logprobs": None,
-                                               "finish_reason": finish_reason(reason) if reason else None}]
-    out = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-           "choices": choices}
-    if usage_ is not None:
-        out["usage"] = usage_
-    return out
+class ChatStream:
+    """The server-sent events of one streamed completion."""
+
+    def __init__(self, rid: str, model: str, prompt: Prompt) -> None:
+        self.rid, self.model, self.include_usage = rid, model, prompt.stream_usage
+
+    def start(self, prompt_tokens: int, cached_tokens: int) -> bytes:
+        return self._chunk({"role": "assistant", "content": ""})
+
+    def text(self, delta: str) -> bytes:
+        return self._chunk({"content": delta})
+
+    def finish(self, reply: Reply) -> bytes:
+        out = self._chunk({"tool_calls": _tool_calls(reply)}) if reply.tool_calls else b""
+        out += self._chunk({}, reply.finish_reason)
+        if self.include_usage:
+            out += _event({"id": self.rid, "object": "chat.completion.chunk", "created": int(time.time()),
+                           "model": self.model, "choices": [], "usage": usage(reply)})
+        return out + b"data: [DONE]\n\n"
+
+    def error(self, error: ApiError) -> bytes:
+        return _event(error_body(error)) + b"data: [DONE]\n\n"
+
+    def _chunk(self, delta: dict, reason: str | None = None) -> bytes:
+        return _event({"id": self.rid, "object": "chat.completion.chunk", "created": int(time.time()),
+                       "model": self.model, "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                                         "finish_reason": reason}]})
 
 
-class ReplyText:
-    """The reply's text as tokens come: what can be sent so far, without a stop string or its start, a
-    stop token, or half a UTF-8 character."""
-
-    def __init__(self, detokenize, stop_token_ids: Sequence[int], stop: Sequence[str]) -> None:
-        self.detokenize, self.stop_ids, self.stop = detokenize, set(stop_token_ids), tuple(stop)
-        self.tokens: list[int] = []
-        self.sent = 0  # characters of the text already sent
-
-    def push(self, token: int) -> None:
-        """Record a token (a stop token is not text)."""
-        if token not in self.stop_ids:
-            self.tokens.append(token)
-
-    def add(self, token: int) -> str:
-        """Record a token; the new text it makes safe to send."""
-        self.push(token)
-        text = self._text()
-        held = max((len(s) - 1 for s in self.stop), default=0)  # a stop string may be starting
-        ready = len(text) - held if not text.endswith("\ufffd") else len(text.rstrip("\ufffd")) - held
-        return self._take(text, ready)
-
-    def finish(self) -> str:
-        """The rest, at the end of the reply."""
-        return self._take(self._text(), None)
-
-    def _text(self) -> str:
-        text = self.detokenize(self.tokens)
-        cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
-        return text if cut < 0 else text[:cut]
-
-    def _take(self, text: str, ready: int | None) -> str:
-        end = len(text) if ready is None else max(self.sent, ready)
-        new, self.sent = text[self.sent:end], max(self.sent, end)
-        return new
+def _event(payload: dict) -> bytes:
+    return b"data: " + json.dumps(payload).encode() + b"\n\n"

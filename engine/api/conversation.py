@@ -1,0 +1,141 @@
+"""What every API's request becomes, and how tools travel through a model that has no tool tokens.
+
+Each API module parses its body into a `Prompt` (messages, tools, sampling) and renders a `Reply` in its
+own shapes; the server in between knows neither API.
+
+Gemma 3 has no tool-calling tokens, so tools travel as text (the convention of Google's Gemma function
+calling guide: tools described in the prompt, a call written as a fenced block):
+* the tools are described in the system text, as JSON, with how to call one:
+
+      ```tool_call
+      {"name": "get_weather", "arguments": {"city": "Paris"}}
+      ```
+
+* an assistant message's earlier tool calls are written back the same way, and tool results go in the
+  next user turn as ```tool_output blocks (the template alternates user and model turns, so tool results
+  and a following user message merge into one turn);
+* a reply holding at least one well-formed call of a declared tool is a tool call (finish reason
+  `tool_calls`); anything else is text.
+All of it is message content, so `engine.chat_prompt` encodes it as plain text: a tool name or result that
+spells a control token stays text.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from engine.decode import SamplingParams
+
+CALL_FENCE = "```tool_call\n"
+OUTPUT_FENCE = "```tool_output\n"
+_CALLS = re.compile(r"```tool_call\n(.*?)\n```", re.DOTALL)
+STOP, LENGTH, TOOL_CALLS = "stop", "length", "tool_calls"  # a reply's end, in the OpenAI API's words
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: dict[str, Any]
+
+    @staticmethod
+    def new(name: str, arguments: dict[str, Any]) -> "ToolCall":
+        return ToolCall(f"call_{uuid.uuid4().hex[:24]}", name, arguments)
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] = field(default_factory=dict)  # a JSON schema
+
+
+@dataclass(frozen=True)
+class Message:
+    role: str  # system, user, assistant, tool
+    content: str = ""
+    tool_calls: tuple[ToolCall, ...] = ()  # assistant: the calls it made
+    tool_call_id: str | None = None  # tool: the call this is the result of
+
+
+@dataclass
+class Prompt:
+    """One API request, whichever API it came through."""
+
+    model: str
+    messages: list[Message]
+    sampling: SamplingParams
+    stream: bool = False
+    tools: list[Tool] = field(default_factory=list)
+    stream_usage: bool = False  # Chat Completions: usage as a last chunk of the stream (the others always send it)
+
+
+@dataclass
+class Reply:
+    """A finished reply, whichever API it goes out through."""
+
+    text: str  # the text outside tool calls
+    tool_calls: list[ToolCall]
+    finish_reason: str  # STOP, LENGTH or TOOL_CALLS
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int  # prompt tokens the store held
+    stop_sequence: str | None = None  # the request's stop string that ended the reply, if one did
+    tokens: list[int] = field(default_factory=list)  # the reply's token ids
+
+
+def chat_messages(prompt: Prompt) -> list[dict[str, str]]:
+    """The prompt as the chat template's {role, content} messages, tools and tool traffic written as text."""
+    messages = list(prompt.messages)
+    if prompt.tools:
+        described = describe_tools(prompt.tools)
+        if messages and messages[0].role == "system":
+            messages[0] = Message("system", messages[0].content + "\n\n" + described)
+        else:
+            messages.insert(0, Message("system", described))
+    out: list[dict[str, str]] = []
+    for message in messages:
+        role, content = message.role, message.content
+        if message.role == "assistant" and message.tool_calls:
+            content = "\n".join([content] * bool(content) + [_call_text(call) for call in message.tool_calls])
+        elif message.role == "tool":
+            role, content = "user", f"{OUTPUT_FENCE}{content}\n```"
+        if out and out[-1]["role"] == role and role == "user":  # tool results, then perhaps the user: one turn
+            out[-1]["content"] += "\n\n" + content
+        else:
+            out.append({"role": role, "content": content})
+    return out
+
+
+def describe_tools(tools: Sequence[Tool]) -> str:
+    listed = "\n".join(json.dumps({"name": t.name, "description": t.description, "parameters": t.parameters})
+                       for t in tools)
+    return ("You can call these tools:\n" + listed + "\n\nTo call a tool, reply with only\n" + CALL_FENCE +
+            '{"name": "<the tool\'s name>", "arguments": {<its arguments>}}\n```\n'
+            "and its result comes back in a tool_output block.")
+
+
+def _call_text(call: ToolCall) -> str:
+    return f"{CALL_FENCE}{json.dumps({'name': call.name, 'arguments': call.arguments})}\n```"
+
+
+def split_tool_calls(text: str, tools: Sequence[Tool]) -> tuple[str, list[ToolCall]]:
+    """A reply's text and the tool calls in it: fenced blocks naming a declared tool with an object of
+    arguments. Without one such block the whole reply is text."""
+    names = {tool.name for tool in tools}
+    calls = []
+    for block in _CALLS.finditer(text):
+        try:
+            call = json.loads(block.group(1))
+        except ValueError:
+            continue
+        if (isinstance(call, dict) and call.get("name") in names and isinstance(call.get("arguments", {}), dict)):
+            calls.append(ToolCall.new(call["name"], call.get("arguments", {})))
+    if not calls:
+        return text, []
+    return text[: text.find(CALL_FENCE)].rstrip(), calls
+

@@ -1,0 +1,109 @@
+"""Between the APIs and the engines: a `Prompt` in, its reply's text as it comes and then the `Reply` out.
+
+The API modules parse and render; this does what every API needs in between: the prompt's ids (in the
+encoder's processes), the request to the engine thread with the tenant's salt and traffic class, the
+text released as tokens come (never a stop string, never a tool call's text), the tool calls split from
+the reply, the metrics, the store's advice, and cancelling a reply whose client went away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, AsyncIterator, Sequence
+
+from engine.api.advice import Advisor
+from engine.api.conversation import CALL_FENCE, LENGTH, STOP, TOOL_CALLS, Prompt, Reply, chat_messages, split_tool_calls
+from engine.api.errors import ApiError
+from engine.api.metrics import ApiMetrics
+from engine.api.reply_text import ReplyText
+from engine.api.runner import EngineRunner, Generation
+from engine.api.tokenize import PromptEncoder
+from engine.chat_prompt import ChatPromptError
+from engine.decode.request import CONTEXT, MAX_TOKENS
+from kvstore.block import Block
+
+
+class Service:
+    def __init__(self, runner: EngineRunner, tokenizer: Any, encoder: PromptEncoder, stop_token_ids: Sequence[int],
+                 advisor: Advisor | None = None) -> None:
+        self.runner, self.tokenizer, self.encoder, self.advisor = runner, tokenizer, encoder, advisor
+        self.stop_token_ids = tuple(stop_token_ids)
+        self.metrics = ApiMetrics(lambda: runner.load, lambda: advisor.advised if advisor else {})
+
+    async def encode(self, prompt: Prompt) -> list[int]:
+        started = time.monotonic()
+        try:
+            ids = await self.encoder.encode(chat_messages(prompt))
+        except ChatPromptError as exc:
+            raise ApiError(400, str(exc), "messages") from None
+        self.metrics.encode.observe(time.monotonic() - started)
+        return ids
+
+    async def generate(self, prompt: Prompt, ids: list[int], tenant: str, traffic_class: str
+                       ) -> AsyncIterator[str | Reply]:
+        """Text as it becomes safe to send, then the Reply. ApiError if the engine refuses the request. A
+        caller that stops iterating early (its client went away) cancels the generation."""
+        started, loop = time.monotonic(), asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        generation = Generation(
+            ids, prompt.sampling, tenant, traffic_class,
+            on_token=lambda token: loop.call_soon_threadsafe(events.put_nowait, ("token", token)),
+            on_done=lambda result, error: loop.call_soon_threadsafe(events.put_nowait, ("done", (result, error))))
+        text = ReplyText(self.tokenizer.decode, self.stop_token_ids, prompt.sampling.stop, bool(prompt.tools))
+        self.runner.generate(generation)
+        done, first, called = False, True, False
+        try:
+            while True:
+                kind, value = await events.get()
+                if kind == "token":
+                    if first:
+                        self.metrics.ttft.observe(time.monotonic() - started)
+                        first = False
+                    if called:
+                        continue  # sampled before the cancel landed: past the call, never sent
+                    if new := text.add(value):
+                        yield new
+                    if prompt.tools and CALL_FENCE in text.text and split_tool_calls(text.text, prompt.tools)[1]:
+                        called = True  # a whole tool call: the reply ends there (its result arrives as cancelled)
+                        self.runner.cancel(generation)
+                    continue
+                done = True
+                result, error = value
+                if error is not None:
+                    raise ApiError(400, error)
+                held = text.finish()
+                content, calls = split_tool_calls(text.text, prompt.tools) if prompt.tools else (text.text, [])
+                if not calls and held:
+                    yield held
+                reason = TOOL_CALLS if calls else LENGTH if result.finish_reason in (MAX_TOKENS, CONTEXT) else STOP
+                reply = Reply(content, calls, reason, len(ids), len(result.tokens), result.cached_tokens,
+                              text.stop_sequence, result.tokens)
+                self._finished(reply, started)
+                self._advise(tenant, traffic_class, ids + result.tokens, goes_on=bool(calls))
+                yield reply
+                return
+        finally:
+            if not done:
+                self.runner.cancel(generation)
+                self.metrics.cancelled.inc()
+
+    def blocks(self, tenant: str, tokens: Sequence[int]) -> list[Block]:
+        """The full blocks of `tokens` in the tenant's namespace: what the store holds of them."""
+        return self.runner.prefill.namespace(tenant).blocks(tokens)
+
+    def close_conversation(self, tenant: str, tokens: Sequence[int]) -> None:
+        if self.advisor is not None:
+            self.advisor.closed(self.blocks(tenant, tokens))
+
+    def _advise(self, tenant: str, traffic_class: str, tokens: Sequence[int], goes_on: bool) -> None:
+        if self.advisor is not None:
+            self.advisor.replied(self.blocks(tenant, tokens[:-1]), traffic_class, time.monotonic(), goes_on)
+
+    def _finished(self, reply: Reply, started: float) -> None:
+        m = self.metrics
+        m.duration.observe(time.monotonic() - started)
+        m.prompt_tokens.inc(reply.prompt_tokens)
+        m.cached_tokens.inc(reply.cached_tokens)
+        m.completion_tokens.inc(reply.completion_tokens)
+        m.finished.labels(reply.finish_reason).inc()

@@ -1,0 +1,50 @@
+"""Prompt encoding off the event loop, in worker processes that each hold the tokenizer.
+
+A chat template and a tokenizer hold the GIL for as long as they run (tens of milliseconds for a 100k
+character prompt), so in a thread they would still pause every stream the loop is sending. The workers
+are spawned, not forked (the server's process runs torch threads), and import no more than the tokenizer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any, Sequence
+
+_tokenizer: Any = None  # in a worker: the tokenizer it loaded
+
+
+class PromptEncoder:
+    """Encodes chat messages (`engine.chat_prompt.encode_chat`) in `workers` processes."""
+
+    def __init__(self, tokenizer_folder: Path | str, workers: int = 2) -> None:
+        self.pool = ProcessPoolExecutor(workers, multiprocessing.get_context("spawn"), initializer=_load,
+                                        initargs=(str(tokenizer_folder),))
+        for future in [self.pool.submit(_ready) for _ in range(workers)]:
+            future.result()  # each worker has loaded the tokenizer: the first request does not wait for it
+
+    async def encode(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        """The prompt's ids; ChatPromptError for messages the template refuses."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, _encode, list(messages))
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _load(folder: str) -> None:
+    global _tokenizer
+    import transformers
+
+    _tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+
+
+def _ready() -> bool:
+    return _tokenizer is not None
+
+
+def _encode(messages: list[dict[str, str]]) -> list[int]:
+    from engine.chat_prompt import encode_chat
+
+    return encode_chat(_tokenizer, messages)

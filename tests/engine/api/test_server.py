@@ -1,0 +1,184 @@
+"""The HTTP server through the official clients, on the real Gemma 3 270M: Responses with a conversation the
+server keeps, Anthropic Messages, a tool-call turn and its result, what the store is told, metrics, and a
+client that goes away."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+from tests.engine.api.conftest import needs_server
+
+pytestmark = needs_server
+MODEL = "gemma-3-270m"
+GREEDY = {"temperature": 0}  # the Anthropic client no longer sends sampling fields; the API still takes them
+QUESTION = "What does len() return?"
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def _stats(served) -> dict[str, float]:
+    from kvstore.client import KVClient
+
+    with KVClient([served.daemon.address]) as client:
+        return client.server_stats()[served.daemon.address]
+
+
+def _flush(served) -> None:
+    served.service.runner.prefill.flush(30)  # blocks are saved behind a reply: stored before the next request
+
+
+def test_responses_keep_the_conversation_and_its_prefix_stays_cached(served):
+    from engine.real_text import system_prompt
+
+    client = served.openai()
+    first = client.responses.create(model=MODEL, instructions=system_prompt(), input=QUESTION, max_output_tokens=6,
+                                    temperature=0)
+    assert first.status == "incomplete" and first.output_text and first.usage.output_tokens == 6
+    _flush(served)
+    second = client.responses.create(model=MODEL, previous_response_id=first.id, instructions=system_prompt(),
+                                     input="And for a dict?", max_output_tokens=6, temperature=0)
+    assert second.usage.input_tokens > first.usage.input_tokens + 6, "the earlier turns are in the prompt"
+    assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens // 256 * 256 - 256
+    assert client.responses.retrieve(second.id).output_text == second.output_text
+    streamed = list(client.responses.create(model=MODEL, previous_response_id=first.id, instructions=system_prompt(),
+                                            input="And for a dict?", max_output_tokens=6, temperature=0, stream=True))
+    assert streamed[-1].response.output_text == second.output_text
+    ended = _stats(served).get("kvstore_advised_blocks_total{continues=false}", 0)
+    client.responses.delete(second.id)
+    assert _wait(lambda: _stats(served).get("kvstore_advised_blocks_total{continues=false}", 0) > ended), \
+        "a deleted conversation is advised as ended"
+    import openai
+
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model=MODEL, previous_response_id=second.id, input="more", max_output_tokens=2)
+    with pytest.raises(openai.NotFoundError):  # another tenant never sees (or chains on) alice's responses
+        served.openai("key-bob").responses.retrieve(first.id)
+
+
+def test_anthropic_messages_match_the_chat_reply_streamed_or_not(served):
+    import anthropic
+
+    chat = served.openai().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}],
+                                                   max_tokens=8, temperature=0)
+    client = served.anthropic()
+    message = client.messages.create(model=MODEL, max_tokens=8, extra_body=GREEDY,
+                                     messages=[{"role": "user", "content": QUESTION}])
+    assert message.content[0].text == chat.choices[0].message.content
+    assert message.stop_reason == "max_tokens" and message.usage.output_tokens == 8
+    assert message.usage.input_tokens + message.usage.cache_read_input_tokens == chat.usage.prompt_tokens
+    with client.messages.stream(model=MODEL, max_tokens=8, extra_body=GREEDY,
+                                messages=[{"role": "user", "content": QUESTION}]) as stream:
+        assert "".join(stream.text_stream) == message.content[0].text
+    stopped = client.messages.create(model=MODEL, max_tokens=8, extra_body=GREEDY, stop_sequences=[message.content[0].text[2:5]],
+                                     messages=[{"role": "user", "content": QUESTION}])
+    assert stopped.stop_reason == "stop_sequence" and stopped.content[0].text == message.content[0].text[:2]
+    for error, request in [(anthropic.NotFoundError, dict(model="claude-9")),
+                           (anthropic.BadRequestError, dict(model=MODEL, extra_body={"temperature": 1.5})),
+                           (anthropic.BadRequestError, dict(model=MODEL, thinking={"type": "enabled", "budget_tokens": 1024}))]:
+        with pytest.raises(error):
+            client.messages.create(**{"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], **request})
+    with pytest.raises(anthropic.AuthenticationError):
+        served.anthropic("key-mallory").messages.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+
+
+def _call(i: int, city: str) -> dict:
+    return {"id": f"call_{i}", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps({"city": city})}}
+
+
+def _few_shot(city: str) -> list[dict]:
+    """Two worked tool calls, then a third question: the base model copies the pattern (greedy)."""
+    out = []
+    for i, (town, weather) in enumerate([("Paris", "18 C and sunny"), ("Rome", "22 C and cloudy")]):
+        out += [{"role": "user", "content": f"What is the weather in {town}?"},
+                {"role": "assistant", "content": None, "tool_calls": [_call(i, town)]},
+                {"role": "tool", "tool_call_id": f"call_{i}", "content": weather},
+                {"role": "assistant", "content": f"It is {weather} in {town}."}]
+    return out + [{"role": "user", "content": f"What is the weather in {city}?"}]
+
+
+def test_a_tool_call_turn_then_its_result(served):
+    client = served.openai("key-bob")
+    going_on = _stats(served).get("kvstore_advised_blocks_total{continues=true}", 0)
+    messages = _few_shot("Oslo")
+    reply = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], temperature=0, max_tokens=60)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Oslo"})
+    assert reply.usage.completion_tokens < 60, "the reply ends at the end of the call"
+    assert _wait(lambda: _stats(served).get("kvstore_advised_blocks_total{continues=true}", 0) > going_on), \
+        "a tool call is advised as going on"
+    assert _stats(served).get("kvstore_blocks{traffic_class=agent}", 0) > 0, "a request with tools is agent traffic"
+    _flush(served)
+    messages += [choice.message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": "3 C and snowing"}]
+    answer = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], temperature=0, max_tokens=12)
+    assert answer.choices[0].finish_reason in ("stop", "length") and answer.choices[0].message.content
+    assert answer.usage.prompt_tokens_details.cached_tokens >= 256, "the turn before is cached"
+    message = served.anthropic("key-bob").messages.create(  # the same turn through Anthropic's tool blocks
+        model=MODEL, max_tokens=60, extra_body=GREEDY, tools=[{"name": "get_weather", "description": "The current weather in a city",
+                                                          "input_schema": WEATHER["function"]["parameters"]}],
+        messages=_anthropic(_few_shot("Oslo")))
+    assert message.stop_reason == "tool_use" and message.content[-1].input == {"city": "Oslo"}
+
+
+def _anthropic(messages: list[dict]) -> list[dict]:
+    """OpenAI chat messages with tool calls as Anthropic's tool_use and tool_result blocks."""
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            out.append({"role": "assistant", "content": [{"type": "tool_use", "id": c["id"], "name": c["function"]["name"],
+                                                          "input": json.loads(c["function"]["arguments"])} for c in m["tool_calls"]]})
+        elif m["role"] == "tool":
+            out.append({"role": "user", "content": [{"type": "tool_result", "tool_use_id": m["tool_call_id"],
+                                                     "content": m["content"]}]})
+        else:
+            out.append({"role": m["role"], "content": m["content"]})
+    return out
+
+
+def test_a_client_that_goes_away_frees_its_generation_and_metrics_say_so(served):
+    metrics = lambda: httpx.get(served.url + "/metrics").text  # noqa: E731
+    cancelled = _sample(metrics(), "kvstore_api_cancelled_total")
+    with httpx.stream("POST", served.url + "/v1/chat/completions", headers={"Authorization": "Bearer key-alice"},
+                      json={"model": MODEL, "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 2000,
+                            "stream": True}) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+    assert _wait(lambda: _sample(metrics(), "kvstore_api_cancelled_total") == cancelled + 1)
+    assert _wait(lambda: served.service.runner.load["running"] == 0), "the generation goes on without its client"
+    text = metrics()
+    assert _sample(text, 'kvstore_api_requests_total{api="chat",status="200"}') >= 1
+    assert _sample(text, "kvstore_api_completion_tokens_total") > 0
+    assert _sample(text, 'kvstore_api_engine{what="running"}') == 0
+
+
+def test_a_huge_prompt_is_encoded_beside_a_running_stream(served):
+    client = served.openai()
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}],
+                                            max_tokens=6, temperature=0, stream=True)
+    huge = httpx.post(served.url + "/v1/chat/completions", headers={"Authorization": "Bearer key-alice"}, timeout=120,
+                      json={"model": MODEL, "messages": [{"role": "user", "content": "word " * 200_000}], "max_tokens": 2})
+    assert huge.status_code == 400 and "context" in huge.json()["error"]["message"]
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+
+def _sample(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def _wait(condition, timeout_s: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
