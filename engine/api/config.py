@@ -21,7 +21,12 @@ class ApiConfig:
     block_tokens: int = 256
     max_running: int = 32
     tokenize_workers: int = 2  # processes encoding prompts off the event loop
-    max_stored_responses: int = 10_000  # Responses kept for previous_response_id, least recently used out first
+    # Responses kept for previous_response_id, per tenant, least recently used out first
+    max_stored_responses: int = 10_000
+    max_stored_bytes: int = 256 << 20
+    max_body_bytes: int = 4 << 20  # a request body past it is refused (413) before it is read whole
+    max_in_flight: int = 128  # requests admitted and not done; past it, 429 (Anthropic: 529)
+    max_in_flight_per_tenant: int = 64  # so one tenant cannot take every slot
     # How long a conversation of each class may idle before the store is advised that it ended: 600 s is
     # about the 95th percentile of the gap between a conversation's turns in the shared trace (chat only;
     # nothing there tells agent gaps apart), so about 4% of such advice is wrong (bench/api_advice.py)
@@ -33,7 +38,8 @@ class ApiConfig:
             raise ValueError("ApiConfig: model_name must be non-empty")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"ApiConfig: port must lie in [0, 65535], got {self.port}")
-        for name in ("kv_pages", "block_tokens", "max_running", "tokenize_workers", "max_stored_responses"):
+        for name in ("kv_pages", "block_tokens", "max_running", "tokenize_workers", "max_stored_responses",
+                     "max_stored_bytes", "max_body_bytes", "max_in_flight", "max_in_flight_per_tenant"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ApiConfig: {name} must be >= 1")
         if any(not key or not tenant for key, tenant in self.api_keys.items()):

@@ -108,7 +108,8 @@ def _tools(tools: Any) -> list[Tool]:
 
 
 def _sampling(body: dict, stop_token_ids: Sequence[int]) -> SamplingParams:
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens", DEFAULT_MAX_TOKENS))
+    max_tokens = next((body[k] for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None),
+                      DEFAULT_MAX_TOKENS)  # null is the default, never "until the context is full"
     temperature = body.get("temperature", 1.0)
     if isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and not 0 <= temperature <= 2:
         raise ApiError(400, f"temperature must lie in [0, 2], got {temperature}", "temperature")
@@ -122,8 +123,11 @@ def _sampling(body: dict, stop_token_ids: Sequence[int]) -> SamplingParams:
     try:
         return SamplingParams(temperature=temperature, top_p=body.get("top_p", 1.0), seed=seed,
                               max_tokens=max_tokens, stop_token_ids=tuple(stop_token_ids), stop=tuple(stop))
-    except DecodeError as exc:  # the field it names is the API's too
-        raise ApiError(400, str(exc).replace("SamplingParams: ", "")) from None
+    except DecodeError as exc:  # its message starts with the field at fault, which is the API's too
+        message = str(exc).replace("SamplingParams: ", "")
+        field = message.split()[0]
+        given = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        raise ApiError(400, message, given if field == "max_tokens" else field) from None
 
 
 def error_body(error: ApiError) -> dict:

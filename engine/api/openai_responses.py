@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
@@ -60,6 +61,8 @@ def parse(body: Any, stop_token_ids: Sequence[int]) -> ResponsesRequest:
         raise ApiError(400, "model is required", "model")
     for name in ("instructions", "previous_response_id", "user"):
         _check(name in given and not isinstance(given[name], str), f"{name} must be a string", name)
+    for name in ("previous_response_id", "user"):  # kept with the response: bounded like metadata
+        _check(len(given.get(name, "")) > 256, f"{name} must be at most 256 characters", name)
     for name in ("stream", "store"):
         _check(not isinstance(given.get(name, False), bool), f"{name} must be a boolean", name)
     _check(given.get("tool_choice", "auto") != "auto", "only tool_choice 'auto' is supported", "tool_choice")
@@ -303,39 +306,53 @@ def error_body(error: ApiError) -> dict:
 class StoredResponse:
     messages: list[Message]  # the whole conversation through this response's reply
     body: dict  # the response object, for GET
-    tokens: list[int]  # prompt ids + reply ids
+    tokens: Sequence[int]  # prompt ids + reply ids (kept as an array of int32)
     traffic_class: str
 
 
 class ResponseStore:
-    """Stored responses by (tenant, id), the least recently used dropped past `max_responses`. A tenant
-    never sees another's: the same id under another tenant is simply not found. Used from one asyncio
-    loop only, so it takes no lock."""
+    """Stored responses by tenant and id, each tenant's least recently used dropped past its bounds: at
+    most `max_responses` and `max_bytes` (about: token ids, text, the response object) per tenant, so one
+    tenant can neither fill the server's memory nor push another's responses out. A tenant never sees
+    another's: the same id under another tenant is simply not found. Used from one asyncio loop only, so
+    it takes no lock."""
 
-    def __init__(self, max_responses: int = 10_000) -> None:
-        if max_responses < 1:
-            raise ValueError(f"max_responses must be >= 1, got {max_responses}")
-        self.max_responses = max_responses
-        self.entries: OrderedDict[tuple[str, str], StoredResponse] = OrderedDict()
+    def __init__(self, max_responses: int = 10_000, max_bytes: int = 256 << 20) -> None:
+        if max_responses < 1 or max_bytes < 1:
+            raise ValueError(f"max_responses and max_bytes must be >= 1, got {max_responses}, {max_bytes}")
+        self.max_responses, self.max_bytes = max_responses, max_bytes
+        self.tenants: dict[str, OrderedDict[str, tuple[StoredResponse, int]]] = {}  # tenant -> id -> (entry, bytes)
+        self.bytes: dict[str, int] = {}
 
     def put(self, tenant: str, rid: str, entry: StoredResponse) -> None:
-        """Store (or replace) a response, dropping the least recently used past the bound."""
-        self.entries[(tenant, rid)] = entry
-        self.entries.move_to_end((tenant, rid))
-        while len(self.entries) > self.max_responses:
-            self.entries.popitem(last=False)
+        """Store (or replace) a response, dropping the tenant's least recently used past its bounds."""
+        entry.tokens = array("i", entry.tokens)  # 4 bytes a token, not a Python int's 28
+        size = 4 * len(entry.tokens) + len(json.dumps(entry.body)) + sum(
+            len(m.content) + sum(len(json.dumps(c.arguments)) for c in m.tool_calls) for m in entry.messages)
+        self.delete(tenant, rid, missing_ok=True)
+        entries = self.tenants.setdefault(tenant, OrderedDict())
+        entries[rid] = (entry, size)
+        self.bytes[tenant] = self.bytes.get(tenant, 0) + size
+        while len(entries) > self.max_responses or (self.bytes[tenant] > self.max_bytes and len(entries) > 1):
+            _, (_, dropped) = entries.popitem(last=False)
+            self.bytes[tenant] -= dropped
 
     def get(self, tenant: str, rid: str, param: str = "response_id") -> StoredResponse:
-        """The tenant's response (now the most recently used), or ApiError 404."""
-        if (tenant, rid) not in self.entries:
+        """The tenant's response (now its most recently used), or ApiError 404."""
+        entries = self.tenants.get(tenant, {})
+        if rid not in entries:
             raise ApiError(404, f"Response with id {rid!r} not found.", param, "not_found_error")
-        self.entries.move_to_end((tenant, rid))
-        return self.entries[(tenant, rid)]
+        entries.move_to_end(rid)
+        return entries[rid][0]
 
-    def delete(self, tenant: str, rid: str) -> StoredResponse:
+    def delete(self, tenant: str, rid: str, missing_ok: bool = False) -> StoredResponse | None:
         """Remove the tenant's response and return it, or ApiError 404."""
+        if missing_ok and rid not in self.tenants.get(tenant, {}):
+            return None
         self.get(tenant, rid)
-        return self.entries.pop((tenant, rid))
+        entry, size = self.tenants[tenant].pop(rid)
+        self.bytes[tenant] -= size
+        return entry
 
     def conversation(self, tenant: str, previous_response_id: str | None, prompt: Prompt) -> list[Message]:
         """This request's instructions, the earlier conversation without its instructions (the API does not

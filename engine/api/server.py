@@ -27,6 +27,7 @@ from typing import Any, AsyncIterator, Callable, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from engine.api import anthropic_messages, openai_chat, openai_responses
@@ -36,10 +37,11 @@ from engine.api.errors import ApiError
 from engine.api.service import Service
 
 DISCONNECT_POLL_S = 1.0  # how often a non-streamed request checks that its client is still there
+APIS = ("chat", "responses", "messages", "models")
 
 
 def create_app(service: Service, config: ApiConfig) -> FastAPI:
-    stored = openai_responses.ResponseStore(config.max_stored_responses)
+    stored = openai_responses.ResponseStore(config.max_stored_responses, config.max_stored_bytes)
     stop_ids = service.stop_token_ids
 
     @contextlib.asynccontextmanager
@@ -48,25 +50,31 @@ def create_app(service: Service, config: ApiConfig) -> FastAPI:
         yield
         sweeper.cancel()
 
-    app = FastAPI(title="kvstore-serve", lifespan=lifespan)
+    app = FastAPI(title="kvstore-serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(_Counted, metrics=service.metrics)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
-        render = anthropic_messages.error_body if _api(request) == "messages" else openai_chat.error_body
+        render = anthropic_messages.error_body if _api(request.url.path) == "messages" else openai_chat.error_body
         return JSONResponse(render(exc), status_code=exc.status)
 
-    @app.middleware("http")
-    async def count(request: Request, call_next):
-        response = await call_next(request)
-        service.metrics.requests.labels(_api(request), str(response.status_code)).inc()
-        return response
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:  # unknown routes, methods
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return await api_error(request, ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                                                 kind=kind))
+
+    @app.exception_handler(Exception)
+    async def fault(request: Request, exc: Exception) -> JSONResponse:  # a bug: still the API's error shape
+        return await api_error(request, ApiError(500, f"internal error: {type(exc).__name__}", kind="server_error"))
 
     @app.get("/health")
     async def health() -> dict:
-        return {"status": "ok", **service.runner.load}
+        return {"status": "ok"}
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        _tenant(request, config)  # the load and token counts of every tenant: for key holders only
         return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
@@ -79,7 +87,7 @@ def create_app(service: Service, config: ApiConfig) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         tenant, body = await _read(request, config)
-        prompt = _served(openai_chat.parse(body, stop_ids), config)
+        prompt = _served(_parsed(openai_chat.parse, body, stop_ids), config)
         rid = openai_chat.completion_id()
         return await _answer(service, request, prompt, tenant, lambda reply, _: openai_chat.completion(reply, rid, prompt.model),
                              openai_chat.ChatStream(rid, prompt.model, prompt))
@@ -87,7 +95,7 @@ def create_app(service: Service, config: ApiConfig) -> FastAPI:
     @app.post("/v1/messages")
     async def messages(request: Request):
         tenant, body = await _read(request, config)
-        prompt = _served(anthropic_messages.parse(body, stop_ids), config)
+        prompt = _served(_parsed(anthropic_messages.parse, body, stop_ids), config)
         rid = anthropic_messages.message_id()
         return await _answer(service, request, prompt, tenant,
                              lambda reply, _: anthropic_messages.message(reply, rid, prompt.model, reply.stop_sequence),
@@ -96,7 +104,7 @@ def create_app(service: Service, config: ApiConfig) -> FastAPI:
     @app.post("/v1/responses")
     async def responses(request: Request):
         tenant, body = await _read(request, config)
-        asked = openai_responses.parse(body, stop_ids)
+        asked = _parsed(openai_responses.parse, body, stop_ids)
         conversation = stored.conversation(tenant, asked.previous_response_id, _served(asked.prompt, config))
         prompt = dataclasses.replace(asked.prompt, messages=conversation)
         rid = openai_responses.response_id()
@@ -130,9 +138,9 @@ async def _answer(service: Service, request: Request, prompt: Prompt, tenant: st
                   render: Callable[[Reply, list[int]], dict], stream) -> Response:
     """Generate the prompt's reply: the API's object, or its event stream. An engine's refusal before the
     first token is an error status; a client that goes away cancels the generation."""
-    traffic = _traffic(request, prompt)
-    ids = await service.encode(prompt)
-    events = service.generate(prompt, ids, tenant, traffic)
+    events = service.generate(prompt, tenant, _traffic(request, prompt),
+                              overloaded=529 if _api(request.url.path) == "messages" else 429)
+    ids = await anext(events)  # ApiError here (a refused prompt, too many in flight) is an error status
     if not prompt.stream:
         reply = await _until_reply(events, request)
         return JSONResponse(render(reply, ids))
@@ -141,18 +149,21 @@ async def _answer(service: Service, request: Request, prompt: Prompt, tenant: st
 
 
 async def _until_reply(events: AsyncIterator[str | Reply], request: Request) -> Reply:
-    while True:
-        step = asyncio.ensure_future(anext(events))
-        while not step.done():
-            await asyncio.wait([step], timeout=DISCONNECT_POLL_S)
-            if not step.done() and await request.is_disconnected():
-                step.cancel()  # the generator's cleanup cancels the generation
-                with contextlib.suppress(asyncio.CancelledError):
-                    await step
-                raise ApiError(499, "the client went away")
-        item = step.result()
-        if isinstance(item, Reply):
-            return item
+    """The reply, checking every DISCONNECT_POLL_S that its client is still there (and if not, cancelling)."""
+    async def consume() -> Reply:
+        async for item in events:
+            if isinstance(item, Reply):
+                return item
+        raise AssertionError("a generation ends with its Reply")
+
+    task = asyncio.ensure_future(consume())
+    while not (await asyncio.wait([task], timeout=DISCONNECT_POLL_S))[0]:
+        if await request.is_disconnected():
+            task.cancel()  # the generator's cleanup cancels the generation
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            raise ApiError(499, "the client went away")
+    return task.result()
 
 
 async def _events(first: str | Reply, events: AsyncIterator[str | Reply], stream, render, ids: list[int]
@@ -179,16 +190,61 @@ async def _sweep(service: Service, interval_s: float) -> None:
             service.advisor.sweep(time.monotonic())
 
 
-def _api(request: Request) -> str:
-    return request.url.path.removeprefix("/v1/").split("/")[0] or "other"
+def _api(path: str) -> str:
+    """The API a path belongs to: a fixed set, so metrics labels stay bounded whatever paths come."""
+    api = path.removeprefix("/v1/").split("/")[0]
+    return api if api in APIS else "other"
 
 
 async def _read(request: Request, config: ApiConfig) -> tuple[str, Any]:
+    """The tenant, and the body as JSON: at most config.max_body_bytes, no NaN or Infinity, no lone surrogate."""
     tenant = _tenant(request, config)
+    too_big = ApiError(413, f"the request body passes {config.max_body_bytes} bytes")
+    if int(request.headers.get("content-length") or 0) > config.max_body_bytes:
+        raise too_big
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > config.max_body_bytes:
+            raise too_big
     try:
-        return tenant, json.loads(await request.body())
-    except ValueError:
-        raise ApiError(400, "the request body is not valid JSON") from None
+        value = json.loads(body, parse_constant=_no_constant)
+        json.dumps(value, ensure_ascii=False).encode()  # a lone surrogate (\ud800) cannot be text
+    except (ValueError, RecursionError, UnicodeEncodeError):
+        raise ApiError(400, "the request body is not valid JSON (or holds NaN, Infinity, a lone surrogate or "
+                            "nesting too deep)") from None
+    return tenant, value
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _parsed(parse: Callable[[Any, Sequence[int]], Any], body: Any, stop_ids: Sequence[int]) -> Any:
+    """An API module's parse; a body of the wrong shape where it did not look is still a 400, not a 500."""
+    try:
+        return parse(body, stop_ids)
+    except (TypeError, AttributeError, KeyError, IndexError) as exc:
+        raise ApiError(400, f"malformed request ({type(exc).__name__}: {exc})"[:500]) from None
+
+
+class _Counted:
+    """Counts responses by API and status (a plain ASGI middleware: Starlette's BaseHTTPMiddleware would
+    hide a client's disconnect from the handlers, and a request would run on without its client)."""
+
+    def __init__(self, app, metrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def counted(message) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.requests.labels(_api(scope["path"]), str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counted)
 
 
 def _served(prompt: Prompt, config: ApiConfig) -> Prompt:
@@ -239,7 +295,8 @@ def build(config: ApiConfig) -> Service:
                                                                           kv_pages=config.kv_pages))
     runner = EngineRunner(prefill, DecodeConfig(max_running=config.max_running, detokenize=tokenizer.decode))
     encoder = PromptEncoder(folder, config.tokenize_workers)
-    return Service(runner, tokenizer, encoder, sorted(stop_token_ids(tokenizer)), advisor)
+    return Service(runner, tokenizer, encoder, sorted(stop_token_ids(tokenizer)), advisor, config.max_in_flight,
+                   config.max_in_flight_per_tenant)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> ApiConfig:
@@ -270,4 +327,9 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     config = parse_args(argv)
     service = build(config)
-    uvicorn.run(create_app(service, config), host=config.host, port=config.port, log_level="warning")
+    uvicorn.run(create_app(service, config), host=config.host, port=config.port, log_level="warning",
+                timeout_graceful_shutdown=5)  # requests in flight get 5 s, then are cut
+
+
+if __name__ == "__main__":
+    main()

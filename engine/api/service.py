@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from typing import Any, AsyncIterator, Sequence
 
 from engine.api.advice import Advisor
@@ -26,34 +27,36 @@ from kvstore.block import Block
 
 class Service:
     def __init__(self, runner: EngineRunner, tokenizer: Any, encoder: PromptEncoder, stop_token_ids: Sequence[int],
-                 advisor: Advisor | None = None) -> None:
+                 advisor: Advisor | None = None, max_in_flight: int = 128, max_in_flight_per_tenant: int = 64) -> None:
         self.runner, self.tokenizer, self.encoder, self.advisor = runner, tokenizer, encoder, advisor
         self.stop_token_ids = tuple(stop_token_ids)
+        self.max_in_flight, self.max_in_flight_per_tenant = max_in_flight, max_in_flight_per_tenant
+        self.in_flight: Counter[str] = Counter()  # requests admitted and not yet done, by tenant
         self.metrics = ApiMetrics(lambda: runner.load, lambda: advisor.advised if advisor else {})
 
-    async def encode(self, prompt: Prompt) -> list[int]:
-        started = time.monotonic()
+    async def generate(self, prompt: Prompt, tenant: str, traffic_class: str, overloaded: int = 429
+                       ) -> AsyncIterator[list[int] | str | Reply]:
+        """The prompt's ids, then text as it becomes safe to send, then the Reply. ApiError (before the ids)
+        for a prompt the template refuses or a server or tenant at its limit of requests in flight (status
+        `overloaded`), and (before any text) for a request the engine refuses. A caller that stops
+        iterating early (its client went away) cancels the generation."""
+        if sum(self.in_flight.values()) >= self.max_in_flight or self.in_flight[tenant] >= self.max_in_flight_per_tenant:
+            raise ApiError(overloaded, "too many requests in flight; retry later",
+                           kind="overloaded_error" if overloaded == 529 else "rate_limit_error")
+        self.in_flight[tenant] += 1
+        generation = None
         try:
-            ids = await self.encoder.encode(chat_messages(prompt))
-        except ChatPromptError as exc:
-            raise ApiError(400, str(exc), "messages") from None
-        self.metrics.encode.observe(time.monotonic() - started)
-        return ids
-
-    async def generate(self, prompt: Prompt, ids: list[int], tenant: str, traffic_class: str
-                       ) -> AsyncIterator[str | Reply]:
-        """Text as it becomes safe to send, then the Reply. ApiError if the engine refuses the request. A
-        caller that stops iterating early (its client went away) cancels the generation."""
-        started, loop = time.monotonic(), asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
-        generation = Generation(
-            ids, prompt.sampling, tenant, traffic_class,
-            on_token=lambda token: loop.call_soon_threadsafe(events.put_nowait, ("token", token)),
-            on_done=lambda result, error: loop.call_soon_threadsafe(events.put_nowait, ("done", (result, error))))
-        text = ReplyText(self.tokenizer.decode, self.stop_token_ids, prompt.sampling.stop, bool(prompt.tools))
-        self.runner.generate(generation)
-        done, first, called = False, True, False
-        try:
+            ids = await self._encode(prompt)
+            yield ids
+            started, loop = time.monotonic(), asyncio.get_running_loop()
+            events: asyncio.Queue = asyncio.Queue()
+            generation = Generation(
+                ids, prompt.sampling, tenant, traffic_class,
+                on_token=lambda token: loop.call_soon_threadsafe(events.put_nowait, ("token", token)),
+                on_done=lambda result, error: loop.call_soon_threadsafe(events.put_nowait, ("done", (result, error))))
+            text = ReplyText(self.tokenizer.decode, self.stop_token_ids, prompt.sampling.stop, bool(prompt.tools))
+            self.runner.generate(generation)
+            first, called = True, False
             while True:
                 kind, value = await events.get()
                 if kind == "token":
@@ -68,8 +71,8 @@ class Service:
                         called = True  # a whole tool call: the reply ends there (its result arrives as cancelled)
                         self.runner.cancel(generation)
                     continue
-                done = True
                 result, error = value
+                generation = None  # done: nothing to cancel
                 if error is not None:
                     raise ApiError(400, error)
                 held = text.finish()
@@ -84,9 +87,19 @@ class Service:
                 yield reply
                 return
         finally:
-            if not done:
+            self.in_flight[tenant] -= 1
+            if generation is not None:
                 self.runner.cancel(generation)
                 self.metrics.cancelled.inc()
+
+    async def _encode(self, prompt: Prompt) -> list[int]:
+        started = time.monotonic()
+        try:
+            ids = await self.encoder.encode(chat_messages(prompt))
+        except ChatPromptError as exc:
+            raise ApiError(400, str(exc), "messages") from None
+        self.metrics.encode.observe(time.monotonic() - started)
+        return ids
 
     def blocks(self, tenant: str, tokens: Sequence[int]) -> list[Block]:
         """The full blocks of `tokens` in the tenant's namespace: what the store holds of them."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -20,14 +21,32 @@ class PromptEncoder:
     """Encodes chat messages (`engine.chat_prompt.encode_chat`) in `workers` processes."""
 
     def __init__(self, tokenizer_folder: Path | str, workers: int = 2) -> None:
-        self.pool = ProcessPoolExecutor(workers, multiprocessing.get_context("spawn"), initializer=_load,
-                                        initargs=(str(tokenizer_folder),))
-        for future in [self.pool.submit(_ready) for _ in range(workers)]:
+        self.folder, self.workers = str(tokenizer_folder), workers
+        self.pool = self._start()
+        self.restarts = 0
+        self._restarting = asyncio.Lock()
+
+    def _start(self) -> ProcessPoolExecutor:
+        pool = ProcessPoolExecutor(self.workers, multiprocessing.get_context("spawn"), initializer=_load,
+                                   initargs=(self.folder,))
+        for future in [pool.submit(_ready) for _ in range(self.workers)]:
             future.result()  # each worker has loaded the tokenizer: the first request does not wait for it
+        return pool
 
     async def encode(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        """The prompt's ids; ChatPromptError for messages the template refuses."""
-        return await asyncio.get_running_loop().run_in_executor(self.pool, _encode, list(messages))
+        """The prompt's ids; ChatPromptError for messages the template refuses. A worker that died (the OOM
+        killer, a crash) breaks the whole pool: it is started again once, and the request retried."""
+        loop = asyncio.get_running_loop()
+        pool = self.pool
+        try:
+            return await loop.run_in_executor(pool, _encode, list(messages))
+        except BrokenProcessPool:
+            async with self._restarting:
+                if self.pool is pool:  # the first request to see it restarts it; the others retry on the new one
+                    pool.shutdown(wait=False, cancel_futures=True)
+                    self.pool = await loop.run_in_executor(None, self._start)
+                    self.restarts += 1
+            return await loop.run_in_executor(self.pool, _encode, list(messages))
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)

@@ -21,6 +21,9 @@ SEED_LIMIT = 2**64  # torch.Generator.manual_seed takes seeds in [0, 2**64)
 CANDIDATES = 1024  # top-p first looks for its nucleus among this many likeliest tokens (then 4x more, ...)
 
 
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request samples and when it stops. Invalid values raise DecodeError on construction."""
@@ -70,7 +73,12 @@ def _token_ids(ids: Iterable[int]) -> tuple[int, ...]:
 def _stop_strings(stop: str | Iterable[str]) -> tuple[str, ...]:
     strings = (stop,) if isinstance(stop, str) else tuple(stop)
     if not all(isinstance(s, str) and s for s in strings):
-        raise DecodeError(f"SamplingParams: stop strings must be non-empty strings, got {strings!r}")
+        raise DecodeError(f"SamplingParams: stop strings must be non-empty strings, got {strings!r}"[:300])
+    # Each token's new text is searched for every stop string, and text as long as the longest is held
+    # back: both bounded, so a request cannot make every token cost what it likes
+    if len(strings) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in strings):
+        raise DecodeError(f"SamplingParams: stop takes at most {MAX_STOP_STRINGS} strings of at most "
+                          f"{MAX_STOP_CHARS} characters, got {len(strings)} of up to {max(map(len, strings))}")
     return strings
 
 

@@ -37,7 +37,10 @@ def plan_step(waiting: Sequence[Waiting], cost: ChunkCost, budget_s: float, bloc
         if x <= 0:
             if plan:
                 continue  # a younger request with a shorter prefix may still fit
-            x = 1  # the oldest request must progress: one token alone, whatever it costs
+            # The oldest request must progress though the budget cannot be kept. A step costs its overhead
+            # whatever it computes (on a loaded machine the overhead alone can pass the budget), so it
+            # goes to its next block boundary: one token per step would pay that overhead per token.
+            x = min(item.remaining, block_tokens - item.start % block_tokens)
         plan.append((item.request, x))
         left -= cost.seconds(x, item.start)
     return plan

@@ -370,9 +370,9 @@ def test_the_store_forgets_the_least_recently_used_first():
     store = orr.ResponseStore(max_responses=2)
     store.put("alice", "r1", _entry(1))
     store.put("alice", "r2", _entry(2))
-    assert store.get("alice", "r1").tokens == [1]  # read: now r2 is the least recently used
+    assert list(store.get("alice", "r1").tokens) == [1]  # read: now r2 is the least recently used
     store.put("alice", "r3", _entry(3))
-    assert [store.get("alice", rid).tokens for rid in ("r1", "r3")] == [[1], [3]]
+    assert [list(store.get("alice", rid).tokens) for rid in ("r1", "r3")] == [[1], [3]]
     with pytest.raises(ApiError) as caught:
         store.get("alice", "r2")
     assert caught.value.status == 404
@@ -383,10 +383,27 @@ def test_the_store_forgets_the_least_recently_used_first():
         orr.ResponseStore(max_responses=0)
 
 
+def test_each_tenant_has_its_own_bounds_in_count_and_bytes():
+    store = orr.ResponseStore(max_responses=2, max_bytes=10_000)
+    store.put("alice", "a1", _entry(1))
+    for i in range(5):  # bob's many responses never push alice's out
+        store.put("bob", f"b{i}", _entry(i))
+    assert list(store.get("alice", "a1").tokens) == [1]
+    big = _entry(2)
+    big.tokens = list(range(2_000))  # 8,000 bytes as int32
+    store.put("alice", "a2", big)
+    store.put("alice", "a3", big)  # two of them pass alice's bytes: her oldest go
+    with pytest.raises(ApiError):
+        store.get("alice", "a1")
+    with pytest.raises(ApiError):
+        store.get("alice", "a2")
+    assert len(store.get("alice", "a3").tokens) == 2_000 and store.bytes["alice"] <= 10_000
+
+
 def test_delete_removes_and_returns_the_entry():
     store = orr.ResponseStore()
     store.put("alice", "r1", _entry(1))
-    assert store.delete("alice", "r1").tokens == [1]
+    assert list(store.delete("alice", "r1").tokens) == [1]
     for call in (lambda: store.get("alice", "r1"), lambda: store.delete("alice", "r1")):
         with pytest.raises(ApiError) as caught:
             call()
@@ -405,6 +422,6 @@ def test_a_tenant_never_sees_chains_on_or_deletes_another_tenants_response():
         assert (caught.value.status, caught.value.param) == (404, param)
     assert store.conversation("alice", "r1", prompt) == [Message("user", "1"), Message("user", "hi")]
     store.put("bob", "r1", _entry(2))  # the same id under bob is bob's own
-    assert (store.get("alice", "r1").tokens, store.get("bob", "r1").tokens) == ([1], [2])
+    assert (list(store.get("alice", "r1").tokens), list(store.get("bob", "r1").tokens)) == ([1], [2])
     store.delete("bob", "r1")
-    assert store.get("alice", "r1").tokens == [1]
+    assert list(store.get("alice", "r1").tokens) == [1]

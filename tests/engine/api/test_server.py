@@ -143,7 +143,7 @@ def _anthropic(messages: list[dict]) -> list[dict]:
 
 
 def test_a_client_that_goes_away_frees_its_generation_and_metrics_say_so(served):
-    metrics = lambda: httpx.get(served.url + "/metrics").text  # noqa: E731
+    metrics = lambda: httpx.get(served.url + "/metrics", headers={"Authorization": "Bearer key-alice"}).text  # noqa: E731
     cancelled = _sample(metrics(), "kvstore_api_cancelled_total")
     with httpx.stream("POST", served.url + "/v1/chat/completions", headers={"Authorization": "Bearer key-alice"},
                       json={"model": MODEL, "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 2000,
@@ -166,6 +166,74 @@ def test_a_huge_prompt_is_encoded_beside_a_running_stream(served):
                       json={"model": MODEL, "messages": [{"role": "user", "content": "word " * 200_000}], "max_tokens": 2})
     assert huge.status_code == 400 and "context" in huge.json()["error"]["message"]
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+
+def _post(served, path: str, body: bytes | dict, key: str = "key-alice", **kwargs) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(served.url + path, content=content, timeout=60, **kwargs,
+                      headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+
+
+def test_hostile_bodies_get_the_apis_error_objects(served):
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    cases = [
+        (413, b'{"model": "' + b"x" * (5 << 20) + b'"}'),  # past the body limit
+        (400, b"[" * 100_000 + b"]" * 100_000),  # nesting past the parser's recursion
+        (400, b'{"model": "gemma-3-270m", "temperature": NaN, "messages": []}'),
+        (400, json.dumps({**chat, "messages": [{"role": "user", "content": "\ud800"}]}).encode()),  # lone surrogate
+        (400, {**chat, "messages": [{"role": [], "content": "hi"}]}),  # unhashable where a name belongs
+        (400, {**chat, "messages": [{"role": "assistant", "content": "x", "tool_calls": 5}]}),
+        (400, {**chat, "stop": ["s"] * 3 + ["x" * 1000]}),
+        (400, {**chat, "max_tokens": None, "max_completion_tokens": 0}),
+    ]
+    for status, body in cases:
+        response = _post(served, "/v1/chat/completions", body)
+        assert response.status_code == status, (response.status_code, response.text[:200])
+        assert response.json()["error"]["type"] in ("invalid_request_error",), response.text[:200]
+    messages = _post(served, "/v1/messages", {"model": MODEL, "max_tokens": 2, "messages": [{"role": {}, "content": "x"}]})
+    assert messages.status_code == 400 and messages.json()["type"] == "error"
+    unknown = _post(served, "/v1/messages/count_tokens", {})
+    assert unknown.status_code == 404 and unknown.json()["error"]["type"] == "not_found_error"
+    assert httpx.get(served.url + "/metrics").status_code == 401, "metrics are for key holders"
+    assert httpx.get(served.url + "/docs").status_code == 404
+
+
+def test_a_tenant_at_its_limit_is_told_to_come_back(served):
+    service = served.service
+    assert _wait(lambda: sum(service.in_flight.values()) == 0), "every earlier request gave its slot back"
+    service.in_flight["alice"] = service.max_in_flight_per_tenant  # as if alice had that many running
+    try:
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        refused = _post(served, "/v1/chat/completions", chat)
+        assert refused.status_code == 429 and refused.json()["error"]["type"] == "rate_limit_error"
+        refused = _post(served, "/v1/messages", chat)
+        assert refused.status_code == 529 and refused.json()["error"]["type"] == "overloaded_error"
+        assert _post(served, "/v1/chat/completions", chat, key="key-bob").status_code == 200, "bob has his own"
+        service.in_flight["bob"] = service.max_in_flight - service.max_in_flight_per_tenant
+        assert _post(served, "/v1/chat/completions", chat, key="key-bob").status_code == 429, "the server is full"
+    finally:
+        service.in_flight.clear()
+
+
+def test_a_non_streamed_request_whose_client_gives_up_is_cancelled(served):
+    metrics = lambda: httpx.get(served.url + "/metrics", headers={"Authorization": "Bearer key-alice"}).text  # noqa: E731
+    cancelled = _sample(metrics(), "kvstore_api_cancelled_total")
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(served.url + "/v1/chat/completions", headers={"Authorization": "Bearer key-alice"}, timeout=3,
+                   json={"model": MODEL, "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 2000})
+    assert _wait(lambda: _sample(metrics(), "kvstore_api_cancelled_total") == cancelled + 1, timeout_s=30)
+    assert _wait(lambda: served.service.runner.load["running"] == 0)
+
+
+def test_a_dead_tokenizer_worker_is_replaced(served):
+    import os
+    import signal
+
+    encoder = served.service.encoder
+    os.kill(next(iter(encoder.pool._processes)), signal.SIGKILL)
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert _post(served, "/v1/chat/completions", chat).status_code == 200
+    assert encoder.restarts == 1
 
 
 def _sample(text: str, name: str) -> float:

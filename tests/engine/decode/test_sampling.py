@@ -20,7 +20,7 @@ def _logits(rows: int, seed: int = 0) -> torch.Tensor:
     ("temperature", -1.0), ("temperature", float("inf")), ("temperature", "hot"), ("top_k", -1), ("top_k", 2.5),
     ("top_p", 0.0), ("top_p", 1.5), ("seed", -1), ("seed", 2**64), ("seed", 1.0), ("max_tokens", 0),
     ("max_tokens", -3), ("max_tokens", True), ("stop_token_ids", [-1]), ("stop_token_ids", ["a"]), ("stop", [""]),
-    ("stop", [3]),
+    ("stop", [3]), ("stop", ["x"] * 17), ("stop", ["x" * 257]),
 ])
 def test_invalid_values_raise_naming_the_field(field, value):
     with pytest.raises(DecodeError, match=field):

@@ -63,6 +63,10 @@ def test_oldest_first_and_younger_fill_the_rest():
     assert plan[0] == ("old", 300) and plan[1][0] == "young" and plan[1][1] > 0
 
 
-def test_one_token_alone_when_nothing_fits():
+def test_the_oldest_goes_to_its_next_block_boundary_when_nothing_fits():
     huge = ChunkCost(a=0, b=1.0, c=0)
-    assert plan_step([Waiting("a", 0, 10), Waiting("b", 0, 10)], huge, 0.5, 4) == [("a", 1)]
+    assert plan_step([Waiting("a", 0, 10), Waiting("b", 0, 10)], huge, 0.5, 4) == [("a", 4)]
+    assert plan_step([Waiting("a", 6, 10)], huge, 0.5, 4) == [("a", 2)]
+    assert plan_step([Waiting("a", 6, 1)], huge, 0.5, 4) == [("a", 1)]
+    overhead = ChunkCost(a=0, b=1e-6, c=1.0)  # the step's overhead alone passes the budget
+    assert plan_step([Waiting("a", 0, 2000)], overhead, 0.25, 256) == [("a", 256)]
