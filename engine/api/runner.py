@@ -92,7 +92,8 @@ class EngineRunner:
         request = PrefillRequest(generation.tokens, salt=generation.salt, traffic_class=generation.traffic_class,
                                  session_id=generation.session_id)
         try:
-            generation.id = self.decode.submit(DecodeRequest(request, generation.sampling, on_token=generation.on_token))
+            decode = DecodeRequest(request, generation.sampling, on_token=generation.on_token)
+            generation.id = self.decode.submit(decode)
         except DecodeError as exc:
             generation.on_done(None, str(exc))
             return

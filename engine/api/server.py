@@ -89,7 +89,8 @@ def create_app(service: Service, config: ApiConfig) -> FastAPI:
         tenant, body = await _read(request, config)
         prompt = _served(_parsed(openai_chat.parse, body, stop_ids), config)
         rid = openai_chat.completion_id()
-        return await _answer(service, request, prompt, tenant, lambda reply, _: openai_chat.completion(reply, rid, prompt.model),
+        return await _answer(service, request, prompt, tenant,
+                             lambda reply, _: openai_chat.completion(reply, rid, prompt.model),
                              openai_chat.ChatStream(rid, prompt.model, prompt))
 
     @app.post("/v1/messages")
@@ -98,7 +99,7 @@ def create_app(service: Service, config: ApiConfig) -> FastAPI:
         prompt = _served(_parsed(anthropic_messages.parse, body, stop_ids), config)
         rid = anthropic_messages.message_id()
         return await _answer(service, request, prompt, tenant,
-                             lambda reply, _: anthropic_messages.message(reply, rid, prompt.model, reply.stop_sequence),
+                             lambda reply, _: anthropic_messages.message(reply, rid, prompt.model),
                              anthropic_messages.MessageStream(rid, prompt.model))
 
     @app.post("/v1/responses")
@@ -118,8 +119,8 @@ def create_app(service: Service, config: ApiConfig) -> FastAPI:
                                                                         ids + reply.tokens, traffic))
             return out
 
-        return await _answer(service, request, prompt, tenant, finished,
-                             openai_responses.ResponseStream(rid, prompt.model, asked.prompt, asked.previous_response_id))
+        stream = openai_responses.ResponseStream(rid, prompt.model, asked.prompt, asked.previous_response_id)
+        return await _answer(service, request, prompt, tenant, finished, stream)
 
     @app.get("/v1/responses/{rid}")
     async def get_response(rid: str, request: Request) -> dict:

@@ -40,7 +40,8 @@ class Service:
         for a prompt the template refuses or a server or tenant at its limit of requests in flight (status
         `overloaded`), and (before any text) for a request the engine refuses. A caller that stops
         iterating early (its client went away) cancels the generation."""
-        if sum(self.in_flight.values()) >= self.max_in_flight or self.in_flight[tenant] >= self.max_in_flight_per_tenant:
+        full = sum(self.in_flight.values()) >= self.max_in_flight
+        if full or self.in_flight[tenant] >= self.max_in_flight_per_tenant:
             raise ApiError(overloaded, "too many requests in flight; retry later",
                            kind="overloaded_error" if overloaded == 529 else "rate_limit_error")
         self.in_flight[tenant] += 1
