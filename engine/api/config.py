@@ -20,6 +20,9 @@ class ApiConfig:
     kv_pages: int = 256
     block_tokens: int = 256
     max_running: int = 32
+    # The prefill's chunk cost model (a, b, c of engine.prefill.cost.ChunkCost); None: fitted at start-up by
+    # timing forwards (about 20 s on 2 cores, more on a loaded machine)
+    chunk_cost: tuple[float, float, float] | None = None
     tokenize_workers: int = 2  # processes encoding prompts off the event loop
     # Responses kept for previous_response_id, per tenant, least recently used out first
     max_stored_responses: int = 10_000
@@ -46,6 +49,10 @@ class ApiConfig:
             raise ValueError("ApiConfig: api_keys maps non-empty keys to non-empty tenant names")
         if set(self.idle_s) - set(TRAFFIC_CLASSES) or any(not v > 0 for v in self.idle_s.values()):
             raise ValueError(f"ApiConfig: idle_s maps traffic classes {TRAFFIC_CLASSES} to seconds > 0")
+        if self.chunk_cost is not None and (len(self.chunk_cost) != 3 or not all(0 <= v < 1e3 for v in self.chunk_cost)
+                                            or not self.chunk_cost[0] + self.chunk_cost[1] > 0):
+            raise ValueError(f"ApiConfig: chunk_cost is three seconds-coefficients a, b, c >= 0 with a + b > 0, "
+                             f"got {self.chunk_cost}")
         if not self.sweep_interval_s > 0:
             raise ValueError("ApiConfig: sweep_interval_s must be > 0")
         object.__setattr__(self, "servers", tuple(self.servers))

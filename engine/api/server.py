@@ -281,6 +281,7 @@ def build(config: ApiConfig) -> Service:
     from engine.api.tokenize import PromptEncoder
     from engine.decode import DecodeConfig
     from engine.prefill import PrefillConfig, PrefillEngine
+    from engine.prefill.cost import ChunkCost
     from engine.real_model import load_real_model, load_tokenizer
     from engine.real_text import stop_token_ids
 
@@ -292,8 +293,9 @@ def build(config: ApiConfig) -> Service:
         client = KVClient(list(config.servers))
         advising = ThreadPoolExecutor(1, thread_name_prefix="advise")  # the client blocks; the loop must not
         advisor = Advisor(lambda blocks, goes_on: advising.submit(client.advise, blocks, goes_on), config.idle_s)
+    cost = ChunkCost(*config.chunk_cost) if config.chunk_cost else None
     prefill = PrefillEngine.from_pretrained(folder, client, PrefillConfig(block_tokens=config.block_tokens,
-                                                                          kv_pages=config.kv_pages))
+                                                                          kv_pages=config.kv_pages, cost=cost))
     runner = EngineRunner(prefill, DecodeConfig(max_running=config.max_running, detokenize=tokenizer.decode))
     encoder = PromptEncoder(folder, config.tokenize_workers)
     return Service(runner, tokenizer, encoder, sorted(stop_token_ids(tokenizer)), advisor, config.max_in_flight,
@@ -309,6 +311,9 @@ def parse_args(argv: Sequence[str] | None = None) -> ApiConfig:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", action="append", default=[], metavar="KEY=TENANT")
     parser.add_argument("--kv-pages", type=int, default=256)
+    parser.add_argument("--chunk-cost", default=None, metavar="A,B,C",
+                        help="the prefill's chunk cost model (engine.prefill.cost.ChunkCost), from an earlier fit on "
+                             "this machine; default: fit it at start-up (about 20 s)")
     args = parser.parse_args(argv)
     keys = {}
     for item in args.api_key:
@@ -317,8 +322,11 @@ def parse_args(argv: Sequence[str] | None = None) -> ApiConfig:
             parser.error(f"--api-key takes KEY=TENANT, got {item!r}")
         keys[key] = tenant
     try:
+        cost = tuple(float(v) for v in args.chunk_cost.split(",")) if args.chunk_cost else None
+        if cost is not None and len(cost) != 3:
+            raise ValueError(f"--chunk-cost takes three numbers A,B,C, got {args.chunk_cost!r}")
         return ApiConfig(args.model, args.model_name, tuple(s for s in args.servers.split(",") if s), args.host,
-                         args.port, keys, args.kv_pages)
+                         args.port, keys, args.kv_pages, chunk_cost=cost)
     except ValueError as exc:
         parser.error(str(exc))
 
