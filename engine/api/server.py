@@ -336,6 +336,9 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     config = parse_args(argv)
     service = build(config)
+    cost = service.runner.prefill.cost
+    print(f"kvstore-serve: serving {config.model_name} on http://{config.host}:{config.port} "
+          f"(chunk cost {cost.a:.3g},{cost.b:.3g},{cost.c:.3g}: --chunk-cost skips the start-up fit)", flush=True)
     uvicorn.run(create_app(service, config), host=config.host, port=config.port, log_level="warning",
                 timeout_graceful_shutdown=5)  # requests in flight get 5 s, then are cut
 
