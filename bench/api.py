@@ -36,7 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.real_text import TOPICS, chat_question, example_exchange, system_prompt  # noqa: E402
+from engine.text.real_text import TOPICS, chat_question, example_exchange, system_prompt  # noqa: E402
 
 MODEL = "gemma-3-270m"
 KV_PAGES = 320  # of 256 tokens, for the server's engines and the direct ones alike: 32 prompts of ~2.1k tokens fit
@@ -168,11 +168,11 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
 
-    from engine.chat_prompt import encode_chat
+    from engine.text.chat_prompt import encode_chat
     from engine.decode import DecodeConfig, DecodeEngine
     from engine.prefill import PrefillConfig, PrefillEngine
-    from engine.real_model import load_real_model
-    from engine.real_text import stop_token_ids
+    from engine.checkpoints.real_model import load_real_model
+    from engine.text.real_text import stop_token_ids
     from kvstore.client import KVClient
 
     chats = conversations(64)

@@ -4,7 +4,7 @@
                            [--router-requests 200] [--router-speedup 4] [--no-router]
 
 For each batch size B: B real-text prompts (chat sessions of standard-library documentation through the
-chat template, `engine.real_text`, each cut to --prompt-tokens so no padding is needed), greedy, the same
+chat template, `engine.text.real_text`, each cut to --prompt-tokens so no padding is needed), greedy, the same
 fp32 weights, in one process, interleaved per repeat:
 
     ours      DecodeEngine: the prompts submitted together, prefilled in the engine's steps, then decoded
@@ -41,13 +41,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from engine.decode import DecodeConfig, DecodeEngine, DecodeRequest, SamplingParams  # noqa: E402
-from engine.model import Decoder  # noqa: E402
+from engine.model.decoder import Decoder  # noqa: E402
 
 
 def prompts(tokenizer, count: int, length: int) -> list[list[int]]:
     """`count` different real-text prompts of `length` tokens: the end of each session's first prompt,
     which differ in their user turns (the shared system prompt is at the start)."""
-    from engine.real_text import demo_sessions
+    from engine.text.real_text import demo_sessions
 
     out = []
     for session in demo_sessions(tokenizer, count):
@@ -145,7 +145,7 @@ def main() -> None:
         parser.error("batches >= 1, --tokens >= 2, --prompt-tokens >= 1, --repeats >= 1")
     import transformers
 
-    from engine.real_model import load_real_model
+    from engine.checkpoints.real_model import load_real_model
 
     folder, tokenizer = load_real_model()
     model = Decoder.from_pretrained(folder)

@@ -60,7 +60,7 @@ import numpy as np  # noqa: E402
 
 from engine.decode.instances import Instances, start_instances, to_instance_load  # noqa: E402
 from engine.decode.router import POLICIES, Router, RouterConfig  # noqa: E402
-from engine.random_model import write_random_model  # noqa: E402
+from engine.checkpoints.random_model import write_random_model  # noqa: E402
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "conversation_trace.jsonl"
 LENGTH_SCALE = 16  # trace input lengths / this: fits the tiny model's context and a few minutes of 2 CPU cores

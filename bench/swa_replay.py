@@ -2,7 +2,7 @@
 
     python bench/swa_replay.py [--sessions 4] [--turns 8] [--tier-states 2] [--repeats 2] [--json out.json]
 
-A multi-turn workload of real-text chat sessions (`engine.real_text`: standard-library documentation
+A multi-turn workload of real-text chat sessions (`engine.text.real_text`: standard-library documentation
 through the chat template, replies of real text), every turn of every session in a shuffled order per
 round, through one daemon. The window tier holds the sliding-window state of `--tier-states` sessions,
 fewer than are active, so states are evicted. Served three ways in one run, each in its own tenant:
@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from engine.config import SLIDING, ModelConfig  # noqa: E402
+from engine.model.config import SLIDING, ModelConfig  # noqa: E402
 from engine.prefill.config import PrefillConfig  # noqa: E402
 from engine.prefill.engine import PrefillEngine  # noqa: E402
 from engine.prefill.request import REPLAYED, PrefillRequest  # noqa: E402
@@ -68,7 +68,7 @@ def prefill_flops(config: ModelConfig, start: int, end: int, window_from: int = 
 
 def workload(tokenizer, sessions: int, turns: int, seed: int) -> list[tuple[str, int, list[int]]]:
     """(session, turn, prompt) in serving order: round by round, the sessions shuffled in each."""
-    from engine.real_text import TOPICS, demo_sessions, docstring
+    from engine.text.real_text import TOPICS, demo_sessions, docstring
 
     chats = demo_sessions(tokenizer, sessions)
     prompts = {chat.name: [] for chat in chats}
@@ -192,7 +192,7 @@ def main() -> None:
     args = parser.parse_args()
     if min(args.sessions, args.turns, args.tier_states, args.repeats) < 1 or args.tier_states >= args.sessions:
         parser.error("sessions, turns, tier-states and repeats must be >= 1, and tier-states < sessions")
-    from engine.real_model import load_real_model
+    from engine.checkpoints.real_model import load_real_model
 
     folder, tokenizer = load_real_model()
     requests = workload(tokenizer, args.sessions, args.turns, args.seed)

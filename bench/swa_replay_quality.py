@@ -2,7 +2,7 @@
 
     python bench/swa_replay_quality.py [--json out.json] [--plot out.png] [--sessions N] [--quick]
 
-Workload: held-out multi-turn sessions of real text (`engine.real_text.long_sessions`: docstrings of
+Workload: held-out multi-turn sessions of real text (`engine.text.real_text.long_sessions`: docstrings of
 standard-library modules the demo does not use, chat and agent alternating, replies of real text), each
 8k+ tokens. In each session, a request resumes at each stored prefix P in 1k, 2k, 4k, 8k tokens: P is
 block-aligned, as the store's prefixes are, and the new tokens [P, P + T) run to the end of the first user
@@ -30,9 +30,9 @@ from typing import Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine import real_text  # noqa: E402
-from engine.model import Decoder  # noqa: E402
-from engine.real_model import load_real_model  # noqa: E402
+from engine.text import real_text  # noqa: E402
+from engine.model.decoder import Decoder  # noqa: E402
+from engine.checkpoints.real_model import load_real_model  # noqa: E402
 from engine.swa_replay.quality import (CONTINUATION, ReplayQuality, session_replay_quality, spans_at,  # noqa: E402
                                        summarize)
 

@@ -2,10 +2,10 @@
 
     python bench/ttft.py [--real] [--tokens 2560] [--block-tokens 32] [--repeats 3] [--json out.json]
 
-The model is random-weight and Qwen3-0.6B-shaped (12 layers; `engine.random_model.BENCH`), big enough
+The model is random-weight and Qwen3-0.6B-shaped (12 layers; `engine.checkpoints.random_model.BENCH`), big enough
 that compute dominates on a CPU, on random token ids. With `--real` it is the real Gemma 3 270M
-(`engine.real_model`, the `models` extra) on real text: a chat session of standard-library documentation
-through its chat template (`engine.real_text`), cut to --tokens, with a line naming the repeat put
+(`engine.checkpoints.real_model`, the `models` extra) on real text: a chat session of standard-library documentation
+through its chat template (`engine.text.real_text`), cut to --tokens, with a line naming the repeat put
 before the system prompt so that each prompt is fresh to the store. For each cached fraction f, the first f of a fresh prompt is put in
 the store by prefilling it once (so the blocks are the engine's own), then the whole prompt is
 prefilled and its TTFT taken. Beside it, in the same repeat, the ideal:
@@ -34,12 +34,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from engine.kv import RequestKV  # noqa: E402
-from engine.model import Chunk  # noqa: E402
+from engine.model.kv import RequestKV  # noqa: E402
+from engine.model.decoder import Chunk  # noqa: E402
 from engine.prefill.config import PrefillConfig  # noqa: E402
 from engine.prefill.engine import PrefillEngine  # noqa: E402
 from engine.prefill.request import PrefillRequest  # noqa: E402
-from engine.random_model import BENCH, write_random_model  # noqa: E402
+from engine.checkpoints.random_model import BENCH, write_random_model  # noqa: E402
 from kvstore.client import ClientConfig, KVClient  # noqa: E402
 from kvstore.client.torch_kv import PagedKV  # noqa: E402
 from kvstore.server.process import DaemonProcess  # noqa: E402
@@ -60,7 +60,7 @@ def main() -> None:
     try:
         daemon.start()
         if args.real:
-            from engine.real_model import load_real_model
+            from engine.checkpoints.real_model import load_real_model
 
             folder, tokenizer = load_real_model()
             prompt_for = real_prompts(tokenizer)
@@ -90,7 +90,7 @@ def main() -> None:
 
 def real_prompts(tokenizer):
     """`prompt_for(seed, tokens)`: a real-text prompt of `tokens` tokens that no other seed's shares."""
-    from engine.real_text import CHAT, TOPICS, Session, system_prompt
+    from engine.text.real_text import CHAT, TOPICS, Session, system_prompt
 
     def prompt_for(seed: int, tokens: int) -> list[int]:
         session = Session(tokenizer, f"bench{seed}", CHAT, TOPICS, f"Benchmark prompt {seed}.\n\n{system_prompt()}")

@@ -1,6 +1,8 @@
-"""The slim model and the engines that use the store (DESIGN.md section 8).
+"""The engines that use the store (docs/design.md section 8).
 
-`engine.model.Decoder` runs Llama/Qwen3-style and gpt-oss-style decoders against explicit KV
-(`engine.kv`); `engine.prefill` is the prefill engine. The decode engine and SWA bounded replay come
-in later issues.
+`model`: the slim decoder over explicit paged KV. `checkpoints`: where its weights come from. `text`: chat
+prompts and real-text sessions. `prefill`: the prefill engine, a client of the store, with the continuation
+record that hands a prompt to another process. `swa_replay`: sliding-window state kept in host memory and
+rebuilt by bounded replay. `decode`: continuous batching, sampling, routing over instances. `serving`: the
+one engine loop behind both front ends. `api`: the OpenAI and Anthropic HTTP API.
 """

@@ -1,6 +1,6 @@
 """`make demo`: a real model (Gemma 3 270M) served through the prefill engine and two daemons, turn after turn.
 
-Chat and agent sessions built from the standard library's documentation (`engine.real_text`: Gemma 3's
+Chat and agent sessions built from the standard library's documentation (`engine.text.real_text`: Gemma 3's
 chat template, one shared system prompt, each turn's prompt the whole conversation so far) go through
 the engine. Per request it prints how many prompt tokens came from the cache, from which tier (this
 process's host tier, a daemon's DRAM or its SSD), the path the sliding window took, the time to first
@@ -12,7 +12,7 @@ engine kept in host memory are gone, so each session's next turn rebuilds its wi
 the state the replay left.
 
 `--random` runs the earlier demo instead: a random-weight gpt-oss-style hybrid (sliding-window and full
-layers alternating, MoE; `engine.random_model.DEMO`) on random token ids, with no model to install.
+layers alternating, MoE; `engine.checkpoints.random_model.DEMO`) on random token ids, with no model to install.
 `--quick` is a shortened real run (two sessions, two turns, shorter replies) for the test suite.
 """
 
@@ -31,7 +31,7 @@ import torch
 from engine.prefill.config import PrefillConfig
 from engine.prefill.engine import PrefillEngine
 from engine.prefill.request import PrefillRequest
-from engine.random_model import DEMO, write_random_model
+from engine.checkpoints.random_model import DEMO, write_random_model
 from kvstore.client import ClientConfig, KVClient
 from kvstore.demo import restarted, tier_hits
 from kvstore.server.process import DaemonProcess
@@ -43,8 +43,8 @@ REPLY_TOKENS = 12  # greedy tokens decoded per turn: enough to read the start of
 def run_real(sessions: int, turns: int, workdir: Path, reply_tokens: int = REPLY_TOKENS) -> None:
     # imported here so that --random needs neither the models extra nor the tokenizer
     from engine.decode import DecodeEngine, DecodeRequest, SamplingParams
-    from engine.real_model import load_real_model
-    from engine.real_text import demo_sessions, stop_token_ids
+    from engine.checkpoints.real_model import load_real_model
+    from engine.text.real_text import demo_sessions, stop_token_ids
 
     began = time.perf_counter()
     print("loading Gemma 3 270M (converted once from the packaged GGUF, then cached) ...", flush=True)

@@ -16,7 +16,7 @@ calling guide: tools described in the prompt, a call written as a fenced block):
   and a following user message merge into one turn);
 * a reply holding at least one well-formed call of a declared tool is a tool call (finish reason
   `tool_calls`); anything else is text.
-All of it is message content, so `engine.chat_prompt` encodes it as plain text: a tool name or result that
+All of it is message content, so `engine.text.chat_prompt` encodes it as plain text: a tool name or result that
 spells a control token stays text.
 """
 

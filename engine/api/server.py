@@ -282,8 +282,8 @@ def build(config: ApiConfig) -> Service:
     from engine.decode import DecodeConfig
     from engine.prefill import PrefillConfig, PrefillEngine
     from engine.prefill.cost import ChunkCost
-    from engine.real_model import load_real_model, load_tokenizer
-    from engine.real_text import stop_token_ids
+    from engine.checkpoints.real_model import load_real_model, load_tokenizer
+    from engine.text.real_text import stop_token_ids
 
     folder, tokenizer = load_real_model() if config.model is None else (config.model, load_tokenizer(config.model))
     client = advisor = None

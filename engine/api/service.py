@@ -20,7 +20,7 @@ from engine.api.metrics import ApiMetrics
 from engine.api.reply_text import ReplyText
 from engine.api.runner import EngineRunner, Generation
 from engine.api.tokenize import PromptEncoder
-from engine.chat_prompt import ChatPromptError
+from engine.text.chat_prompt import ChatPromptError
 from engine.decode.request import CONTEXT, MAX_TOKENS
 from kvstore.block import Block
 

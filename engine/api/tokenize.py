@@ -18,7 +18,7 @@ _tokenizer: Any = None  # in a worker: the tokenizer it loaded
 
 
 class PromptEncoder:
-    """Encodes chat messages (`engine.chat_prompt.encode_chat`) in `workers` processes."""
+    """Encodes chat messages (`engine.text.chat_prompt.encode_chat`) in `workers` processes."""
 
     def __init__(self, tokenizer_folder: Path | str, workers: int = 2) -> None:
         self.folder, self.workers = str(tokenizer_folder), workers
@@ -64,6 +64,6 @@ def _ready() -> bool:
 
 
 def _encode(messages: list[dict[str, str]]) -> list[int]:
-    from engine.chat_prompt import encode_chat
+    from engine.text.chat_prompt import encode_chat
 
     return encode_chat(_tokenizer, messages)

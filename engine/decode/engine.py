@@ -23,7 +23,7 @@ would have had alone.
 Built on a prefill engine of this process (sharing its page pool), the engine continues what it prefills:
 a `PrefillResult` handed over in place, or a `PrefillRequest` it submits to that engine itself, stepping
 it before each decode step; with `from_handoff` the prefill continues from the state a prefill process
-saved in the store (`engine.handoff`) and computes only the last prompt token. Either way the decode
+saved in the store (`engine.prefill.handoff`) and computes only the last prompt token. Either way the decode
 engine takes over the request's KV and samples the first token from the prefill's logits. As its reply
 fills KV blocks they are saved (write-behind) in the prompt's chain, and for a hybrid model the window at
 the last block boundary is kept, so the next turn finds prompt and reply cached (`engine.decode.saving`).
@@ -45,11 +45,11 @@ from engine.decode.request import CANCELLED, DecodeError, DecodeRequest, DecodeR
 from engine.decode.sampling import make_generator, sample
 from engine.decode.saving import ReplySaver
 from engine.decode.sequence import DecodeSequence
-from engine.kv import KVCapacityError, PagePool, RequestKV
-from engine.model import Chunk, Decoder
+from engine.model.kv import KVCapacityError, PagePool, RequestKV
+from engine.model.decoder import Chunk, Decoder
 from engine.prefill.engine import PrefillEngine
 from engine.prefill.request import HANDED_OVER, PrefillError, PrefillRequest, PrefillResult
-from engine.token_ids import checked_token_ids
+from engine.text.token_ids import checked_token_ids
 
 
 RESUME_FLUSH_S = 2.0  # how long a resumption waits for the store writes queued before it (its state's)

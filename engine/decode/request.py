@@ -29,7 +29,7 @@ class DecodeRequest:
     `PrefillResult` of a prefill engine in this process whose KV pool the decode engine shares: its KV
     continues without recompute, and the decode engine owns (and at the end releases) it from submit on;
     or a `PrefillRequest` that engine prefills first (with `from_handoff`: continuing from the state a
-    prefill in another process handed over through the store, `engine.handoff`).
+    prefill in another process handed over through the store, `engine.prefill.handoff`).
     """
 
     prompt: Sequence[int] | PrefillResult | PrefillRequest

@@ -3,7 +3,7 @@
 Each sampled request owns a `torch.Generator`, seeded from `SamplingParams.seed`, and only its own rows
 draw from it: its draws depend on its logits and its seed, never on what else shares the batch (or on
 being preempted and resumed, since the generator travels with the request). Its logits themselves may
-move by float rounding (~1e-6) with its neighbours in a step (`engine.decode_attention`).
+move by float rounding (~1e-6) with its neighbours in a step (`engine.model.decode_attention`).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ sequence passes, only the latest kept (one per sequence), and put in the window 
 key and the request's session when the sequence ends: the next turn resumes exactly from it.
 
 A sequence preempted between decode steps saves its state through the store, as a prefill hands a prompt
-over to another process (`engine.handoff`: its blocks are saved already, the partial block and the window
+over to another process (`engine.prefill.handoff`: its blocks are saved already, the partial block and the window
 go in a continuation record), and resumes from it by a prefill of its tokens `from_handoff`: only its last
 token is computed again. Where that state is gone by then, the prefill falls back (loads what is stored,
 or recomputes) and the chain follows what it got. A sequence preempted while still (re)prefilling
@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine import handoff
-from engine.kv import RequestKV, WindowState
+from engine.prefill import handoff
+from engine.model.kv import RequestKV, WindowState
 from engine.prefill.engine import PrefillEngine
 from engine.prefill.request import PrefillRequest, PrefillResult
 from kvstore.block import Namespace

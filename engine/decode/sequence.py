@@ -11,7 +11,7 @@ import torch
 from engine.decode.request import (CONTEXT, MAX_TOKENS, STOP_STRING, STOP_TOKEN, DecodeRequest, DecodeResult)
 from engine.decode.sampling import SamplingParams
 from engine.decode.saving import ReplyChain
-from engine.kv import RequestKV
+from engine.model.kv import RequestKV
 from engine.prefill.request import PrefillRequest
 
 

@@ -6,7 +6,7 @@
 
 With --servers the instance is a client of the store: every prompt goes through its prefill engine, which
 loads what the daemons hold of it, and the reply's blocks are saved for the next turn; a generate with
-"from_handoff": true continues from the state a prefill process handed over (`engine.handoff`), and its
+"from_handoff": true continues from the state a prefill process handed over (`engine.prefill.handoff`), and its
 "done" says how the prompt's KV came ("prefill_path": "handed_over", or the fallback's path). Without it,
 prompts are computed here and nothing is saved.
 
@@ -73,9 +73,9 @@ from engine.decode.config import DecodeConfig
 from engine.decode.engine import DecodeEngine
 from engine.decode.protocol import ProtocolError, is_int, parse_line, prompt_tokens
 from engine.decode.request import DecodeError, DecodeRequest, DecodeResult
-from engine.model import Decoder
+from engine.model.decoder import Decoder
 from engine.prefill import PrefillConfig, PrefillEngine
-from engine.weights import model_identity
+from engine.model.weights import model_identity
 from kvstore.client import KVClient
 
 MAX_LINE_BYTES = 2**20  # a 1 MiB line holds a prompt of >100k token ids: past these models' contexts

@@ -25,17 +25,17 @@ from typing import Sequence
 
 import torch
 
-from engine import handoff
-from engine.kv import KVCapacityError, PagePool, RequestKV, WindowState
-from engine.model import Chunk, Decoder
+from engine.prefill import handoff
+from engine.model.kv import KVCapacityError, PagePool, RequestKV, WindowState
+from engine.model.decoder import Chunk, Decoder
 from engine.prefill import cost as chunk_cost
 from engine.prefill.config import PrefillConfig
 from engine.prefill.request import (CACHED, COLD, HANDED_OVER, LOAD_FAILED, NOT_WORTH, REPLAYED, WINDOW_MISSING,
                                     PrefillError, PrefillRequest, PrefillResult)
 from engine.prefill.scheduler import Waiting, plan_step
-from engine.weights import model_identity
+from engine.model.weights import model_identity
 from engine.swa_replay import WindowTier, begin_replay, default_replay_tokens, worth_replaying
-from engine.token_ids import checked_token_ids
+from engine.text.token_ids import checked_token_ids
 from kvstore.block import Block, KVLayout, Namespace
 from kvstore.client import KVClient
 from kvstore.client.loading import LoadCancelled, LoadHandle
@@ -309,7 +309,7 @@ class PrefillEngine:
             a.save_from = a.stored
 
     def _continue_handoff(self, a: _Active) -> bool:
-        """Continue from the state another process handed over (engine.handoff): its chain's full blocks
+        """Continue from the state another process handed over (engine.prefill.handoff): its chain's full blocks
         loaded, the partial block and the window from the continuation record, the last token to compute.
         False, touching nothing the normal path needs, where the record or a block is gone or corrupt."""
         tokens = a.tokens.tolist()

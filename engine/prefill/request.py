@@ -8,7 +8,7 @@ from typing import Sequence
 import torch
 
 from kvstore.block import Block, Namespace
-from engine.kv import RequestKV
+from engine.model.kv import RequestKV
 
 # How a request's prefix was obtained.
 COLD = "cold"  # the store held nothing of it
@@ -37,7 +37,7 @@ class PrefillRequest:
     namespace: Namespace | None = None  # if given, must be this model's namespace
     turn: int = 0  # earlier turns of the conversation the prompt holds (its assistant messages): for eviction
     exact: bool = False  # never use a replayed (approximate) window or KV: bit-exact continuation, at full cost
-    # Prefill -> decode across processes (engine.handoff): the prefill side sets `hand_off`, and besides the
+    # Prefill -> decode across processes (engine.prefill.handoff): the prefill side sets `hand_off`, and besides the
     # prompt's blocks saves what a decode instance needs to continue it; the decode side sets `from_handoff`
     # and continues from that (or, where it is gone, from whatever the store holds: `PrefillResult.path`).
     hand_off: bool = False

@@ -22,8 +22,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from engine.kv import PagePool, RequestKV
-from engine.model import Chunk, Decoder
+from engine.model.kv import PagePool, RequestKV
+from engine.model.decoder import Chunk, Decoder
 from engine.swa_replay.replay import begin_replay
 
 CONTINUATION = 32  # greedy tokens compared after the prompt's end

@@ -15,7 +15,7 @@ see a truncated window; with R >= P it is exact. The quality this costs is measu
 
 from __future__ import annotations
 
-from engine.kv import RequestKV
+from engine.model.kv import RequestKV
 
 # The default R, in windows: chosen from the quality measured on Gemma 3 270M (README, "Bounded replay").
 REPLAY_WINDOWS = 2

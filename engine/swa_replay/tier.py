@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
-from engine.kv import WindowState
+from engine.model.kv import WindowState
 
 
 class WindowTier:

@@ -13,7 +13,7 @@ ASSISTANT = {"role": "assistant", "content": "It returns the number of items."}
 
 
 def test_a_reply_is_the_engines_greedy_reply_with_usage(served):
-    from engine.chat_prompt import encode_chat
+    from engine.text.chat_prompt import encode_chat
     from engine.decode import DecodeConfig, DecodeEngine, DecodeRequest, SamplingParams
 
     runner, tokenizer = served.service.runner, served.tokenizer
@@ -75,7 +75,7 @@ def test_errors_are_the_apis_with_their_status_codes(served):
 
 
 def test_a_tenant_reuses_its_own_cached_prefix_and_never_anothers(served):
-    from engine.real_text import system_prompt
+    from engine.text.real_text import system_prompt
 
     messages = [{"role": "system", "content": system_prompt()}, *QUESTION]  # several 256-token blocks
     cached = {}

@@ -22,7 +22,7 @@ TEXT = ("The len() function returns the number of items — 3 for [1, 2, 3]. Uni
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from engine.real_model import load_real_model
+    from engine.checkpoints.real_model import load_real_model
 
     return load_real_model()[1]
 

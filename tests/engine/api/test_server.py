@@ -33,7 +33,7 @@ def _flush(served) -> None:
 
 
 def test_responses_keep_the_conversation_and_its_prefix_stays_cached(served):
-    from engine.real_text import system_prompt
+    from engine.text.real_text import system_prompt
 
     client = served.openai()
     first = client.responses.create(model=MODEL, instructions=system_prompt(), input=QUESTION, max_output_tokens=6,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.decode import DecodeEngine, DecodeRequest, DecodeResult
-from engine.model import Decoder
+from engine.model.decoder import Decoder
 from tests.engine.conftest import VOCAB, TinyModel
 
 REPLY = 40  # greedy tokens compared

@@ -9,8 +9,8 @@ import torch
 
 from engine.decode import DecodeConfig, DecodeEngine, DecodeError, DecodeRequest, SamplingParams
 from engine.decode.request import CANCELLED, CONTEXT, MAX_TOKENS, STOP_STRING, STOP_TOKEN
-from engine.greedy import greedy
-from engine.kv import KVCapacityError, PagePool, RequestKV
+from tests.engine.greedy import greedy
+from engine.model.kv import KVCapacityError, PagePool, RequestKV
 from tests.engine.conftest import VOCAB
 from tests.engine.decode.conftest import PROMPT_LENGTHS, REPLY, drive, tokens
 

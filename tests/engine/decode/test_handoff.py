@@ -6,8 +6,8 @@ import pytest
 
 from engine.decode import DecodeConfig, DecodeEngine, DecodeError, DecodeRequest, SamplingParams
 from engine.decode.request import MAX_TOKENS, STOP_TOKEN
-from engine.greedy import greedy
-from engine.model import Decoder
+from tests.engine.greedy import greedy
+from engine.model.decoder import Decoder
 from engine.prefill.config import PrefillConfig
 from engine.prefill.cost import ChunkCost
 from engine.prefill.engine import PrefillEngine

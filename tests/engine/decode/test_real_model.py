@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from engine.decode import DecodeConfig, DecodeEngine, DecodeRequest, SamplingParams
-from engine.model import Decoder
+from engine.model.decoder import Decoder
 from engine.prefill import PrefillConfig, PrefillEngine, PrefillRequest
 from engine.prefill.cost import ChunkCost
 from engine.prefill.request import HANDED_OVER
-from engine.real_text import demo_sessions
-from engine.weights import model_identity
+from engine.text.real_text import demo_sessions
+from engine.model.weights import model_identity
 from kvstore.client import KVClient
 from tests.engine.decode.conftest import drive
 
@@ -41,7 +41,7 @@ class Real:
     def __init__(self) -> None:
         import transformers
 
-        from engine.real_model import load_real_model
+        from engine.checkpoints.real_model import load_real_model
 
         folder, tokenizer = load_real_model()
         self.model = Decoder.from_pretrained(folder)  # fp32

@@ -1,4 +1,4 @@
-"""Prefill -> decode across processes through the store (engine/handoff.py): the prefill side saves a
+"""Prefill -> decode across processes through the store (engine/prefill/handoff.py): the prefill side saves a
 prompt's continuation record, and an engine with its own client, pool and window tier continues from it
 computing only the last token; where the record is gone or corrupt it falls back and says so."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import handoff
-from engine.kv import WindowState
-from engine.model import Chunk
+from engine.prefill import handoff
+from engine.model.kv import WindowState
+from engine.model.decoder import Chunk
 from engine.prefill.request import CACHED, COLD, HANDED_OVER, REPLAYED, WINDOW_MISSING, PrefillRequest
 from tests.engine.prefill.test_engine import BLOCK, TOLERANCE, _client, _engine, _tokens
 

@@ -10,7 +10,7 @@ import importlib.util
 import pytest
 import torch
 
-from engine.model import Decoder
+from engine.model.decoder import Decoder
 from engine.swa_replay.quality import Span, replay_quality, session_replay_quality, spans_at, summarize
 
 SMALL = dict(continuation=6, chunk_tokens=50, logit_rows=7, block_tokens=32)  # uneven chunks and blocks
@@ -96,8 +96,8 @@ real_model = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def real_results():
-    from engine import real_text
-    from engine.real_model import load_real_model
+    from engine.text import real_text
+    from engine.checkpoints.real_model import load_real_model
 
     folder, tokenizer = load_real_model()
     model = Decoder.from_pretrained(folder)  # fp32

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kv import WindowState
+from engine.model.kv import WindowState
 from engine.swa_replay.tier import WindowTier
 
 pytestmark = pytest.mark.unit

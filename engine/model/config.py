@@ -282,7 +282,7 @@ def refuse_gguf(path: Path | str) -> None:
             continue
         if magic == b"GGUF" or file.suffix.lower() == ".gguf":
             raise ValueError(f"{file} is a GGUF file; the engine loads a folder of safetensors weights and "
-                             "config.json. Convert it once with engine.gguf_convert (engine/gguf_convert.py) "
+                             "config.json. Convert it once with `python -m engine.checkpoints FILE.gguf` "
                              "and pass the converted folder")
 
 

@@ -27,7 +27,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from engine.kv import RequestKV
+from engine.model.kv import RequestKV
 
 
 class DecodeBatch:

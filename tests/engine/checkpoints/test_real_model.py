@@ -21,9 +21,9 @@ from typing import Sequence
 import pytest
 import torch
 
-from engine.greedy import greedy
-from engine.kv import PagePool, RequestKV
-from engine.model import Chunk, Decoder
+from tests.engine.greedy import greedy
+from engine.model.kv import PagePool, RequestKV
+from engine.model.decoder import Chunk, Decoder
 from engine.prefill.config import PrefillConfig
 from engine.prefill.cost import ChunkCost
 from engine.prefill.engine import PrefillEngine
@@ -70,7 +70,7 @@ class RealModel:
     def __init__(self) -> None:
         import transformers
 
-        from engine.real_model import load_real_model
+        from engine.checkpoints.real_model import load_real_model
 
         self.folder, self.tokenizer = load_real_model()
         self.model = Decoder.from_pretrained(self.folder)  # fp32

@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from engine.config import ModelConfig
-from engine.weights import expected_shapes
+from engine.model.config import ModelConfig
+from engine.model.weights import expected_shapes
 
 # A small gpt-oss-style hybrid: sliding-window (128) and full layers alternating, 8 experts, top 2.
 DEMO = {"model_type": "gpt_oss", "vocab_size": 32_000, "hidden_size": 384, "num_hidden_layers": 8,

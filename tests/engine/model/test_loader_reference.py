@@ -14,8 +14,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from engine.kv import PagePool, RequestKV
-from engine.model import Chunk, Decoder
+from engine.model.kv import PagePool, RequestKV
+from engine.model.decoder import Chunk, Decoder
 from tests.engine.conftest import VOCAB, TinyModel
 
 pytestmark = pytest.mark.unit
@@ -119,7 +119,7 @@ def test_the_scaling_matters_at_these_positions(loader_models, kind):
     tiny = loader_models[kind]
     model = Decoder.from_pretrained(tiny.path)
     model.config = replace(model.config, rope_scaling={})
-    from engine.rope import Rope
+    from engine.model.rope import Rope
     model.rope = Rope(model.config)
     tokens = _prompt(LENGTH, 4)
     assert (_run(model, tokens, []) - tiny.logits(tokens)).abs().max().item() > 1000 * TOLERANCE
@@ -147,8 +147,8 @@ def test_rope_frequencies_match_transformers(scaling):
     import transformers
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from engine.config import ModelConfig
-    from engine.rope import Rope
+    from engine.model.config import ModelConfig
+    from engine.model.rope import Rope
 
     raw = {"model_type": "llama", "vocab_size": 64, "hidden_size": 128, "num_hidden_layers": 1,
            "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 64,

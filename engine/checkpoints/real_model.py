@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from engine import gguf_convert
+from engine.checkpoints import gguf_convert
 
 
 def converted_real_model(cache_dir: Path | str | None = None) -> Path:

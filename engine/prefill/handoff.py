@@ -37,7 +37,7 @@ from typing import Sequence
 import torch
 import xxhash
 
-from engine.kv import RequestKV, WindowState
+from engine.model.kv import RequestKV, WindowState
 from kvstore.block import Block, Namespace, chain_hash
 
 HANDOFF_CLASS = "handoff"  # the traffic class of continuation records: a short TTL, they are read once

@@ -118,7 +118,7 @@ class Session:
             raise ValueError(f"real_text: session kind must be {CHAT!r} or {AGENT!r}, got {self.kind!r}")
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("real_text: the tokenizer has no chat template; load it from the converted model "
-                             "folder (engine.real_model.load_real_model)")
+                             "folder (engine.checkpoints.real_model.load_real_model)")
         if not self.messages:
             self.messages += [{"role": "system", "content": self.system}, *example_exchange()]
 

@@ -1,4 +1,4 @@
-"""A decode step attends for all sequences at once (engine/decode_attention.py): the same logits and the same
+"""A decode step attends for all sequences at once (engine/model/decode_attention.py): the same logits and the same
 KV as chunk-by-chunk attention, for sequences of different lengths, before and past the window, after a
 replay (a window that starts late), and a step that captures a window goes the general way."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.decode_attention import DecodeBatch
-from engine.kv import PagePool, RequestKV
-from engine.model import Chunk, Decoder
+from engine.model.decode_attention import DecodeBatch
+from engine.model.kv import PagePool, RequestKV
+from engine.model.decoder import Chunk, Decoder
 from engine.swa_replay import begin_replay
 from tests.engine.conftest import GEMMA3_WINDOW, VOCAB
 

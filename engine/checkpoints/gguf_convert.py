@@ -1,4 +1,4 @@
-"""Converting a Gemma 3 GGUF file, once, into the engine's model folder (DESIGN.md section 8).
+"""Converting a Gemma 3 GGUF file, once, into the engine's model folder.
 
 A GGUF holds quantised weights under llama.cpp's names, the config and the tokenizer as metadata. The
 engine, and `transformers` as its reference, read a folder instead: `config.json`, `model.safetensors`,
@@ -7,7 +7,7 @@ to fp32 and renames it, rebuilds the tokenizer with transformers' GGUF converter
 takes), and writes the folder into a cache keyed by the file's sha256, atomically: a conversion killed
 half-way leaves no entry. Later loads find the entry and read it in seconds.
 
-    python -m engine.gguf_convert [file.gguf]    # converts (the packaged Gemma 3 270M by default)
+    folder = convert(path_to_gguf)    # the converted folder; `python -m engine.checkpoints` on the command line
 
 fp32, not bf16: a dequantised weight is an fp16 scale times a small integer (plus an fp16 offset), which
 fp32 holds exactly and bf16 does not, so the folder computes the same logits as the GGUF itself.
@@ -420,27 +420,4 @@ def _fsync_dir(folder: Path) -> None:
 
 
 def _print_progress(message: str) -> None:
-    print(f"[gguf_convert] {message}", file=sys.stderr, flush=True)
-
-
-def main(argv: list[str] | None = None) -> None:
-    import argparse
-
-    parser = argparse.ArgumentParser(description="Convert a Gemma 3 GGUF once into the engine's model folder.")
-    parser.add_argument("gguf", nargs="?", help="the .gguf file (default: the packaged Gemma 3 270M)")
-    parser.add_argument("--cache-dir", help=f"cache folder (default ${CACHE_ENV} or ~/.cache/kvstore/models)")
-    args = parser.parse_args(argv)
-    try:
-        if args.gguf:
-            folder = convert(args.gguf, args.cache_dir)
-        else:
-            from engine.real_model import converted_real_model
-
-            folder = converted_real_model(args.cache_dir)
-    except ValueError as error:
-        sys.exit(f"error: {error}")
-    print(folder)
-
-
-if __name__ == "__main__":
-    main()
+    print(f"[convert] {message}", file=sys.stderr, flush=True)

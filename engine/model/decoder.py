@@ -1,13 +1,13 @@
 """The slim decoder: GQA with RoPE, RMSNorm, gated MLPs or MoE, full or sliding-window attention per layer.
 
 Llama/Qwen-style, gpt-oss-style and Gemma 3 decoders; what sets them apart is read from the config
-(`engine.config`): Gemma 3 scales its embeddings, norms with (1 + w) before and after attention and MLP,
+(`engine.model.config`): Gemma 3 scales its embeddings, norms with (1 + w) before and after attention and MLP,
 gates with tanh-GELU and gives sliding layers a RoPE base of their own.
 
 The forward pass runs one *step*: chunks of several requests at once, layer by layer. Token-wise work
 (projections, norms, MLPs) runs over all the step's tokens together; attention runs per chunk against
 that request's explicit KV (pages for full layers, the window ring for sliding ones); a step of one token
-per chunk attends for all chunks at once (`engine.decode_attention`). `before_layer(l)`
+per chunk attends for all chunks at once (`engine.model.decode_attention`). `before_layer(l)`
 is called before layer l reads any KV: where a load is streaming the cached prefix in, layer by layer,
 the engine waits there, so copying layer l+1 overlaps computing layer l.
 """
@@ -21,11 +21,11 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from engine.config import SLIDING, ModelConfig
-from engine.decode_attention import DecodeBatch
-from engine.kv import RequestKV
-from engine.rope import Rope, apply_rope
-from engine.weights import load_weights
+from engine.model.config import SLIDING, ModelConfig
+from engine.model.decode_attention import DecodeBatch
+from engine.model.kv import RequestKV
+from engine.model.rope import Rope, apply_rope
+from engine.model.weights import load_weights
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """A plain greedy loop on the engine: the prompt prefilled, then one token per forward, argmax each time.
 
-    from engine.greedy import greedy
+    from tests.engine.greedy import greedy
     reply = greedy(engine, prompt_ids, 32, stop_ids={tokenizer.eos_token_id})   # token ids of the reply
 
 `engine` is a `PrefillEngine` (the prompt goes through the store: cached prefix, window tier, saves) or a
@@ -15,8 +15,8 @@ from typing import Collection, Sequence
 
 import torch
 
-from engine.kv import PagePool, RequestKV
-from engine.model import Chunk, Decoder
+from engine.model.kv import PagePool, RequestKV
+from engine.model.decoder import Chunk, Decoder
 from engine.prefill.engine import PrefillEngine
 from engine.prefill.request import PrefillRequest
 

@@ -1,4 +1,4 @@
-"""Chat messages to prompt ids on the real model's tokenizer (engine/chat_prompt.py): no special token but the
+"""Chat messages to prompt ids on the real model's tokenizer (engine/text/chat_prompt.py): no special token but the
 template's, whatever the messages spell; ordinary text as the template alone encodes it; each turn's prompt
 extends the last one's."""
 
@@ -8,7 +8,7 @@ import importlib.util
 
 import pytest
 
-from engine.chat_prompt import ChatPromptError, encode_chat
+from engine.text.chat_prompt import ChatPromptError, encode_chat
 
 pytestmark = [
     pytest.mark.unit,
@@ -20,7 +20,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from engine.real_model import load_real_model
+    from engine.checkpoints.real_model import load_real_model
 
     return load_real_model()[1]
 
@@ -45,7 +45,7 @@ def test_every_special_token_in_every_field_is_plain_text(tokenizer):
 
 
 def test_ordinary_text_is_encoded_as_the_template_alone_does(tokenizer):
-    from engine.real_text import demo_sessions
+    from engine.text.real_text import demo_sessions
 
     for session in demo_sessions(tokenizer, 2):
         session.next_prompt()

@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from engine.config import ModelConfig
+from engine.model.config import ModelConfig
 
 
 class Rope:

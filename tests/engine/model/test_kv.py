@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import FULL, SLIDING, ModelConfig
-from engine.kv import KVCapacityError, PagePool, RequestKV
+from engine.model.config import FULL, SLIDING, ModelConfig
+from engine.model.kv import KVCapacityError, PagePool, RequestKV
 
 pytestmark = pytest.mark.unit
 
