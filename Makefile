@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROTO_OUT := kvstore/proto/kvstore_pb2.py
 
-.PHONY: demo test test-all bench proto clean
+.PHONY: demo test lint bench proto clean install
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -22,6 +22,10 @@ install: $(STAMP) $(PROTO_OUT)
 
 demo: install
 	$(BIN)/python -m engine.demo
+
+# style: pycodestyle, pyflakes, import order, modern syntax (pyproject.toml [tool.ruff]); .ci/run runs it first
+lint: install
+	$(BIN)/ruff check .
 
 # unit + integration + crash tests; benchmarks and slow work are marked `bench` and left out.
 test: install

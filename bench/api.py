@@ -2,7 +2,7 @@
 
     python bench/api.py [--clients 32] [--duration-s 60] [--max-tokens 16] [--repeats 3] [--json out.json]
 
-One store daemon and one `kvstore-serve` process (the real Gemma 3 270M, on the daemon) are started. Each
+One store daemon and one `kvstore-api` process (the real Gemma 3 270M, on the daemon) are started. Each
 repeat runs two phases of the same closed-loop workload, one after the other, so they never share the cores:
 
     api      --clients official `openai` clients (AsyncOpenAI), each streaming chat completions one after
@@ -168,16 +168,16 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
 
-    from engine.text.chat_prompt import encode_chat
+    from engine.checkpoints.real_model import load_real_model
     from engine.decode import DecodeConfig, DecodeEngine
     from engine.prefill import PrefillConfig, PrefillEngine
-    from engine.checkpoints.real_model import load_real_model
+    from engine.text.chat_prompt import encode_chat
     from engine.text.real_text import stop_token_ids
     from kvstore.client import KVClient
 
     chats = conversations(64)
     with tempfile.TemporaryDirectory() as tmp:
-        print("starting a daemon and kvstore-serve (the model loads in about a minute) ...", flush=True)
+        print("starting a daemon and kvstore-api (the model loads in about a minute) ...", flush=True)
         processes, url, address = start_stack(Path(tmp))
         try:
             folder, tokenizer = load_real_model()

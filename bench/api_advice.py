@@ -31,8 +31,8 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 import numpy as np
 
@@ -41,14 +41,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from engine.api.advice import Advisor  # noqa: E402
 from kvstore.analytics.cli import ProgressLine  # noqa: E402
 from kvstore.analytics.simulate import continuation_signals, replay  # noqa: E402
-from kvstore.analytics.trace import Request, conversation_turns, read_trace  # noqa: E402
+from kvstore.analytics.trace import CONVERSATION_TRACE, Request, conversation_turns, read_trace  # noqa: E402
 from kvstore.block import Block, KVLayout, Namespace  # noqa: E402
 from kvstore.client import ClientConfig, KVClient  # noqa: E402
 from kvstore.eviction import PrefixReuse, ReuseHint  # noqa: E402
 from kvstore.record import header_len_for  # noqa: E402
 from kvstore.server.process import DaemonProcess  # noqa: E402
 
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "conversation_trace.jsonl"
+TRACE = CONVERSATION_TRACE
 BLOCK_TOKENS = 512
 HIGH, LOW = 0.99, 0.97  # the daemons' watermarks (as tests/kvstore/analytics/test_daemons.py's _pressed)
 IDLE_LIMITS_S = (math.inf, 60, 120, 300, 600, 1800)

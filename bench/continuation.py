@@ -30,19 +30,19 @@ import bisect
 import json
 import sys
 from collections import defaultdict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvstore.analytics.simulate import replay  # noqa: E402
-from kvstore.analytics.trace import Request, continued_requests, conversation_turns, read_trace  # noqa: E402
+from kvstore.analytics.trace import CONVERSATION_TRACE, Request, continued_requests, conversation_turns, read_trace  # noqa: E402
 from kvstore.eviction import LRU, EvictionPolicy, PrefixReuse, ReuseHint  # noqa: E402
 
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "conversation_trace.jsonl"
+TRACE = CONVERSATION_TRACE
 FRACTIONS = (0.01, 0.02, 0.05, 0.10, 0.20, 0.50)
 BLOCK_TOKENS = 512
 Admit = Callable[[int, object], bool]  # (request number, block key) -> store it?

@@ -9,7 +9,7 @@ vocab 512, context 8192), written to a temporary folder, each with a KV pool of 
 after the other on the same instances, each beginning when the previous one has drained (every request
 answered), after one warm-up request per instance.
 
-Workload: the first --requests records of ../shared/data/conversation_trace.jsonl. Their lengths are the
+Workload: the first --requests records of traces/conversation_trace.jsonl. Their lengths are the
 trace's inputs divided by --scale (default 16: the mean input of ~14k tokens becomes ~900, the largest,
 120k, ~7.5k, inside the model's context) and outputs by --output-scale (default 2: ~380 become ~190, so
 that each instance decodes several requests at once), at least 1 token each; prompts are random
@@ -50,19 +50,21 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 
+from engine.checkpoints.random_model import write_random_model  # noqa: E402
 from engine.decode.instances import Instances, start_instances, to_instance_load  # noqa: E402
 from engine.decode.router import POLICIES, Router, RouterConfig  # noqa: E402
-from engine.checkpoints.random_model import write_random_model  # noqa: E402
+from kvstore.analytics.trace import CONVERSATION_TRACE  # noqa: E402
 
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "conversation_trace.jsonl"
+TRACE = CONVERSATION_TRACE
 LENGTH_SCALE = 16  # trace input lengths / this: fits the tiny model's context and a few minutes of 2 CPU cores
 # trace output lengths / this: replies long enough (~190 tokens) that each instance decodes several at once;
 # at / 16 (~24 tokens) a request lived ~85 ms, under one running per instance, and the imbalance only said

@@ -1,6 +1,6 @@
 """Hit rate of every policy against capacity, beside Belady's optimum and the infinite cache.
 
-    python bench/hitrate.py [--trace ../shared/data/conversation_trace.jsonl] [--json out.json] [--plot out.png]
+    python bench/hitrate.py [--trace traces/conversation_trace.jsonl] [--json out.json] [--plot out.png]
 
 Two workloads, one command:
 * the Mooncake conversation trace (one hour of production chat, 12,031 requests);
@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvstore.analytics.cli import plot  # noqa: E402
 from kvstore.analytics.simulate import replay  # noqa: E402
-from kvstore.analytics.trace import read_trace  # noqa: E402
+from kvstore.analytics.trace import CONVERSATION_TRACE, read_trace  # noqa: E402
 from kvstore.eviction import POLICIES  # noqa: E402
 
 SHARES = (0.01, 0.02, 0.05, 0.10, 0.20, 0.50)
@@ -98,8 +98,7 @@ def table(name: str, trace: Path, plot_path: Path | None) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    default_trace = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "conversation_trace.jsonl"
-    parser.add_argument("--trace", type=Path, default=default_trace)
+    parser.add_argument("--trace", type=Path, default=CONVERSATION_TRACE)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plot", type=Path, help="PNG for the conversation trace; the mix goes beside it")
     args = parser.parse_args()

@@ -25,16 +25,15 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.text import real_text  # noqa: E402
-from engine.model.decoder import Decoder  # noqa: E402
 from engine.checkpoints.real_model import load_real_model  # noqa: E402
-from engine.swa_replay.quality import (CONTINUATION, ReplayQuality, session_replay_quality, spans_at,  # noqa: E402
-                                       summarize)
+from engine.model.decoder import Decoder  # noqa: E402
+from engine.swa_replay.quality import CONTINUATION, ReplayQuality, session_replay_quality, spans_at, summarize  # noqa: E402
+from engine.text import real_text  # noqa: E402
 
 REPLAY_TOKENS = (128, 256, 512, 1024)
 PREFIXES = (1024, 2048, 4096, 8192)

@@ -34,12 +34,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from engine.model.kv import RequestKV  # noqa: E402
+from engine.checkpoints.random_model import BENCH, write_random_model  # noqa: E402
 from engine.model.decoder import Chunk  # noqa: E402
+from engine.model.kv import RequestKV  # noqa: E402
 from engine.prefill.config import PrefillConfig  # noqa: E402
 from engine.prefill.engine import PrefillEngine  # noqa: E402
 from engine.prefill.request import PrefillRequest  # noqa: E402
-from engine.checkpoints.random_model import BENCH, write_random_model  # noqa: E402
 from kvstore.client import ClientConfig, KVClient  # noqa: E402
 from kvstore.client.torch_kv import PagedKV  # noqa: E402
 from kvstore.server.process import DaemonProcess  # noqa: E402

@@ -28,10 +28,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from engine.checkpoints.random_model import DEMO, write_random_model
 from engine.prefill.config import PrefillConfig
 from engine.prefill.engine import PrefillEngine
 from engine.prefill.request import PrefillRequest
-from engine.checkpoints.random_model import DEMO, write_random_model
 from kvstore.client import ClientConfig, KVClient
 from kvstore.demo import restarted, tier_hits
 from kvstore.server.process import DaemonProcess
@@ -42,8 +42,8 @@ REPLY_TOKENS = 12  # greedy tokens decoded per turn: enough to read the start of
 
 def run_real(sessions: int, turns: int, workdir: Path, reply_tokens: int = REPLY_TOKENS) -> None:
     # imported here so that --random needs neither the models extra nor the tokenizer
-    from engine.decode import DecodeEngine, DecodeRequest, SamplingParams
     from engine.checkpoints.real_model import load_real_model
+    from engine.decode import DecodeEngine, DecodeRequest, SamplingParams
     from engine.text.real_text import demo_sessions, stop_token_ids
 
     began = time.perf_counter()

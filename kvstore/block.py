@@ -1,4 +1,4 @@
-"""Block identity: namespace digests and chained block keys (DESIGN.md section 3).
+"""Block identity: namespace digests and chained block keys (docs/design.md section 3).
 
 A block key is a pure function of the namespace and the token ids up to and including its block:
 
@@ -12,8 +12,8 @@ the tests pin the encoding.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 import xxhash
@@ -126,7 +126,7 @@ class Namespace:
         ).encode()
         self.digest = xxhash.xxh3_128_digest(identity + b"\x00" + tenant)
 
-    def with_model_id(self, model_id: str) -> "Namespace":
+    def with_model_id(self, model_id: str) -> Namespace:
         """The same tenant, layout and block size under another model identity: a chain of its own that
         no block of this one's ever hits (an engine keeps approximate KV apart from exact KV this way)."""
         if not model_id:

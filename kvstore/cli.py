@@ -20,8 +20,8 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from kvstore.block import KVLayout, Namespace, tenant_of
 from kvstore.client.config import add_security_flags, security_settings

@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import os
 import signal
+
 _points: dict[str, tuple[str, int]] = {}
 _hits: dict[str, int] = {}
 

@@ -1,4 +1,4 @@
-"""The block record: a verified header followed by a layer-major payload (DESIGN.md sections 3 and 4).
+"""The block record: a verified header followed by a layer-major payload (docs/design.md sections 3 and 4).
 
     header  = fixed part | token ids (n_tokens × u32) | layer checksums (n_layers × u64) | header checksum (u64)
     payload = layer 0 | layer 1 | ... | layer n_layers-1          each exactly `layer_bytes` long
@@ -16,8 +16,8 @@ block's owner. Format 1 records (no tenant) are still read, as tenant NO_TENANT.
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 import numpy as np
 import xxhash

@@ -12,8 +12,8 @@ Not thread-safe: the server calls it from its event loop; `sweep` runs there too
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
 
 from kvstore.block import Block
 

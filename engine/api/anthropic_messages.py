@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from engine.api.conversation import LENGTH, STOP, TOOL_CALLS, Message, Prompt, Reply, Tool, ToolCall
 from engine.api.errors import ApiError

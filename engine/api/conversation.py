@@ -25,8 +25,9 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from engine.decode import SamplingParams
 
@@ -43,7 +44,7 @@ class ToolCall:
     arguments: dict[str, Any]
 
     @staticmethod
-    def new(name: str, arguments: dict[str, Any]) -> "ToolCall":
+    def new(name: str, arguments: dict[str, Any]) -> ToolCall:
         return ToolCall(f"call_{uuid.uuid4().hex[:24]}", name, arguments)
 
 

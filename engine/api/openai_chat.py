@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from engine.api.conversation import Message, Prompt, Reply, Tool, ToolCall
 from engine.api.errors import ApiError

@@ -15,8 +15,9 @@ import time
 import uuid
 from array import array
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Sequence
+from typing import Any
 
 from engine.api.conversation import LENGTH, Message, Prompt, Reply, Tool, ToolCall
 from engine.api.errors import ApiError

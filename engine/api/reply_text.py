@@ -9,7 +9,7 @@ A byte-level token that ends half a UTF-8 character decodes to U+FFFD: such text
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from engine.api.conversation import CALL_FENCE
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from engine.decode import DecodeConfig, DecodeEngine, DecodeError, DecodeRequest, DecodeResult, SamplingParams
 from engine.prefill import PrefillEngine, PrefillRequest

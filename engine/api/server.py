@@ -1,6 +1,8 @@
 """The HTTP server: OpenAI Chat Completions and Responses, Anthropic Messages, over the engines.
 
-    kvstore-serve [--model DIR] [--servers host:port,...] [--api-key KEY=TENANT ...] [--port 8000]
+    kvstore-api [--model DIR] [--servers host:port,...] [--api-key KEY=TENANT ...] [--port 8000]
+
+(`kvstore-serve`, its name before, still works for one release and says so; `kvstore-server` is the daemon.)
 
 Routes: POST /v1/chat/completions, POST /v1/responses (+ GET and DELETE /v1/responses/{id}),
 POST /v1/messages, each streamed as server-sent events or not; GET /v1/models, /health, /metrics.
@@ -21,14 +23,16 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import sys
 import time
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, AsyncIterator, Callable, Sequence
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.api import anthropic_messages, openai_chat, openai_responses
 from engine.api.config import TRAFFIC_CLASSES, ApiConfig
@@ -50,7 +54,7 @@ def create_app(service: Service, config: ApiConfig) -> FastAPI:
         yield
         sweeper.cancel()
 
-    app = FastAPI(title="kvstore-serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="kvstore-api", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(_Counted, metrics=service.metrics)
 
     @app.exception_handler(ApiError)
@@ -279,10 +283,10 @@ def build(config: ApiConfig) -> Service:
     from engine.api.advice import Advisor
     from engine.api.runner import EngineRunner
     from engine.api.tokenize import PromptEncoder
+    from engine.checkpoints.real_model import load_real_model, load_tokenizer
     from engine.decode import DecodeConfig
     from engine.prefill import PrefillConfig, PrefillEngine
     from engine.prefill.cost import ChunkCost
-    from engine.checkpoints.real_model import load_real_model, load_tokenizer
     from engine.text.real_text import stop_token_ids
 
     folder, tokenizer = load_real_model() if config.model is None else (config.model, load_tokenizer(config.model))
@@ -302,18 +306,32 @@ def build(config: ApiConfig) -> Service:
                    config.max_in_flight_per_tenant)
 
 
-def parse_args(argv: Sequence[str] | None = None) -> ApiConfig:
-    parser = argparse.ArgumentParser(prog="kvstore-serve", description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default=None, help="model directory; default: the packaged Gemma 3 270M")
-    parser.add_argument("--model-name", default="gemma-3-270m")
-    parser.add_argument("--servers", default="", help="the store's daemons, host:port,...")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", action="append", default=[], metavar="KEY=TENANT")
-    parser.add_argument("--kv-pages", type=int, default=256)
+def parse_args(argv: Sequence[str] | None = None, prog: str = "kvstore-api") -> ApiConfig:
+    defaults = ApiConfig()
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--model", default=None, metavar="DIR",
+                        help="model directory (config.json, safetensors weights, tokenizer); "
+                             "default: the packaged Gemma 3 270M, converted on first use")
+    parser.add_argument("--model-name", default=defaults.model_name, help="the name clients give as `model`")
+    parser.add_argument("--servers", default="", metavar="HOST:PORT,...",
+                        help="the store's daemons (kvstore-server); none: no store, every prompt computed")
+    parser.add_argument("--host", default=defaults.host, help="address to listen on")
+    parser.add_argument("--port", type=int, default=defaults.port, help="port to listen on")
+    parser.add_argument("--api-key", action="append", default=[], metavar="KEY=TENANT",
+                        help="an API key and its tenant (repeatable); the tenant salts its cached blocks, so "
+                             "tenants never share them; none: one open tenant, for loopback use")
+    parser.add_argument("--kv-pages", type=int, default=defaults.kv_pages,
+                        help="KV pages of --block-tokens tokens each that the engines hold")
+    parser.add_argument("--block-tokens", type=int, default=defaults.block_tokens,
+                        help="tokens per KV page and per stored block")
+    parser.add_argument("--max-running", type=int, default=defaults.max_running,
+                        help="sequences decoded at once")
+    parser.add_argument("--tokenize-workers", type=int, default=defaults.tokenize_workers,
+                        help="processes that encode prompts off the event loop")
     parser.add_argument("--chunk-cost", default=None, metavar="A,B,C",
                         help="the prefill's chunk cost model (engine.prefill.cost.ChunkCost), from an earlier fit on "
-                             "this machine; default: fit it at start-up (about 20 s)")
+                             "this machine, as the start-up line prints it; default: fit it at start-up (about 20 s)")
     args = parser.parse_args(argv)
     keys = {}
     for item in args.api_key:
@@ -326,21 +344,28 @@ def parse_args(argv: Sequence[str] | None = None) -> ApiConfig:
         if cost is not None and len(cost) != 3:
             raise ValueError(f"--chunk-cost takes three numbers A,B,C, got {args.chunk_cost!r}")
         return ApiConfig(args.model, args.model_name, tuple(s for s in args.servers.split(",") if s), args.host,
-                         args.port, keys, args.kv_pages, chunk_cost=cost)
+                         args.port, keys, args.kv_pages, args.block_tokens, args.max_running, chunk_cost=cost,
+                         tokenize_workers=args.tokenize_workers)
     except ValueError as exc:
         parser.error(str(exc))
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def main(argv: Sequence[str] | None = None, prog: str = "kvstore-api") -> None:
     import uvicorn
 
-    config = parse_args(argv)
+    config = parse_args(argv, prog)
     service = build(config)
     cost = service.runner.prefill.cost
-    print(f"kvstore-serve: serving {config.model_name} on http://{config.host}:{config.port} "
+    print(f"{prog}: serving {config.model_name} on http://{config.host}:{config.port} "
           f"(chunk cost {cost.a:.3g},{cost.b:.3g},{cost.c:.3g}: --chunk-cost skips the start-up fit)", flush=True)
     uvicorn.run(create_app(service, config), host=config.host, port=config.port, log_level="warning",
                 timeout_graceful_shutdown=5)  # requests in flight get 5 s, then are cut
+
+
+def deprecated_main(argv: Sequence[str] | None = None) -> None:
+    """`kvstore-serve`, the old name, kept for one release: one letter from the daemon's `kvstore-server`."""
+    print("kvstore-serve is now kvstore-api; the old name goes in the next release", file=sys.stderr, flush=True)
+    main(argv, "kvstore-serve")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from typing import Any, AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 from engine.api.advice import Advisor
 from engine.api.conversation import CALL_FENCE, LENGTH, STOP, TOOL_CALLS, Prompt, Reply, chat_messages, split_tool_calls
@@ -20,8 +21,8 @@ from engine.api.metrics import ApiMetrics
 from engine.api.reply_text import ReplyText
 from engine.api.runner import EngineRunner, Generation
 from engine.api.tokenize import PromptEncoder
-from engine.text.chat_prompt import ChatPromptError
 from engine.decode.request import CONTEXT, MAX_TOKENS
+from engine.text.chat_prompt import ChatPromptError
 from kvstore.block import Block
 
 

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 _tokenizer: Any = None  # in a worker: the tokenizer it loaded
 

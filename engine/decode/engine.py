@@ -45,12 +45,11 @@ from engine.decode.request import CANCELLED, DecodeError, DecodeRequest, DecodeR
 from engine.decode.sampling import make_generator, sample
 from engine.decode.saving import ReplySaver
 from engine.decode.sequence import DecodeSequence
-from engine.model.kv import KVCapacityError, PagePool, RequestKV
 from engine.model.decoder import Chunk, Decoder
+from engine.model.kv import KVCapacityError, PagePool, RequestKV
 from engine.prefill.engine import PrefillEngine
 from engine.prefill.request import HANDED_OVER, PrefillError, PrefillRequest, PrefillResult
 from engine.text.token_ids import checked_token_ids
-
 
 RESUME_FLUSH_S = 2.0  # how long a resumption waits for the store writes queued before it (its state's)
 

@@ -25,10 +25,11 @@ import tempfile
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 from engine.decode.router import InstanceLoad
 
@@ -211,7 +212,7 @@ class Instances(Sequence[Instance]):
     def stop(self, timeout_s: float = 10.0) -> list[int]:
         return stop_instances(self._instances, timeout_s)
 
-    def __enter__(self) -> "Instances":
+    def __enter__(self) -> Instances:
         return self
 
     def __exit__(self, *_: Any) -> None:

@@ -1,4 +1,4 @@
-"""Placing requests on decode instances by their load (DESIGN.md section 8).
+"""Placing requests on decode instances by their load (docs/design.md section 8).
 
 A decode step's time grows with the number of sequences it runs (token-wise work) and with the KV they
 attend to (attention), and an instance's memory is its KV. So the KV-aware policy places a request on
@@ -14,8 +14,8 @@ Round-robin and least-requests are there to measure it against.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 ROUND_ROBIN, LEAST_REQUESTS, KV_AWARE = "round_robin", "least_requests", "kv_aware"
 POLICIES = (ROUND_ROBIN, LEAST_REQUESTS, KV_AWARE)

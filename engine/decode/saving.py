@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.prefill import handoff
 from engine.model.kv import RequestKV, WindowState
+from engine.prefill import handoff
 from engine.prefill.engine import PrefillEngine
 from engine.prefill.request import PrefillRequest, PrefillResult
 from kvstore.block import Namespace

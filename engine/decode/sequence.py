@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import torch
 
-from engine.decode.request import (CONTEXT, MAX_TOKENS, STOP_STRING, STOP_TOKEN, DecodeRequest, DecodeResult)
+from engine.decode.request import CONTEXT, MAX_TOKENS, STOP_STRING, STOP_TOKEN, DecodeRequest, DecodeResult
 from engine.decode.sampling import SamplingParams
 from engine.decode.saving import ReplyChain
 from engine.model.kv import RequestKV

@@ -63,9 +63,10 @@ import socket
 import sys
 import threading
 import traceback
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -74,8 +75,8 @@ from engine.decode.engine import DecodeEngine
 from engine.decode.protocol import ProtocolError, is_int, parse_line, prompt_tokens
 from engine.decode.request import DecodeError, DecodeRequest, DecodeResult
 from engine.model.decoder import Decoder
-from engine.prefill import PrefillConfig, PrefillEngine
 from engine.model.weights import model_identity
+from engine.prefill import PrefillConfig, PrefillEngine
 from kvstore.client import KVClient
 
 MAX_LINE_BYTES = 2**20  # a 1 MiB line holds a prompt of >100k token ids: past these models' contexts

@@ -141,7 +141,7 @@ class ModelConfig:
         return [i for i, kind in enumerate(self.layer_types) if kind == SLIDING]
 
     @classmethod
-    def from_dict(cls, raw: dict) -> "ModelConfig":
+    def from_dict(cls, raw: dict) -> ModelConfig:
         model_type = raw.get("model_type", "llama")
         if model_type not in _FAMILIES:
             raise ValueError(f"config: model_type {model_type!r} is not supported; "
@@ -200,7 +200,7 @@ class ModelConfig:
         return cls(**fields)
 
     @classmethod
-    def from_file(cls, path: Path | str) -> "ModelConfig":
+    def from_file(cls, path: Path | str) -> ModelConfig:
         path = Path(path)
         refuse_gguf(path)
         if path.is_dir():

@@ -22,7 +22,7 @@ contexts at large batches, gathering only each sequence's own pages (a varlen ke
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F

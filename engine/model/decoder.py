@@ -14,9 +14,9 @@ the engine waits there, so copying layer l+1 overlaps computing layer l.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -57,7 +57,7 @@ class Decoder:
 
     @classmethod
     def from_pretrained(cls, path: Path | str, dtype: torch.dtype = torch.float32,
-                        device: torch.device | str = "cpu") -> "Decoder":
+                        device: torch.device | str = "cpu") -> Decoder:
         config = ModelConfig.from_file(path)
         return cls(config, load_weights(path, config, dtype, device))
 

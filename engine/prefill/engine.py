@@ -19,21 +19,31 @@ from __future__ import annotations
 import itertools
 import time
 from collections import Counter, OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
-from engine.prefill import handoff
-from engine.model.kv import KVCapacityError, PagePool, RequestKV, WindowState
 from engine.model.decoder import Chunk, Decoder
-from engine.prefill import cost as chunk_cost
-from engine.prefill.config import PrefillConfig
-from engine.prefill.request import (CACHED, COLD, HANDED_OVER, LOAD_FAILED, NOT_WORTH, REPLAYED, WINDOW_MISSING,
-                                    PrefillError, PrefillRequest, PrefillResult)
-from engine.prefill.scheduler import Waiting, plan_step
+from engine.model.kv import KVCapacityError, PagePool, RequestKV, WindowState
 from engine.model.weights import model_identity
+from engine.prefill import cost as chunk_cost
+from engine.prefill import handoff
+from engine.prefill.config import PrefillConfig
+from engine.prefill.request import (
+    CACHED,
+    COLD,
+    HANDED_OVER,
+    LOAD_FAILED,
+    NOT_WORTH,
+    REPLAYED,
+    WINDOW_MISSING,
+    PrefillError,
+    PrefillRequest,
+    PrefillResult,
+)
+from engine.prefill.scheduler import Waiting, plan_step
 from engine.swa_replay import WindowTier, begin_replay, default_replay_tokens, worth_replaying
 from engine.text.token_ids import checked_token_ids
 from kvstore.block import Block, KVLayout, Namespace
@@ -93,7 +103,7 @@ class PrefillEngine:
 
     @classmethod
     def from_pretrained(cls, path: Path | str, client: KVClient | None, config: PrefillConfig = PrefillConfig(),
-                        dtype: torch.dtype = torch.float32, device: str = "cpu") -> "PrefillEngine":
+                        dtype: torch.dtype = torch.float32, device: str = "cpu") -> PrefillEngine:
         return cls(Decoder.from_pretrained(path, dtype, device), client, config,
                    config.model_id or model_identity(path))
 

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 
-from kvstore.block import Block, Namespace
 from engine.model.kv import RequestKV
+from kvstore.block import Block, Namespace
 
 # How a request's prefix was obtained.
 COLD = "cold"  # the store held nothing of it

@@ -10,8 +10,8 @@ does not fit.
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Hashable, Sequence
 
 from engine.prefill.cost import ChunkCost
 

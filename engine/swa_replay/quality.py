@@ -17,13 +17,13 @@ time: a block of the exact run, then the same block of every replay, compared an
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 
-from engine.model.kv import PagePool, RequestKV
 from engine.model.decoder import Chunk, Decoder
+from engine.model.kv import PagePool, RequestKV
 from engine.swa_replay.replay import begin_replay
 
 CONTINUATION = 32  # greedy tokens compared after the prompt's end

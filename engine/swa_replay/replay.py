@@ -2,7 +2,7 @@
 
 A hybrid model's full-attention KV is stored, but its sliding layers' window state lives only in the
 host tier; when a resumed session's state is gone, recomputing the whole prompt is exact but costs as
-much as a cold start. Bounded replay (DESIGN.md section 8; R = W = 128 in DeepSeek-V4) instead loads
+much as a cold start. Bounded replay (docs/design.md section 8; R = W = 128 in DeepSeek-V4) instead loads
 the stored prefix of P tokens and recomputes only [P - R, P): the full layers attend to the whole
 prefix (they keep the loaded KV, rather than overwrite it with the replay's), the sliding layers only
 within the replay segment. The window it leaves at P is approximate, since the first replayed tokens

@@ -1,4 +1,4 @@
-"""Host-memory tier for sliding-window state (DESIGN.md section 8).
+"""Host-memory tier for sliding-window state (docs/design.md section 8).
 
 The block store persists only full-attention layers. A sliding-window layer's KV for the next token
 depends on the last W tokens alone, so a resumed session needs, besides the stored prefix, the window

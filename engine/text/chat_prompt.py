@@ -14,7 +14,8 @@ are what `apply_chat_template(tokenize=True)` gives (tested on the real model's 
 from __future__ import annotations
 
 import re
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 _SENTINEL = "\ue000{}\ue001"  # Unicode private-use characters: no template writes them
 _SENTINELS = re.compile("\ue000(\\d+)\ue001")

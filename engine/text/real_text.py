@@ -21,8 +21,8 @@ from __future__ import annotations
 import importlib
 import inspect
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 CHAT, AGENT = "chat", "agent"
 

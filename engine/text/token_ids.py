@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import operator
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def checked_token_ids(tokens: Sequence[int], vocab_size: int, error: type[ValueError]) -> list[int]:

@@ -1,6 +1,6 @@
 """`kvstore analytics`: hit rates of request traces, running daemons and their access logs.
 
-    kvstore analytics replay ../shared/data/conversation_trace.jsonl --capacity 1%,5%,10%,20%,50% \\
+    kvstore analytics replay traces/conversation_trace.jsonl --capacity 1%,5%,10%,20%,50% \\
         --plot hitrate.png --json hitrate.json [--servers host:port,... --payload-bytes 4KiB]
     kvstore analytics live --servers host:port,... [--interval 2]
     kvstore analytics log /var/lib/kvstore/access.log [--json out.json]

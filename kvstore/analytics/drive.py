@@ -8,7 +8,7 @@ own capacity and policy decide what stays, so their hit rate can be set beside t
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from kvstore.analytics.simulate import Progress, ReplayResult, continuation_signals
 from kvstore.analytics.trace import Request, conversation_turns

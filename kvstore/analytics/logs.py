@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Iterator, Sequence
 
 from kvstore.analytics.simulate import access_statistics
 from kvstore.analytics.trace import TraceError
+
 
 def read_access_log(path: Path, skip_bad: bool = False, errors: list[str] | None = None) -> Iterator[tuple]:
     """(time_ms, op, key, traffic_class, result, tier, bytes) per line; a bad line names itself."""

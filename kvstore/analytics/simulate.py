@@ -6,7 +6,7 @@ leaf first, evicting what the policy chooses once the cache is full. Blocks carr
 longest-lived traffic class that used them, refreshed on every use; expired blocks are misses and are
 evicted before the policy is asked. A block's weight is its tokens (512, or fewer for the last block).
 
-Like the store (only full blocks are stored, DESIGN.md section 3), a request's partial last block is
+Like the store (only full blocks are stored, docs/design.md section 3), a request's partial last block is
 never cached, by any policy or bound: the next turn's version of it is longer and hashes differently
 (in the Mooncake conversation trace, 11,891 partial blocks are reused 118 times in all).
 """
@@ -16,8 +16,8 @@ from __future__ import annotations
 import heapq
 import math
 from collections import OrderedDict, defaultdict
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Callable, Sequence
 
 import numpy as np
 
@@ -135,7 +135,7 @@ def continuation_signals(requests: Sequence[Request], right: float, block_tokens
     return [bool(truth != flip) for truth, flip in zip(continued_requests(requests, block_tokens), flips)]
 
 
-def _make_room(chooser, ttl: "_Retention | None", now: float, evict, result: ReplayResult) -> None:
+def _make_room(chooser, ttl: _Retention | None, now: float, evict, result: ReplayResult) -> None:
     """Evict one block: an expired one if there is any, else the policy's choice."""
     victim = ttl.pop_expired(now) if ttl is not None else None
     if victim is not None:

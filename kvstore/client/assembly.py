@@ -7,8 +7,9 @@ buffers (`sink`, `received`), gRPC hands it whole messages (`received_message`).
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 from kvstore.block import Block
 from kvstore.proto import pb
@@ -40,10 +41,10 @@ class BlockData:
 
 @dataclass(slots=True)
 class ShardGet:
-    shard: "Shard"
+    shard: Shard
     request: pb.GetRequest
-    assembly: "GetAssembly"
-    shared: "SharedPlacement | None" = None  # where the destinations lie in a shared buffer
+    assembly: GetAssembly
+    shared: SharedPlacement | None = None  # where the destinations lie in a shared buffer
 
 
 class GetAssembly:

@@ -10,23 +10,22 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
 
 import grpc
 
 from kvstore.block import Block, same_namespace
+from kvstore.client.assembly import BlockData, Buffer, GetAssembly, ShardGet
 from kvstore.client.config import ClientConfig
+from kvstore.client.cost import BandwidthMeter
 from kvstore.client.dataplane import DataChannel, SharedBuffer, SharedPlacement, TransportError, put_head
-from kvstore.eviction import ReuseHint
+from kvstore.client.host_tier import HostTier
 from kvstore.client.placement import place
 from kvstore.client.shard import Shard
+from kvstore.eviction import ReuseHint
 from kvstore.proto import pb
-from kvstore.client.assembly import BlockData, Buffer, GetAssembly, ShardGet
-from kvstore.client.cost import BandwidthMeter
-from kvstore.client.host_tier import HostTier
 from kvstore.record import CorruptRecord, build_record, decode_header
-
 
 # A Get the data channel could not serve, before any part arrived, is repeated over gRPC with these codes.
 _RETRY_GET_CODES = frozenset({"RESOURCE_EXHAUSTED", "UNAVAILABLE"})
@@ -71,7 +70,7 @@ class AsyncKVClient:
         for shared in self._shared:
             shared.close()
 
-    async def __aenter__(self) -> "AsyncKVClient":
+    async def __aenter__(self) -> AsyncKVClient:
         return self
 
     async def __aexit__(self, *exc) -> None:

@@ -15,7 +15,7 @@ estimate for computing tokens [a, b) with [0, a) cached.
 from __future__ import annotations
 
 import threading
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 DEFAULT_BYTES_PER_S = {"host": 10e9, "daemon": 1e9}  # until measured
 

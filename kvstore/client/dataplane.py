@@ -21,14 +21,15 @@ import socket
 import ssl
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import numpy as np
 
 from kvstore import wire
 from kvstore.eviction import ReuseHint
 from kvstore.proto import pb
+
 
 class TransportError(Exception):
     """A data-channel call failed; `code` is a gRPC status code name. `refused`: the daemon's data channel
@@ -136,7 +137,7 @@ class DataChannel:
                 raise TransportError("INTERNAL", f"unexpected frame kind {kind} after a Put")
             return list(pb.PutResponse.FromString(head).results)
 
-    def _connection(self, deadline: float) -> "_Lease":
+    def _connection(self, deadline: float) -> _Lease:
         while True:
             with self._lock:
                 connection = self._idle.pop() if self._idle else None
@@ -180,7 +181,7 @@ class DataChannel:
                 raise TransportError("INTERNAL", f"unexpected frame kind {kind} after AUTH")
         return sock
 
-    def _release(self, connection: "_Connection", reusable: bool) -> None:
+    def _release(self, connection: _Connection, reusable: bool) -> None:
         with self._lock:
             if reusable and len(self._idle) < self._pool_size:
                 self._idle.append(connection)
@@ -355,7 +356,7 @@ def _recv_exact(sock: socket.socket, view: memoryview, deadline: float) -> None:
         sock.settimeout(remaining)
         try:
             received = sock.recv_into(view)
-        except socket.timeout:
+        except TimeoutError:
             raise TransportError("DEADLINE_EXCEEDED", "data channel call passed its deadline") from None
         if received == 0:
             raise TransportError("UNAVAILABLE", "the daemon closed the connection")
@@ -369,7 +370,7 @@ def _send(sock: socket.socket, data: bytes | memoryview, deadline: float) -> Non
     sock.settimeout(remaining)
     try:
         sock.sendall(data)
-    except socket.timeout:
+    except TimeoutError:
         raise TransportError("DEADLINE_EXCEEDED", "data channel call passed its deadline") from None
 
 

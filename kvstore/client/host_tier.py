@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Sequence
 
 from kvstore.eviction import LRU, EvictionPolicy
 from kvstore.record import RecordHeader

@@ -1,4 +1,4 @@
-"""Layer-pipelined loading of a cached prefix into an engine's KV buffers (DESIGN.md section 7).
+"""Layer-pipelined loading of a cached prefix into an engine's KV buffers (docs/design.md section 7).
 
 `KVClient.load(...)` returns a LoadHandle at once; its workers fetch layer 0 of every block from every
 daemon first, then layer 1, and so on, writing each (layer, block) straight into the engine's buffer
@@ -16,7 +16,8 @@ load stops writing before `cancel()` returns.
 from __future__ import annotations
 
 import threading
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 

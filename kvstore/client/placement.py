@@ -7,7 +7,7 @@ spread evenly over the others; when it returns, exactly those keys come back.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import xxhash
 

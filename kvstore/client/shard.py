@@ -15,7 +15,7 @@ import logging
 import socket
 import ssl
 import time
-from typing import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable
 
 import grpc
 

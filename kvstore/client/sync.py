@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Awaitable, Callable, Sequence, TypeVar
+from typing import TypeVar
 
 from kvstore.block import Block
 from kvstore.client.assembly import BlockData, Buffer
@@ -155,7 +156,7 @@ class KVClient:
             self._thread.join()
             self._loop.close()
 
-    def __enter__(self) -> "KVClient":
+    def __enter__(self) -> KVClient:
         return self
 
     def __exit__(self, *exc) -> None:

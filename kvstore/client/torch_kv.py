@@ -13,7 +13,7 @@ a block table: the page of each block of its prefix.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

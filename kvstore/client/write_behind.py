@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import threading
 from collections import Counter, deque
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from kvstore.block import Block
 from kvstore.eviction import ReuseHint

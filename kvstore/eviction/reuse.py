@@ -81,7 +81,7 @@ class _Gaps:
         return sum(self.counts[bisect.bisect_right(_GAP_EDGES, age):])
 
     @staticmethod
-    def of(counts: list) -> "_Gaps":
+    def of(counts: list) -> _Gaps:
         if len(counts) != len(_GAP_EDGES) + 1:
             raise ValueError(f"{len(counts)} gap bins, expected {len(_GAP_EDGES) + 1}")
         gaps = _Gaps()

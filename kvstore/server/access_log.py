@@ -15,8 +15,8 @@ Written through a buffer and flushed by the maintenance loop; rotated once to `<
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 
 class AccessLog:

@@ -1,4 +1,4 @@
-"""Who may do what: bearer tokens scoped to tenants and verbs (DESIGN.md section 6, invariant 8).
+"""Who may do what: bearer tokens scoped to tenants and verbs (docs/design.md section 6, invariant 8).
 
 A token file (TOML) lists the tokens a daemon accepts; it holds SHA-256 digests, never tokens:
 
@@ -58,7 +58,7 @@ class Authenticator:
         self._entries = entries
 
     @classmethod
-    def from_file(cls, path: Path) -> "Authenticator":
+    def from_file(cls, path: Path) -> Authenticator:
         try:
             with open(path, "rb") as f:
                 document = tomllib.load(f)

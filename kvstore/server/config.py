@@ -13,9 +13,10 @@ import math
 import os
 import re
 import tomllib
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from kvstore.eviction import POLICIES
 from kvstore.record import CLASS_NAME_BYTES

@@ -55,7 +55,7 @@ class Peer:
     gid: int = -1
 
     @staticmethod
-    def of(sock: socket.socket) -> "Peer":
+    def of(sock: socket.socket) -> Peer:
         if sock.family == socket.AF_UNIX:
             ucred = struct.Struct("3i")
             pid, uid, gid = ucred.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, ucred.size))
@@ -216,7 +216,7 @@ class TlsConnection(Connection):
 
     @classmethod
     async def accept(cls, sock: socket.socket, context: ssl.SSLContext, peer: Peer, budget: FrameBudget,
-                     frame_timeout_s: float, idle_timeout_s: float) -> "TlsConnection":
+                     frame_timeout_s: float, idle_timeout_s: float) -> TlsConnection:
         """Handshake within the frame timeout; Closed if the client does not complete it."""
         tls = context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
         connection = cls(tls, peer, budget, frame_timeout_s, idle_timeout_s)

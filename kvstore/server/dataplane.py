@@ -4,7 +4,7 @@ One request at a time per connection; clients keep a few connections open. The s
 limits and store calls as the gRPC service; a protocol violation is answered with an ERROR frame
 naming a gRPC status code, and the connection is closed.
 
-No client can wedge or exhaust the daemon through it (DESIGN.md section 10, invariant 6):
+No client can wedge or exhaust the daemon through it (docs/design.md section 10, invariant 6):
 * connections are limited in total and per peer (an address on TCP, a user on the Unix socket); the
   excess is answered RESOURCE_EXHAUSTED and closed;
 * a connection silent between frames for `data_idle_timeout_s`, or stalled inside one (or in taking
@@ -33,15 +33,23 @@ from kvstore import wire
 from kvstore.eviction import ReuseHint
 from kvstore.proto import pb
 from kvstore.record import FIXED_HEADER_BYTES
-from kvstore.server.config import ServerConfig
-from kvstore.server.reads import get_parts
 from kvstore.server.auth import Principal
-from kvstore.server.data_connection import READ_STEP, Connection, FrameBudget, Peer, TlsConnection, Closed
+from kvstore.server.config import ServerConfig
+from kvstore.server.data_connection import READ_STEP, Closed, Connection, FrameBudget, Peer, TlsConnection
+from kvstore.server.reads import get_parts
 from kvstore.server.regions import Region
+from kvstore.server.requests import (
+    PermissionDenied,
+    RequestError,
+    check_get,
+    check_payload,
+    check_put_head,
+    check_tenant,
+    parse,
+    parse_record_header,
+    reuse_hint,
+)
 from kvstore.server.security import Security
-from kvstore.server.requests import (PermissionDenied, RequestError, check_get, check_payload, check_put_head,
-                                     check_tenant, parse,
-                                     parse_record_header, reuse_hint)
 from kvstore.server.service import ByteBudget
 from kvstore.server.store import BlockStore, DiskFull, Scope
 
@@ -428,5 +436,5 @@ class DataPlaneServer:
         try:
             frame = wire.frame(wire.ERROR, pb.DataError(code=code, message=message).SerializeToString())
             await asyncio.wait_for(connection.send(frame), ERROR_SEND_TIMEOUT_S)
-        except (OSError, Closed, asyncio.TimeoutError):
+        except (TimeoutError, OSError, Closed):
             pass

@@ -24,8 +24,7 @@ import lmdb
 from kvstore.record import CorruptRecord, decode_header
 from kvstore.server.config import ServerConfig
 from kvstore.server.index import Entry, Index, IndexDamaged, is_damage, structural_damage
-from kvstore.server.recovery import (RebuildStats, drop_stale, rebuild_index, replace_damaged, set_aside,
-                                     verify_entries)
+from kvstore.server.recovery import RebuildStats, drop_stale, rebuild_index, replace_damaged, set_aside, verify_entries
 from kvstore.server.segments import Segment, SegmentSet
 
 

@@ -18,9 +18,10 @@ import os
 import queue
 import struct
 import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import lmdb
 from lmdb.verify import VerifyError
@@ -105,13 +106,13 @@ class Entry:
         return fixed + self.parent.ljust(_PARENT_BYTES, b"\x00") + bytes([self.policy_class]) + _TENANT_ID.pack(self.tenant_id)
 
     @staticmethod
-    def unpack(raw: bytes) -> "Entry":
+    def unpack(raw: bytes) -> Entry:
         end = _ENTRY.size + _PARENT_BYTES
         parent = bytes(raw[_ENTRY.size : end])
         return Entry(*_ENTRY.unpack_from(raw), b"" if parent == bytes(_PARENT_BYTES) else parent,
                      raw[end] if len(raw) > end else 0, tenant_id_of(raw))
 
-    def with_access(self, access_ms: int, expires_ms: int, class_id: int | None = None) -> "Entry":
+    def with_access(self, access_ms: int, expires_ms: int, class_id: int | None = None) -> Entry:
         return replace(self, expires_ms=max(self.expires_ms, expires_ms), access_ms=max(self.access_ms, access_ms),
                        class_id=self.class_id if class_id is None else class_id)
 

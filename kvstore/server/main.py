@@ -8,15 +8,15 @@ import logging
 import os
 import signal
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvstore.proto import SERVICE
-from kvstore.server.dataplane import DataPlaneServer
 from kvstore.server.config import ServerConfig, load_config
+from kvstore.server.dataplane import DataPlaneServer
 from kvstore.server.index import IndexUnavailable
 from kvstore.server.metrics import Metrics
 from kvstore.server.security import Security

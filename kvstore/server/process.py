@@ -28,7 +28,7 @@ class DaemonProcess:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def start(self, extra_env: dict[str, str] | None = None, timeout_s: float = 30.0) -> "DaemonProcess":
+    def start(self, extra_env: dict[str, str] | None = None, timeout_s: float = 30.0) -> DaemonProcess:
         port_file = self.data_dir.with_suffix(".port")
         port_file.unlink(missing_ok=True)
         with open(self.log_path, "ab") as log:

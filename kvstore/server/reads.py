@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from typing import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
 
 from kvstore.proto import pb
 from kvstore.record import CorruptRecord

@@ -1,4 +1,4 @@
-"""Start-up recovery of the index from the self-describing segments (DESIGN.md invariant 7).
+"""Start-up recovery of the index from the self-describing segments (docs/design.md invariant 7).
 
 A daemon never deletes data it cannot prove dead. Every record carries its key, parent, tenant, traffic
 class, lengths and checksums, so the index can always be rebuilt from the segments; what the index

@@ -19,7 +19,7 @@ class Region:
         self.view = memoryview(mapping)
 
     @staticmethod
-    def adopt(fd: int, size: int, peer: Peer) -> "Region":
+    def adopt(fd: int, size: int, peer: Peer) -> Region:
         """Map `size` bytes of `fd`; RequestError unless it cannot shrink, is the peer's and is big enough.
 
         A shared mapping of a file that shrinks loses its pages: the next write into them is a SIGBUS."""

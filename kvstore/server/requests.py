@@ -6,7 +6,7 @@ Each check raises RequestError with a message that says what was wrong; the tran
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from google.protobuf.message import DecodeError
 

@@ -1,7 +1,7 @@
 """Room kept on the data directory's file system for the index commits that eviction needs.
 
 Eviction frees disk space only once its LMDB commit has gone through, and a commit needs fresh pages:
-on a full disk neither happens, and puts are wedged for good (DESIGN.md section 10, invariant 6). A
+on a full disk neither happens, and puts are wedged for good (docs/design.md section 10, invariant 6). A
 file of preallocated bytes, `RESERVE` in the data directory, holds that room. It is given back when a
 commit fails for want of space, so that eviction's commits go through, and taken again once eviction
 and compaction have freed space. It survives restarts, so a daemon started on a full disk has it too.

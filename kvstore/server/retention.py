@@ -18,7 +18,8 @@ import errno
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 from kvstore.server.index import Entry, IndexNoSpace
 from kvstore.server.reserve import SpaceReserve
@@ -125,7 +126,7 @@ class Retention:
         while True:
             try:
                 await asyncio.wait_for(self.wake.wait(), timeout=config.sweep_interval_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             self.wake.clear()
             try:

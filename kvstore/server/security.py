@@ -27,7 +27,7 @@ class Security:
     data_tls: ssl.SSLContext | None  # None: plaintext data channel
 
     @classmethod
-    def from_config(cls, config: ServerConfig) -> "Security":
+    def from_config(cls, config: ServerConfig) -> Security:
         """Raises AuthConfigError (a bad token file) or ValueError (unreadable certificates)."""
         authenticator = Authenticator.from_file(config.auth_tokens) if config.auth_tokens else None
         credentials, context = None, None

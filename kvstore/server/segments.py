@@ -20,9 +20,9 @@ from __future__ import annotations
 import errno
 import os
 import threading
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
 
 from kvstore import faults
 from kvstore.record import FIXED_HEADER_BYTES, MAGIC, CorruptRecord, RecordHeader, decode_header

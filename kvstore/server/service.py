@@ -8,21 +8,30 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
+
 import kvstore
-from kvstore.hostid import host_id
 from kvstore.eviction import ReuseHint
+from kvstore.hostid import host_id
 from kvstore.proto import SERVICE, pb
 from kvstore.server.config import ServerConfig
-from kvstore.server.reads import get_parts
 from kvstore.server.grpc_auth import current_principal
-from kvstore.server.requests import (PermissionDenied, RequestError, check_get, check_keys, check_payload, check_put_head,
-                                     check_tenant, parse, parse_record_header, reuse_hint)
+from kvstore.server.reads import get_parts
+from kvstore.server.requests import (
+    PermissionDenied,
+    RequestError,
+    check_get,
+    check_keys,
+    check_payload,
+    check_put_head,
+    check_tenant,
+    parse,
+    parse_record_header,
+    reuse_hint,
+)
 from kvstore.server.store import BlockStore, DiskFull, Scope
-
-
 
 
 class ByteBudget:
@@ -37,7 +46,7 @@ class ByteBudget:
         async with self._changed:
             try:
                 await asyncio.wait_for(self._changed.wait_for(lambda: self.used + nbytes <= self.limit), timeout_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 raise RequestError("too many bytes of puts in flight on this daemon; retry later",
                                    exhausted=True) from None
             self.used += nbytes

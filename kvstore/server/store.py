@@ -1,7 +1,7 @@
 """The block store of one daemon: index + segments + DRAM tier, with retention and capacity.
 
 Runs on the daemon's event loop; file I/O goes to a thread pool, index writes to the index's writer
-thread. Guarantees (DESIGN.md section 10):
+thread. Guarantees (docs/design.md section 10):
 * a record becomes visible only after its bytes are written (and synced, with durability "fsync");
 * every byte served from the segment files is verified against its header's checksums first;
 * start-up cuts torn tails, drops index entries whose place holds no record of their key (and re-indexes
@@ -18,9 +18,9 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Callable, Sequence
 
 from kvstore.eviction import EvictionPolicy, ReuseHint, make_policy
 from kvstore.proto import pb

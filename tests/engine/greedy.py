@@ -11,12 +11,12 @@ speculation) is a part of its own.
 
 from __future__ import annotations
 
-from typing import Collection, Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 
-from engine.model.kv import PagePool, RequestKV
 from engine.model.decoder import Chunk, Decoder
+from engine.model.kv import PagePool, RequestKV
 from engine.prefill.engine import PrefillEngine
 from engine.prefill.request import PrefillRequest
 

@@ -1,6 +1,6 @@
 """Bytes corrupted at named places of a stopped daemon's data directory (the py-lmdb habit).
 
-Segment files: one block per named field of its record (DESIGN.md section 4) has a byte flipped; after a
+Segment files: one block per named field of its record (docs/design.md section 4) has a byte flipped; after a
 restart each of those is a counted miss, every other block is served byte for byte, nothing crashes, and
 the daemon drops what it found corrupt so that fsck agrees afterwards. Torn tails: a record cut short at
 the end of a crashed (`.open`) or of a sealed segment. The index file: whatever LMDB makes of a damaged

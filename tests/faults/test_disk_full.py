@@ -1,4 +1,4 @@
-"""Fault 7 of issue 10: a full disk must not wedge puts (DESIGN.md section 10, invariants 3 and 6).
+"""Fault 7 of issue 10: a full disk must not wedge puts (docs/design.md section 10, invariants 3 and 6).
 
 Eviction needs an LMDB commit, and a commit needs room on the file system: the daemon keeps a reserve
 for it. On a small tmpfs (root, as in CI) puts fill the disk, then must recover once eviction has made

@@ -1,6 +1,6 @@
 """kill -9 loops under concurrent puts, with a bounded-loss oracle checked after every restart.
 
-The oracle (DESIGN.md section 10, invariant 2):
+The oracle (docs/design.md section 10, invariant 2):
 * durability "fsync": every put acknowledged before the kill is served afterwards, byte for byte;
 * durability "os": nothing unverifiable is served: each block served equals what was put (a process
   crash keeps the page cache, but the contract promises no more than this);
@@ -52,7 +52,7 @@ class Load:
         self._threads = [threading.Thread(target=self._write, args=(t,)) for t in ("auto", "grpc")]
         self._threads.append(threading.Thread(target=self._read))
 
-    def __enter__(self) -> "Load":
+    def __enter__(self) -> Load:
         for thread in self._threads:
             thread.start()
         return self

@@ -4,8 +4,7 @@ import numpy as np
 import pytest
 
 from kvstore.block import KVLayout, Namespace
-from kvstore.record import (FIXED_HEADER_BYTES, CorruptRecord, build_record, decode_header,
-                            payload_layer_sums)
+from kvstore.record import FIXED_HEADER_BYTES, CorruptRecord, build_record, decode_header, payload_layer_sums
 
 pytestmark = pytest.mark.unit
 

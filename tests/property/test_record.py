@@ -11,8 +11,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstore.block import Block, chain_hash
-from kvstore.record import (CLASS_NAME_BYTES, FIXED_HEADER_BYTES, FORMAT_VERSION, CorruptRecord, RecordHeader,
-                            build_record, decode_header, encode_header, payload_layer_sums)
+from kvstore.record import (
+    CLASS_NAME_BYTES,
+    FIXED_HEADER_BYTES,
+    FORMAT_VERSION,
+    CorruptRecord,
+    RecordHeader,
+    build_record,
+    decode_header,
+    encode_header,
+    payload_layer_sums,
+)
 
 pytestmark = pytest.mark.unit
 PROPERTY = settings(max_examples=200, deadline=None)

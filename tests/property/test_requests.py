@@ -12,8 +12,16 @@ from kvstore.block import KEY_BYTES, Block, chain_hash
 from kvstore.proto import pb
 from kvstore.record import build_record
 from kvstore.server.config import ServerConfig
-from kvstore.server.requests import (RequestError, check_get, check_keys, check_payload, check_put_head, parse,
-                                     parse_record_header, reuse_hint)
+from kvstore.server.requests import (
+    RequestError,
+    check_get,
+    check_keys,
+    check_payload,
+    check_put_head,
+    parse,
+    parse_record_header,
+    reuse_hint,
+)
 
 pytestmark = pytest.mark.unit
 PROPERTY = settings(max_examples=200, deadline=None)

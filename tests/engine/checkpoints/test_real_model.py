@@ -16,19 +16,19 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
-from typing import Sequence
+from collections.abc import Sequence
 
 import pytest
 import torch
 
-from tests.engine.greedy import greedy
-from engine.model.kv import PagePool, RequestKV
 from engine.model.decoder import Chunk, Decoder
+from engine.model.kv import PagePool, RequestKV
 from engine.prefill.config import PrefillConfig
 from engine.prefill.cost import ChunkCost
 from engine.prefill.engine import PrefillEngine
 from engine.prefill.request import CACHED, COLD, PrefillRequest
 from kvstore.client import ClientConfig, KVClient
+from tests.engine.greedy import greedy
 
 pytestmark = [
     pytest.mark.skipif(

@@ -9,10 +9,10 @@ import torch
 
 from engine.decode import DecodeConfig, DecodeEngine, DecodeError, DecodeRequest, SamplingParams
 from engine.decode.request import CANCELLED, CONTEXT, MAX_TOKENS, STOP_STRING, STOP_TOKEN
-from tests.engine.greedy import greedy
 from engine.model.kv import KVCapacityError, PagePool, RequestKV
 from tests.engine.conftest import VOCAB
 from tests.engine.decode.conftest import PROMPT_LENGTHS, REPLY, drive, tokens
+from tests.engine.greedy import greedy
 
 pytestmark = pytest.mark.unit
 GREEDY = SamplingParams(max_tokens=REPLY)

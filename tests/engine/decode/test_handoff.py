@@ -6,13 +6,13 @@ import pytest
 
 from engine.decode import DecodeConfig, DecodeEngine, DecodeError, DecodeRequest, SamplingParams
 from engine.decode.request import MAX_TOKENS, STOP_TOKEN
-from tests.engine.greedy import greedy
 from engine.model.decoder import Decoder
 from engine.prefill.config import PrefillConfig
 from engine.prefill.cost import ChunkCost
 from engine.prefill.engine import PrefillEngine
 from engine.prefill.request import PrefillRequest
 from tests.engine.decode.conftest import PROMPT_LENGTHS, REPLY, drive
+from tests.engine.greedy import greedy
 
 pytestmark = pytest.mark.unit
 PAGES = 32

@@ -16,11 +16,11 @@ import torch
 
 from engine.decode import DecodeConfig, DecodeEngine, DecodeRequest, SamplingParams
 from engine.model.decoder import Decoder
+from engine.model.weights import model_identity
 from engine.prefill import PrefillConfig, PrefillEngine, PrefillRequest
 from engine.prefill.cost import ChunkCost
 from engine.prefill.request import HANDED_OVER
 from engine.text.real_text import demo_sessions
-from engine.model.weights import model_identity
 from kvstore.client import KVClient
 from tests.engine.decode.conftest import drive
 

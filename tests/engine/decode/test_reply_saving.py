@@ -9,7 +9,7 @@ from engine.decode import DecodeConfig, DecodeEngine, DecodeRequest, DecodeResul
 from engine.prefill.engine import PrefillEngine
 from engine.prefill.request import CACHED, REPLAYED, WINDOW_MISSING, PrefillRequest
 from tests.engine.prefill.test_engine import BLOCK, _check, _client, _engine, _tokens
-from tests.engine.prefill.test_replay import R, STORED, _replayed_logits, _stored_first_turn
+from tests.engine.prefill.test_replay import STORED, R, _replayed_logits, _stored_first_turn
 
 pytestmark = pytest.mark.integration
 

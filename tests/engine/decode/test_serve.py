@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.checkpoints.random_model import write_random_model
 from engine.decode import DecodeConfig, DecodeEngine, DecodeRequest, SamplingParams
 from engine.decode.instances import InstanceClient, InstanceError, InstanceStartError, start_instances, to_instance_load
 from engine.decode.router import KV_AWARE, LEAST_REQUESTS, Router, RouterConfig
 from engine.model.decoder import Decoder
-from engine.checkpoints.random_model import write_random_model
 
 pytestmark = pytest.mark.integration
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from engine.model.decode_attention import DecodeBatch
-from engine.model.kv import PagePool, RequestKV
 from engine.model.decoder import Chunk, Decoder
+from engine.model.kv import PagePool, RequestKV
 from engine.swa_replay import begin_replay
 from tests.engine.conftest import GEMMA3_WINDOW, VOCAB
 

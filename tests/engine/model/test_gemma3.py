@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from engine.model.config import ModelConfig
-from engine.model.kv import PagePool, RequestKV
 from engine.model.decoder import Chunk, Decoder
+from engine.model.kv import PagePool, RequestKV
 from engine.prefill.config import PrefillConfig
 from engine.prefill.cost import ChunkCost
 from engine.prefill.engine import PrefillEngine

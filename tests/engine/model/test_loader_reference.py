@@ -14,8 +14,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from engine.model.kv import PagePool, RequestKV
 from engine.model.decoder import Chunk, Decoder
+from engine.model.kv import PagePool, RequestKV
 from tests.engine.conftest import VOCAB, TinyModel
 
 pytestmark = pytest.mark.unit

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.model.kv import PagePool, RequestKV
 from engine.model.decoder import Chunk, Decoder
+from engine.model.kv import PagePool, RequestKV
 from tests.engine.conftest import VOCAB, WINDOW
 
 pytestmark = pytest.mark.unit

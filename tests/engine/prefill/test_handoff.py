@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.prefill import handoff
-from engine.model.kv import WindowState
 from engine.model.decoder import Chunk
+from engine.model.kv import WindowState
+from engine.prefill import handoff
 from engine.prefill.request import CACHED, COLD, HANDED_OVER, REPLAYED, WINDOW_MISSING, PrefillRequest
 from tests.engine.prefill.test_engine import BLOCK, TOLERANCE, _client, _engine, _tokens
 

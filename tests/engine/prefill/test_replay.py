@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.model.kv import PagePool, RequestKV
 from engine.model.decoder import Chunk
+from engine.model.kv import PagePool, RequestKV
 from engine.prefill.engine import PrefillEngine
 from engine.prefill.request import CACHED, LOAD_FAILED, REPLAYED, WINDOW_MISSING, PrefillRequest
 from engine.swa_replay import begin_replay

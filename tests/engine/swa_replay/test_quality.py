@@ -96,8 +96,8 @@ real_model = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def real_results():
-    from engine.text import real_text
     from engine.checkpoints.real_model import load_real_model
+    from engine.text import real_text
 
     folder, tokenizer = load_real_model()
     model = Decoder.from_pretrained(folder)  # fp32

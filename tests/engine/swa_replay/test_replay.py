@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.model.kv import PagePool, RequestKV
 from engine.model.decoder import Chunk, Decoder
+from engine.model.kv import PagePool, RequestKV
 from engine.swa_replay.replay import begin_replay
 
 pytestmark = pytest.mark.unit

@@ -4,26 +4,22 @@ import json
 import random
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from kvstore.analytics.drive import replay_through_daemons
 from kvstore.analytics.simulate import replay
-from kvstore.analytics.trace import Request, read_trace
+from kvstore.analytics.trace import CONVERSATION_TRACE, Request, read_trace
 
 pytestmark = pytest.mark.integration
 
-TRACE = Path(__file__).resolve().parents[4] / "shared" / "data" / "conversation_trace.jsonl"
 RECORD_BYTES = 116 + 4096  # header (2 tokens, 1 layer) + payload per block in the driven replay
 
 
 @pytest.fixture(scope="module")
 def small_trace():
-    if not TRACE.exists():
-        pytest.skip("the shared conversation trace is not here")
     requests = []
-    for request in read_trace(TRACE):
+    for request in read_trace(CONVERSATION_TRACE):
         requests.append(request)
         if len(requests) == 400:
             return requests

@@ -1,10 +1,18 @@
+import hashlib
 import json
 import subprocess
 import sys
 
 import pytest
 
-from kvstore.analytics.trace import Request, TraceError, conversation_turns, read_trace
+from kvstore.analytics.trace import (
+    CONVERSATION_TRACE,
+    CONVERSATION_TRACE_SHA256,
+    Request,
+    TraceError,
+    conversation_turns,
+    read_trace,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -78,3 +86,11 @@ def test_conversation_turns_follow_the_prompts_that_hold_an_earlier_prompt():
         request(0, 7),           # block 0 was the last prompt's end, but first blocks do not count
     ]
     assert conversation_turns(trace) == [0, 1, 0, 1, 2, 0, 0]
+
+
+def test_the_shipped_conversation_trace_is_the_published_one():
+    with open(CONVERSATION_TRACE, "rb") as f:
+        assert hashlib.file_digest(f, "sha256").hexdigest() == CONVERSATION_TRACE_SHA256
+    requests = list(read_trace(CONVERSATION_TRACE))
+    assert len(requests) == 12_031  # traces/README.md
+    assert all(len(r.hash_ids) == -(-r.input_length // 512) for r in requests)

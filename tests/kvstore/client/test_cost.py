@@ -6,7 +6,7 @@ pytestmark = pytest.mark.unit
 
 
 def attention_cost(a: float, b: float, per_token: float = 1e-4):
-    """compute(x, y): x·(2L + x) + b·x style cost of tokens [x, y) after x cached (DESIGN.md section 8)."""
+    """compute(x, y): x·(2L + x) + b·x style cost of tokens [x, y) after x cached (docs/design.md section 8)."""
     return lambda start, end: a * (end - start) * (start + end) + b * (end - start)
 
 

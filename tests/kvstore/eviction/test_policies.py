@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvstore.eviction import POLICIES, PrefixLFU, S3FIFO, SIEVE, make_policy
+from kvstore.eviction import POLICIES, S3FIFO, SIEVE, PrefixLFU, make_policy
 
 pytestmark = pytest.mark.unit
 

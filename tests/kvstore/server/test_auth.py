@@ -3,9 +3,9 @@
 import pytest
 
 from kvstore.block import tenant_of
+from kvstore.proto import method
 from kvstore.server.auth import AuthConfigError, Authenticator, new_token, token_entry
 from kvstore.server.grpc_auth import verb_of
-from kvstore.proto import method
 
 pytestmark = pytest.mark.unit
 

@@ -3,7 +3,6 @@
 import os
 import struct
 
-import pytest
 import xxhash
 
 from kvstore.block import KVLayout, Namespace, chain_hash

@@ -1,0 +1,62 @@
+"""`kvstore-api`'s command line: every option explained, bad values refused by name, the old name still works."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.api.server import parse_args
+
+pytestmark = pytest.mark.unit
+
+BIN = Path(sys.executable).parent
+
+
+def test_every_option_has_help_text(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["--help"])
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    assert text.startswith("usage: kvstore-api")
+    options = [line.split()[0] for line in text.splitlines() if line.startswith("  --")]
+    assert len(options) >= 10
+    for line in text.split("options:")[1].split("\n  --")[2:]:  # each option's entry, past --help
+        name, _, rest = line.partition("  ")
+        assert rest.strip(), f"--{name} has no help text"
+
+
+def test_options_reach_the_config():
+    config = parse_args(["--servers", "127.0.0.1:1,127.0.0.1:2", "--api-key", "k1=alice", "--block-tokens", "64",
+                         "--max-running", "4", "--kv-pages", "9", "--tokenize-workers", "1", "--chunk-cost", "1,2,0"])
+    assert config.servers == ("127.0.0.1:1", "127.0.0.1:2") and config.api_keys == {"k1": "alice"}
+    assert (config.block_tokens, config.max_running, config.kv_pages, config.tokenize_workers) == (64, 4, 9, 1)
+    assert config.chunk_cost == (1.0, 2.0, 0.0)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--api-key", "no-tenant"], "--api-key takes KEY=TENANT"),
+    (["--chunk-cost", "1,2"], "three numbers"),
+    (["--max-running", "0"], "max_running must be >= 1"),
+    (["--port", "70000"], "port must lie in"),
+])
+def test_bad_values_are_refused_by_name(args, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(args)
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(shutil.which("kvstore-serve", path=str(BIN)) is None, reason="not installed (make install)")
+def test_the_old_name_still_runs_and_says_it_is_going():
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    old = subprocess.run([str(BIN / "kvstore-serve"), "--help"], capture_output=True, text=True, timeout=120, env=env)
+    new = subprocess.run([str(BIN / "kvstore-api"), "--help"], capture_output=True, text=True, timeout=120, env=env)
+    assert old.returncode == new.returncode == 0
+    assert "kvstore-serve is now kvstore-api" in old.stderr and "is now" not in new.stderr
+    words = " ".join(old.stdout.split()).replace("usage: kvstore-serve", "usage: kvstore-api")
+    assert words == " ".join(new.stdout.split())  # the same options, wrapped to the name's width
