@@ -69,7 +69,8 @@ class ClientConfig:
 
     def __repr__(self) -> str:  # the token stays out of logs and tracebacks
         shown = {f: getattr(self, f) for f in self.__dataclass_fields__ if f != "token"}
-        return f"ClientConfig({', '.join(f'{k}={v!r}' for k, v in shown.items())}, token={'***' if self.token else None})"
+        fields = ", ".join(f"{k}={v!r}" for k, v in shown.items())
+        return f"ClientConfig({fields}, token={'***' if self.token else None})"
 
 
 _SECURITY_FLAGS = {"token": "KVSTORE_TOKEN", "tls_ca": "KVSTORE_TLS_CA", "tls_cert": "KVSTORE_TLS_CERT",

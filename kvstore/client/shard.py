@@ -119,7 +119,8 @@ class Shard:
         self._data, self._data_checked = None, False
 
     async def lookup(self, keys: list[bytes]) -> int:
-        response = await self._lookup(pb.LookupRequest(keys=keys), timeout=self.config.lookup_timeout_s, metadata=self.metadata)
+        response = await self._lookup(pb.LookupRequest(keys=keys), timeout=self.config.lookup_timeout_s,
+                                      metadata=self.metadata)
         return response.hits
 
     def get(self, request: pb.GetRequest) -> AsyncIterator[bytes]:
@@ -135,14 +136,17 @@ class Shard:
         return response.count
 
     async def delete(self, keys: list[bytes]) -> int:
-        return (await self._delete(pb.KeysRequest(keys=keys), timeout=self.config.lookup_timeout_s, metadata=self.metadata)).count
+        response = await self._delete(pb.KeysRequest(keys=keys), timeout=self.config.lookup_timeout_s,
+                                      metadata=self.metadata)
+        return response.count
 
     async def advise(self, keys: list[bytes], continues: bool) -> int:
         request = pb.AdviseRequest(keys=keys, continues=continues)
         return (await self._advise(request, timeout=self.config.lookup_timeout_s, metadata=self.metadata)).count
 
     async def stats(self) -> dict[str, float]:
-        return dict((await self._stats(pb.StatsRequest(), timeout=self.config.lookup_timeout_s, metadata=self.metadata)).values)
+        response = await self._stats(pb.StatsRequest(), timeout=self.config.lookup_timeout_s, metadata=self.metadata)
+        return dict(response.values)
 
     async def close(self) -> None:
         self._forget_data_channel()
@@ -165,7 +169,8 @@ def open_channel(address: str, config: ClientConfig) -> grpc.aio.Channel:
             log.warning("sending a token to %s without TLS: anyone on the path can read it; set tls_ca", address)
         return grpc.aio.insecure_channel(address, options=options)
     credentials = grpc.ssl_channel_credentials(
-        root_certificates=_read(config.tls_ca), private_key=_read(config.tls_key), certificate_chain=_read(config.tls_cert))
+        root_certificates=_read(config.tls_ca), private_key=_read(config.tls_key),
+        certificate_chain=_read(config.tls_cert))
     if config.tls_server_name:
         options.append(("grpc.ssl_target_name_override", config.tls_server_name))
     return grpc.aio.secure_channel(address, credentials, options=options)
