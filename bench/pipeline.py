@@ -116,7 +116,8 @@ def main() -> None:
     ideal = max(medians["load"], medians["compute"])
     # However good the overlap, the CPU work of both parts must fit on this machine's cores.
     cpu_bound = max(ideal, (cpu_medians["load"] + cpu_medians["compute"]) / os.cpu_count())
-    report = {"kv": "private" if args.private_kv else "shared", "ms": {k: v * 1000 for k, v in medians.items()}, "all_ms": {k: [x * 1000 for x in v] for k, v in times.items()},
+    report = {"kv": "private" if args.private_kv else "shared", "ms": {k: v * 1000 for k, v in medians.items()},
+              "all_ms": {k: [x * 1000 for x in v] for k, v in times.items()},
               "cpu_ms": {k: v * 1000 for k, v in cpu_medians.items()}, "cores": os.cpu_count(),
               "pipelined_over_max": medians["pipelined"] / ideal, "serial_over_max": medians["serial"] / ideal,
               "pipelined_over_cpu_bound": medians["pipelined"] / cpu_bound, "cpu_bound_ms": cpu_bound * 1000,

@@ -6,9 +6,9 @@ The model is random-weight and Qwen3-0.6B-shaped (12 layers; `engine.checkpoints
 that compute dominates on a CPU, on random token ids. With `--real` it is the real Gemma 3 270M
 (`engine.checkpoints.real_model`, the `models` extra) on real text: a chat session of standard-library documentation
 through its chat template (`engine.text.real_text`), cut to --tokens, with a line naming the repeat put
-before the system prompt so that each prompt is fresh to the store. For each cached fraction f, the first f of a fresh prompt is put in
-the store by prefilling it once (so the blocks are the engine's own), then the whole prompt is
-prefilled and its TTFT taken. Beside it, in the same repeat, the ideal:
+before the system prompt so that each prompt is fresh to the store. For each cached fraction f, the first f
+of a fresh prompt is put in the store by prefilling it once (so the blocks are the engine's own), then the
+whole prompt is prefilled and its TTFT taken. Beside it, in the same repeat, the ideal:
 
     compute   the uncached tokens alone, with the cached KV already in place
     load      loading the cached blocks alone (the same client and daemon)

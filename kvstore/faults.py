@@ -2,7 +2,8 @@
 
 Production code calls `faults.hit("segment.after_write")` at places where a crash or an error must be
 survivable. A test switches a point on for a daemon through the environment
-(`KVSTORE_FAULTS="segment.after_write=kill@3"`: SIGKILL the process on the third hit). Actions: `kill` (SIGKILL self), `raise` (OSError), `enospc`.
+(`KVSTORE_FAULTS="segment.after_write=kill@3"`: SIGKILL the process on the third hit). Actions: `kill`
+(SIGKILL self), `raise` (OSError), `enospc`.
 """
 
 from __future__ import annotations

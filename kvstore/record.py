@@ -111,7 +111,8 @@ def encode_header(
 ) -> bytes:
     class_bytes = traffic_class.encode()
     if not class_bytes or len(class_bytes) > CLASS_NAME_BYTES or b"\x00" in class_bytes:
-        raise ValueError(f"traffic class must be 1..{CLASS_NAME_BYTES} bytes of UTF-8 without NUL, got {traffic_class!r}")
+        raise ValueError(f"traffic class must be 1..{CLASS_NAME_BYTES} bytes of UTF-8 without NUL, "
+                         f"got {traffic_class!r}")
     if len(layer_sums) != n_layers:
         raise ValueError(f"{len(layer_sums)} layer checksums for {n_layers} layers")
     token_bytes = encode_tokens(block.tokens)
@@ -133,7 +134,8 @@ def decode_header(buf: bytes | memoryview) -> RecordHeader:
     view = memoryview(buf)
     if len(view) < FIXED_HEADER_BYTES:
         raise CorruptRecord("truncated", f"{len(view)} bytes is shorter than a record header")
-    magic, version, flags, header_len, namespace, parent, key, cls, n_tokens, n_layers, layer_bytes = _FIXED_V1.unpack_from(view)
+    (magic, version, flags, header_len, namespace, parent, key, cls, n_tokens, n_layers,
+     layer_bytes) = _FIXED_V1.unpack_from(view)
     if magic != MAGIC:
         raise CorruptRecord("bad_magic", f"magic {bytes(magic)!r}")
     if version not in _FIXED_BYTES:
@@ -161,8 +163,8 @@ def decode_header(buf: bytes | memoryview) -> RecordHeader:
     if not traffic_class:
         raise CorruptRecord("bad_header", "empty traffic class")
     return RecordHeader(
-        bytes(namespace), bytes(parent), bytes(key), traffic_class, tokens, n_layers, layer_bytes, layer_sums, header_len,
-        bytes(tenant),
+        bytes(namespace), bytes(parent), bytes(key), traffic_class, tokens, n_layers, layer_bytes, layer_sums,
+        header_len, bytes(tenant),
     )
 
 
@@ -173,7 +175,8 @@ def peek_header(buf: bytes | memoryview) -> tuple[bytes, int, int]:
     view = memoryview(buf)
     if len(view) < FIXED_HEADER_BYTES:
         raise CorruptRecord("truncated", f"{len(view)} bytes is shorter than a record header")
-    magic, version, _flags, header_len, _ns, _parent, key, _cls, n_tokens, n_layers, layer_bytes = _FIXED_V1.unpack_from(view)
+    (magic, version, _flags, header_len, _ns, _parent, key, _cls, n_tokens, n_layers,
+     layer_bytes) = _FIXED_V1.unpack_from(view)
     if magic != MAGIC or version not in _FIXED_BYTES:
         raise CorruptRecord("bad_magic", f"magic {bytes(magic)!r}, format version {version}")
     if header_len != header_len_for(n_tokens, n_layers, version) or len(view) < header_len:
@@ -184,7 +187,8 @@ def peek_header(buf: bytes | memoryview) -> tuple[bytes, int, int]:
     return bytes(key), header_len, n_layers * layer_bytes
 
 
-def build_record(block: Block, layers: bytes | memoryview | Iterable[bytes], n_layers: int, traffic_class: str) -> tuple[bytes, bytes]:
+def build_record(block: Block, layers: bytes | memoryview | Iterable[bytes], n_layers: int,
+                 traffic_class: str) -> tuple[bytes, bytes]:
     """Header and payload of a block. `layers` is the layer-major payload or one bytes per layer."""
     if isinstance(layers, (bytes, bytearray, memoryview)):
         payload = bytes(layers)

@@ -85,7 +85,8 @@ class DecodeEngine:
         self._prefilling: dict[int, DecodeSequence] = {}  # prefill id -> the sequence it (re)fills
         self._waiting: list[DecodeSequence] = []  # submitted or preempted, oldest first
         self._running: list[DecodeSequence] = []  # admitted, oldest first: the last is preempted first
-        self._done: list[DecodeResult] = []  # finished outside a step (at submit, cancelled): the next step returns them
+        # finished outside a step (at submit, cancelled): the next step returns them
+        self._done: list[DecodeResult] = []
         self._ids = itertools.count()
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="decode-ahead") if config.overlap else None
         self.idle_gaps_s: deque[float] = deque(maxlen=4096)  # between consecutive steps' forwards (the

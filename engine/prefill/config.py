@@ -28,11 +28,13 @@ class PrefillConfig:
             raise ValueError("PrefillConfig: step_budget_s and load_timeout_s must be positive")
         if self.window_tier_bytes < 0:
             raise ValueError("PrefillConfig: window_tier_bytes must be >= 0")
-        if self.replay_tokens is not None and (not isinstance(self.replay_tokens, int) or isinstance(self.replay_tokens, bool)
-                                               or self.replay_tokens < 0):
-            raise ValueError("PrefillConfig: replay_tokens must be an integer >= 0 (0: never replay), or None for the default")
+        replay = self.replay_tokens
+        if replay is not None and (not isinstance(replay, int) or isinstance(replay, bool) or replay < 0):
+            raise ValueError("PrefillConfig: replay_tokens must be an integer >= 0 (0: never replay), "
+                             "or None for the default")
         if self.replay_min_prefix_factor < 1:
-            raise ValueError("PrefillConfig: replay_min_prefix_factor must be >= 1 (a replay no longer than the prefix)")
+            raise ValueError("PrefillConfig: replay_min_prefix_factor must be >= 1 "
+                             "(a replay no longer than the prefix)")
         if not isinstance(self.exact_tenants, (set, frozenset)):
             raise ValueError("PrefillConfig: exact_tenants must be a set of tenant digests (hex strings)")
         object.__setattr__(self, "exact_tenants", frozenset(self.exact_tenants))  # frozen: hashable

@@ -278,8 +278,8 @@ class PrefillEngine:
             exact -= 1
         if hybrid and exact < a.stored:
             a.kv.capture_at.add(a.stored * B)  # where this prompt leaves the stored prefix
-        replay = (may_replay and exact < resumable
-                  and worth_replaying(resumable * B, exact * B, self.replay_tokens, self.config.replay_min_prefix_factor))
+        replay = may_replay and exact < resumable and worth_replaying(
+            resumable * B, exact * B, self.replay_tokens, self.config.replay_min_prefix_factor)
         planned = resumable if replay else exact
         if planned == 0:
             self._recompute(a, WINDOW_MISSING if hybrid else NOT_WORTH, exact_chain)
@@ -425,7 +425,8 @@ class PrefillEngine:
         return self.client.save([(found.record, payload)], 1, handoff.HANDOFF_CLASS)
 
     def _payload(self, page: int) -> bytes:
-        """A stored block's bytes: each full layer's page, layer-major: (full_layers, 2, block_tokens, kv_heads, head_dim)."""
+        """A stored block's bytes: each full layer's page, layer-major:
+        (full_layers, 2, block_tokens, kv_heads, head_dim)."""
         layers = torch.stack([layer[page] for layer in self.pool.layers])
         return layers.contiguous().view(torch.uint8).cpu().numpy().tobytes()
 

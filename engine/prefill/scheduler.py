@@ -23,7 +23,8 @@ class Waiting:
     remaining: int  # tokens still to compute
 
 
-def plan_step(waiting: Sequence[Waiting], cost: ChunkCost, budget_s: float, block_tokens: int) -> list[tuple[Hashable, int]]:
+def plan_step(waiting: Sequence[Waiting], cost: ChunkCost, budget_s: float,
+              block_tokens: int) -> list[tuple[Hashable, int]]:
     """(request, tokens) chunks for the next step, in the order given (oldest first)."""
     plan: list[tuple[Hashable, int]] = []
     left = budget_s

@@ -170,7 +170,8 @@ def run_replay(args: argparse.Namespace) -> int:
         report["reuse"] = reuse_statistics(requests)
         distance, gap = report["reuse"]["reuse_distance_blocks"], report["reuse"]["reuse_time_s"]
         if distance["count"]:
-            print(f"reuse distance (distinct blocks in between): p50 {distance['p50']:,.0f}, p90 {distance['p90']:,.0f},"
+            print(f"reuse distance (distinct blocks in between): p50 {distance['p50']:,.0f}, "
+                  f"p90 {distance['p90']:,.0f},"
                   f" p99 {distance['p99']:,.0f}; reuse time: p50 {gap['p50']:,.1f} s, p90 {gap['p90']:,.1f} s")
     if args.servers:
         label, blocks = capacities[0]

@@ -25,4 +25,5 @@ def make_policy(name: str, capacity_bytes: int = 0) -> EvictionPolicy:
     raise ValueError(f"unknown eviction policy {name!r}; choose one of {', '.join(POLICIES)}")
 
 
-__all__ = ["EvictionPolicy", "LRU", "PrefixLFU", "PrefixReuse", "POLICIES", "ReuseHint", "S3FIFO", "SIEVE", "make_policy"]
+__all__ = ["EvictionPolicy", "LRU", "PrefixLFU", "PrefixReuse", "POLICIES", "ReuseHint", "S3FIFO", "SIEVE",
+           "make_policy"]

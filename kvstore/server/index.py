@@ -91,7 +91,8 @@ class Entry:
     access_ms: int
     class_id: int
     parent: bytes = b""  # the prefix parent's key (the namespace digest for a first block); b"": unknown
-    policy_class: int = 0  # what the eviction policy keeps for the block (EvictionPolicy.class_of); kept only with a parent
+    # what the eviction policy keeps for the block (EvictionPolicy.class_of); kept only with a parent
+    policy_class: int = 0
     tenant_id: int = 0  # Index.tenant_id of the record's tenant; 0: a record without one (format 1)
 
     @property
@@ -103,7 +104,8 @@ class Entry:
                             self.expires_ms, self.access_ms, self.class_id)
         if not (self.parent or self.tenant_id):
             return fixed
-        return fixed + self.parent.ljust(_PARENT_BYTES, b"\x00") + bytes([self.policy_class]) + _TENANT_ID.pack(self.tenant_id)
+        parent = self.parent.ljust(_PARENT_BYTES, b"\x00")
+        return fixed + parent + bytes([self.policy_class]) + _TENANT_ID.pack(self.tenant_id)
 
     @staticmethod
     def unpack(raw: bytes) -> Entry:

@@ -1,9 +1,10 @@
 """The parts of a Get, in the order they are sent; shared by the gRPC service and the data channel.
 
 Each part is (GetPartHead, payload or None). With a `target`, payloads are read straight into the
-buffer it names for each part (a client's shared-memory region) instead of a buffer of their own. Block-major sends all requested layers of a block
-as one part; layer-major sends every block's header first, then layer l of every block before layer
-l+1 of any, so that a loader can start on layer 0 while later layers are in flight.
+buffer it names for each part (a client's shared-memory region) instead of a buffer of their own.
+Block-major sends all requested layers of a block as one part; layer-major sends every block's header
+first, then layer l of every block before layer l+1 of any, so that a loader can start on layer 0 while
+later layers are in flight.
 """
 
 from __future__ import annotations

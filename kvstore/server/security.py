@@ -45,8 +45,8 @@ class Security:
                     context.load_verify_locations(cafile=str(config.tls_client_ca))
                     context.verify_mode = ssl.CERT_REQUIRED
             except (OSError, ssl.SSLError) as exc:
-                raise ValueError(f"cannot load the TLS certificate or key ({config.tls_cert}, {config.tls_key}"
-                                 f"{', ' + str(config.tls_client_ca) if config.tls_client_ca else ''}): {exc}") from None
+                files = ", ".join(str(f) for f in (config.tls_cert, config.tls_key, config.tls_client_ca) if f)
+                raise ValueError(f"cannot load the TLS certificate or key ({files}): {exc}") from None
         security = cls(authenticator, credentials, context)
         security.warn_if_exposed(config)
         return security

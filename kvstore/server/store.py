@@ -111,7 +111,8 @@ class BlockStore:
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise DataDirInUse(f"another kvstore-server is using {data_dir}; give each daemon its own data_dir") from None
+            raise DataDirInUse(f"another kvstore-server is using {data_dir}; "
+                               "give each daemon its own data_dir") from None
         fsync = self.config.durability == "fsync"
         # A damaged index is moved aside and rebuilt (kvstore/server/recovery.py, docs/operations.md).
         self.index, rebuild_reason = open_index(data_dir / "index", self.config.lmdb_map_bytes,
@@ -466,7 +467,8 @@ class BlockStore:
         self.live_bytes -= entry.record_len
         self._class_blocks[entry.class_id] = self._class_blocks.get(entry.class_id, 0) - 1
 
-    async def remove(self, keys: Sequence[bytes], only_at: dict[bytes, tuple[int, int]] | None = None) -> list[tuple[bytes, Entry]]:
+    async def remove(self, keys: Sequence[bytes],
+                     only_at: dict[bytes, tuple[int, int]] | None = None) -> list[tuple[bytes, Entry]]:
         # Hashed keys are spread over every leaf page and a delete copies each page it touches, so in a
         # nearly full map one big delete would need a free copy of the tree: use small transactions.
         batch = 8 if len(keys) > 8 and self.index.fill_ratio() > INDEX_HIGH_FILL * 0.8 else 256
