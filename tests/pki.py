@@ -34,8 +34,9 @@ def make_pki(directory: Path) -> Pki:
         key, cert = _leaf(name, issuer_key, issuer, server)
         paths[f"{name}_cert"] = _write_cert(directory / f"{name}.pem", cert)
         paths[f"{name}_key"] = directory / f"{name}.key"
-        paths[f"{name}_key"].write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                                           serialization.NoEncryption()))
+        pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                serialization.NoEncryption())
+        paths[f"{name}_key"].write_bytes(pem)
     return Pki(**paths)
 
 
@@ -44,9 +45,9 @@ def _ca(name: str):
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
     cert = (_builder(subject, subject, key.public_key())
             .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
-                                         key_encipherment=False, data_encipherment=False, key_agreement=False,
-                                         encipher_only=False, decipher_only=False), critical=True)
+            .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
+                                         content_commitment=False, key_encipherment=False, data_encipherment=False,
+                                         key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
             .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
             .sign(key, hashes.SHA256()))
     return key, cert
@@ -57,7 +58,8 @@ def _leaf(name: str, issuer_key, issuer: x509.Certificate, server: bool):
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"kvstore {name}")])
     builder = (_builder(subject, issuer.subject, key.public_key())
                .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-               .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(issuer_key.public_key()), critical=False)
+               .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(issuer_key.public_key()),
+                              critical=False)
                .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH if server
                                                      else x509.oid.ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False))
     if server:

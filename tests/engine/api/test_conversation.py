@@ -22,7 +22,8 @@ def _prompt(*messages: Message, tools=(WEATHER,)) -> Prompt:
 def test_tools_are_described_in_the_system_text_and_tool_traffic_alternates_turns():
     call = ToolCall("call_1", "get_weather", {"city": "Paris"})
     rendered = chat_messages(_prompt(Message("system", "Be brief."), Message("user", "Weather in Paris?"),
-                                     Message("assistant", "", (call,)), Message("tool", "18 C, sunny", tool_call_id="call_1"),
+                                     Message("assistant", "", (call,)),
+                                     Message("tool", "18 C, sunny", tool_call_id="call_1"),
                                      Message("user", "And tomorrow?")))
     assert [m["role"] for m in rendered] == ["system", "user", "assistant", "user"]
     assert rendered[0]["content"].startswith("Be brief.\n\n") and '"name": "get_weather"' in rendered[0]["content"]

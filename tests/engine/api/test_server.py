@@ -74,20 +74,24 @@ def test_anthropic_messages_match_the_chat_reply_streamed_or_not(served):
     with client.messages.stream(model=MODEL, max_tokens=8, extra_body=GREEDY,
                                 messages=[{"role": "user", "content": QUESTION}]) as stream:
         assert "".join(stream.text_stream) == message.content[0].text
-    stopped = client.messages.create(model=MODEL, max_tokens=8, extra_body=GREEDY, stop_sequences=[message.content[0].text[2:5]],
+    stopped = client.messages.create(model=MODEL, max_tokens=8, extra_body=GREEDY,
+                                     stop_sequences=[message.content[0].text[2:5]],
                                      messages=[{"role": "user", "content": QUESTION}])
     assert stopped.stop_reason == "stop_sequence" and stopped.content[0].text == message.content[0].text[:2]
     for error, request in [(anthropic.NotFoundError, dict(model="claude-9")),
                            (anthropic.BadRequestError, dict(model=MODEL, extra_body={"temperature": 1.5})),
-                           (anthropic.BadRequestError, dict(model=MODEL, thinking={"type": "enabled", "budget_tokens": 1024}))]:
+                           (anthropic.BadRequestError,
+                            dict(model=MODEL, thinking={"type": "enabled", "budget_tokens": 1024}))]:
         with pytest.raises(error):
             client.messages.create(**{"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], **request})
     with pytest.raises(anthropic.AuthenticationError):
-        served.anthropic("key-mallory").messages.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+        served.anthropic("key-mallory").messages.create(model=MODEL, max_tokens=2,
+                                                        messages=[{"role": "user", "content": "hi"}])
 
 
 def _call(i: int, city: str) -> dict:
-    return {"id": f"call_{i}", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps({"city": city})}}
+    return {"id": f"call_{i}", "type": "function",
+            "function": {"name": "get_weather", "arguments": json.dumps({"city": city})}}
 
 
 def _few_shot(city: str) -> list[dict]:
@@ -105,7 +109,8 @@ def test_a_tool_call_turn_then_its_result(served):
     client = served.openai("key-bob")
     going_on = _stats(served).get("kvstore_advised_blocks_total{continues=true}", 0)
     messages = _few_shot("Oslo")
-    reply = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], temperature=0, max_tokens=60)
+    reply = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], temperature=0,
+                                           max_tokens=60)
     choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     (call,) = choice.message.tool_calls
@@ -117,12 +122,14 @@ def test_a_tool_call_turn_then_its_result(served):
     _flush(served)
     messages += [choice.message.model_dump(exclude_none=True),
                  {"role": "tool", "tool_call_id": call.id, "content": "3 C and snowing"}]
-    answer = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], temperature=0, max_tokens=12)
+    answer = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], temperature=0,
+                                            max_tokens=12)
     assert answer.choices[0].finish_reason in ("stop", "length") and answer.choices[0].message.content
     assert answer.usage.prompt_tokens_details.cached_tokens >= 256, "the turn before is cached"
     message = served.anthropic("key-bob").messages.create(  # the same turn through Anthropic's tool blocks
-        model=MODEL, max_tokens=60, extra_body=GREEDY, tools=[{"name": "get_weather", "description": "The current weather in a city",
-                                                          "input_schema": WEATHER["function"]["parameters"]}],
+        model=MODEL, max_tokens=60, extra_body=GREEDY,
+        tools=[{"name": "get_weather", "description": "The current weather in a city",
+                "input_schema": WEATHER["function"]["parameters"]}],
         messages=_anthropic(_few_shot("Oslo")))
     assert message.stop_reason == "tool_use" and message.content[-1].input == {"city": "Oslo"}
 
@@ -132,8 +139,9 @@ def _anthropic(messages: list[dict]) -> list[dict]:
     out = []
     for m in messages:
         if m.get("tool_calls"):
-            out.append({"role": "assistant", "content": [{"type": "tool_use", "id": c["id"], "name": c["function"]["name"],
-                                                          "input": json.loads(c["function"]["arguments"])} for c in m["tool_calls"]]})
+            uses = [{"type": "tool_use", "id": c["id"], "name": c["function"]["name"],
+                     "input": json.loads(c["function"]["arguments"])} for c in m["tool_calls"]]
+            out.append({"role": "assistant", "content": uses})
         elif m["role"] == "tool":
             out.append({"role": "user", "content": [{"type": "tool_result", "tool_use_id": m["tool_call_id"],
                                                      "content": m["content"]}]})
@@ -163,7 +171,8 @@ def test_a_huge_prompt_is_encoded_beside_a_running_stream(served):
     stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}],
                                             max_tokens=6, temperature=0, stream=True)
     huge = httpx.post(served.url + "/v1/chat/completions", headers={"Authorization": "Bearer key-alice"}, timeout=120,
-                      json={"model": MODEL, "messages": [{"role": "user", "content": "word " * 200_000}], "max_tokens": 2})
+                      json={"model": MODEL, "messages": [{"role": "user", "content": "word " * 200_000}],
+                            "max_tokens": 2})
     assert huge.status_code == 400 and "context" in huge.json()["error"]["message"]
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
 
@@ -190,7 +199,8 @@ def test_hostile_bodies_get_the_apis_error_objects(served):
         response = _post(served, "/v1/chat/completions", body)
         assert response.status_code == status, (response.status_code, response.text[:200])
         assert response.json()["error"]["type"] in ("invalid_request_error",), response.text[:200]
-    messages = _post(served, "/v1/messages", {"model": MODEL, "max_tokens": 2, "messages": [{"role": {}, "content": "x"}]})
+    messages = _post(served, "/v1/messages",
+                     {"model": MODEL, "max_tokens": 2, "messages": [{"role": {}, "content": "x"}]})
     assert messages.status_code == 400 and messages.json()["type"] == "error"
     unknown = _post(served, "/v1/messages/count_tokens", {})
     assert unknown.status_code == 404 and unknown.json()["error"]["type"] == "not_found_error"

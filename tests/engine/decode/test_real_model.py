@@ -98,7 +98,8 @@ from engine.prefill import PrefillConfig, PrefillEngine, PrefillRequest
 from engine.prefill.cost import ChunkCost
 from kvstore.client import KVClient
 with KVClient([{daemon.address!r}]) as client:
-    engine = PrefillEngine.from_pretrained({str(real.folder)!r}, client, PrefillConfig(kv_pages=16, cost=ChunkCost(a=1e-10, b=1e-4, c=1e-3)))
+    config = PrefillConfig(kv_pages=16, cost=ChunkCost(a=1e-10, b=1e-4, c=1e-3))
+    engine = PrefillEngine.from_pretrained({str(real.folder)!r}, client, config)
     result = engine.prefill(PrefillRequest(json.loads(sys.stdin.read()), hand_off=True))
     assert result.handed_off and engine.flush(60)
 """

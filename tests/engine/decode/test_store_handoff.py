@@ -47,8 +47,8 @@ def test_prompts_prefilled_in_another_process_decode_as_greedy_from_scratch(fami
     _prefill_in_a_process(tiny, daemon, prompts)
     with _client(daemon) as client:
         decode = DecodeEngine(family.model, _engine(tiny, client), DecodeConfig())
-        results = drive(decode, {0: [DecodeRequest(PrefillRequest(p, from_handoff=True), SamplingParams(max_tokens=REPLY))
-                                     for p in prompts[:2]],
+        reply = SamplingParams(max_tokens=REPLY)
+        results = drive(decode, {0: [DecodeRequest(PrefillRequest(p, from_handoff=True), reply) for p in prompts[:2]],
                                  3: [DecodeRequest(PrefillRequest(prompts[2], from_handoff=True),
                                                    SamplingParams(max_tokens=REPLY))]})
     for i, prompt in enumerate(prompts):

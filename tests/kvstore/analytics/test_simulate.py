@@ -59,7 +59,8 @@ def test_expired_blocks_are_evicted_before_the_policy_is_asked():
 def test_reuse_distance_and_time():
     stats = reuse_statistics(requests([1], [2], [3], [1], [1], gap_ms=1000))
     assert stats["reuses"] == 2 and stats["unique_blocks"] == 3
-    assert sorted([stats["reuse_distance_blocks"]["p10"], stats["reuse_distance_blocks"]["p99"]])[0] == pytest.approx(0.2)
+    distance = stats["reuse_distance_blocks"]
+    assert sorted([distance["p10"], distance["p99"]])[0] == pytest.approx(0.2)
 
 
 def test_a_simulated_continuation_signal_is_right_as_often_as_asked_and_the_same_each_time():

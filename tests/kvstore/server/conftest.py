@@ -27,7 +27,8 @@ def records(n: int, traffic_class: str = "chat", seed: int = 0, namespace: Names
     """(block, header_bytes, header, payload) for the n blocks of one prompt."""
     out = []
     for block in namespace.blocks(range(seed * 100_000, seed * 100_000 + n * namespace.block_tokens)):
-        header_bytes, payload = build_record(block, os.urandom(namespace.block_bytes), namespace.num_layers, traffic_class)
+        header_bytes, payload = build_record(block, os.urandom(namespace.block_bytes), namespace.num_layers,
+                                             traffic_class)
         out.append((block, header_bytes, decode_header(header_bytes), payload))
     return out
 

@@ -13,7 +13,8 @@ def test_defaults_follow_the_design():
 
 def test_precedence_defaults_toml_env_flags(tmp_path):
     toml = tmp_path / "kv.toml"
-    toml.write_text('capacity_bytes = "2GiB"\nsegment_bytes = "8MiB"\nport = 7000\n[classes]\nagent = "1d"\nbatch = "12h"\nchat = 3600\n')
+    toml.write_text('capacity_bytes = "2GiB"\nsegment_bytes = "8MiB"\nport = 7000\n'
+                    '[classes]\nagent = "1d"\nbatch = "12h"\nchat = 3600\n')
     config = load_config(["--config", str(toml), "--port", "7002"],
                          environ={"KVSTORE_SEGMENT_BYTES": "16MiB", "KVSTORE_PORT": "7001"})
     assert config.capacity_bytes == 2 * 2**30  # from TOML

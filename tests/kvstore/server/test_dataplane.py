@@ -118,7 +118,8 @@ def _bad_frames():
         "put garbage header": (put(len(header) + len(body)) + os.urandom(len(header)), "INVALID_ARGUMENT"),
         "put lying length": (put(len(header) + len(body) + 8) + header, "INVALID_ARGUMENT"),
         "put flipped payload": (put(len(header) + len(body)) + header + bytes(flipped), "INVALID_ARGUMENT"),
-        "put then a get frame": (put(len(header) + len(body)) + header + body + wire.frame(wire.GET), "INVALID_ARGUMENT"),
+        "put then a get frame": (put(len(header) + len(body)) + header + body + wire.frame(wire.GET),
+                                 "INVALID_ARGUMENT"),
     }
 
 

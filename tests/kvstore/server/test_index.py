@@ -27,5 +27,6 @@ def test_an_entry_round_trips_with_its_parent_policy_class_and_tenant():
 ], ids=["no-parent", "parent-only", "no-tenant"])
 def test_entries_of_earlier_versions_read_as_class_0(raw, parent):
     entry = Entry.unpack(raw)
-    assert (entry.segment, entry.payload_len, entry.parent, entry.policy_class, entry.tenant_id) == (3, 65536, parent, 0, 0)
+    fields = (entry.segment, entry.payload_len, entry.parent, entry.policy_class, entry.tenant_id)
+    assert fields == (3, 65536, parent, 0, 0)
     assert Entry.unpack(entry.pack()) == entry, "and rewritten in the new form without loss"

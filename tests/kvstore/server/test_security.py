@@ -62,8 +62,9 @@ def test_every_call_needs_a_known_token_and_the_verb_it_uses(daemons, token_file
     daemon, = daemons(1, "--auth-tokens", str(token_file))
     keys = [b.key for b, _ in items(ALICE)]
     lookup = pb.LookupRequest(keys=keys)
-    assert code_of(lambda: call(daemon, "Lookup", lookup, response=pb.LookupResponse)) == grpc.StatusCode.UNAUTHENTICATED
-    assert code_of(lambda: call(daemon, "Lookup", lookup, "kvs_guess", pb.LookupResponse)) == grpc.StatusCode.UNAUTHENTICATED
+    unauthenticated = grpc.StatusCode.UNAUTHENTICATED
+    assert code_of(lambda: call(daemon, "Lookup", lookup, response=pb.LookupResponse)) == unauthenticated
+    assert code_of(lambda: call(daemon, "Lookup", lookup, "kvs_guess", pb.LookupResponse)) == unauthenticated
     assert call(daemon, "Lookup", lookup, TOKENS["reader"], pb.LookupResponse).hits == 0
     assert code_of(lambda: call(daemon, "Delete", pb.KeysRequest(keys=keys), TOKENS["reader"])) \
         == grpc.StatusCode.PERMISSION_DENIED

@@ -112,7 +112,8 @@ def test_prometheus_endpoint(daemon):
     ("Delete", pb.KeysRequest(keys=[b""]).SerializeToString()),
     ("Advise", pb.AdviseRequest(keys=[b"k" * 17], continues=True).SerializeToString()),
     ("Stats", b"\x0a\x05abc"),
-], ids=["short-key", "too-many-keys", "not-protobuf", "unknown-class", "empty-key", "advise-long-key", "truncated-field"])
+], ids=["short-key", "too-many-keys", "not-protobuf", "unknown-class", "empty-key", "advise-long-key",
+        "truncated-field"])
 def test_malformed_unary_requests_are_invalid_argument(channel, name, request_bytes):
     call = channel.unary_unary(method(name), None, None)
     with pytest.raises(grpc.RpcError) as info:
@@ -152,12 +153,13 @@ def _bad_puts():
     return {
         "not a head": ([b"\xff\xfe garbage"], CODE.INVALID_ARGUMENT),
         "zero length": ([pb.PutHead(record_bytes=0).SerializeToString()], CODE.INVALID_ARGUMENT),
-        "impossible hint": ([pb.PutHead(record_bytes=declared, request_hit_blocks=5, request_blocks=4).SerializeToString(),
-                             header, body], CODE.INVALID_ARGUMENT),
+        "impossible hint": ([pb.PutHead(record_bytes=declared, request_hit_blocks=5,
+                                        request_blocks=4).SerializeToString(), header, body], CODE.INVALID_ARGUMENT),
         "oversized declared": ([pb.PutHead(record_bytes=5 * 2**20).SerializeToString()], CODE.RESOURCE_EXHAUSTED),
         "garbage header": ([head, os.urandom(len(header)), body], CODE.INVALID_ARGUMENT),
         "truncated header": ([head, header[:50]], CODE.INVALID_ARGUMENT),
-        "lying length": ([pb.PutHead(record_bytes=declared + 10).SerializeToString(), header, body], CODE.INVALID_ARGUMENT),
+        "lying length": ([pb.PutHead(record_bytes=declared + 10).SerializeToString(), header, body],
+                         CODE.INVALID_ARGUMENT),
         "payload longer than declared": ([head, header, body + b"extra"], CODE.INVALID_ARGUMENT),
         "stream ends inside the payload": ([head, header, body[:1000]], CODE.INVALID_ARGUMENT),
         "flipped payload byte": ([head, header, bytes(flipped)], CODE.INVALID_ARGUMENT),
