@@ -1,0 +1,56 @@
+"""The project stands alone: a clone has every document it points at, and none outside it."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SKIP = {".git", ".venv", "__pycache__", ".pytest_cache", ".hypothesis", "build", "dist", ".cache"}
+TEXT = {".py", ".md", ".toml", ".proto", ".txt", ".json", ".yaml", ".yml", ".sh", ".cfg", ".ini"}
+# spelt in pieces, so that this file does not match itself
+OUTSIDE = re.compile("|".join([re.escape("../" + "shared"), re.escape("/work/" + "shared"), "DESIGN" + r"\.md"]))
+LINK = re.compile(r"\]\(([^)\s]+)\)")  # a markdown link's target
+
+pytestmark = pytest.mark.unit
+
+
+def _files() -> list[Path]:
+    found = []
+    for path in ROOT.rglob("*"):
+        parts = path.relative_to(ROOT).parts
+        if any(p in SKIP or p.endswith(".egg-info") for p in parts) or not path.is_file():
+            continue
+        if path.suffix in TEXT or path.name in ("Makefile", "run"):
+            found.append(path)
+    return found
+
+
+def test_no_file_points_outside_the_repository():
+    files = _files()
+    assert len(files) > 100 and ROOT / "README.md" in files  # the walk found the project
+    offenders = [f"{path.relative_to(ROOT)}:{n}: {line.strip()[:120]}"
+                 for path in files for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1)
+                 if OUTSIDE.search(line)]
+    assert not offenders, "\n".join(offenders)
+
+
+def test_every_relative_link_in_the_docs_resolves():
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted(ROOT.glob("*/README.md"))]
+    broken = []
+    for doc in docs:
+        for target in LINK.findall(doc.read_text()):
+            if re.match(r"[a-z]+:", target) or target.startswith("#"):
+                continue  # a URL, or a heading of the same page
+            path = (doc.parent / target.split("#")[0]).resolve()
+            if not path.exists() or ROOT not in path.parents:
+                broken.append(f"{doc.relative_to(ROOT)}: {target}")
+    assert not broken, "\n".join(broken)
+
+
+def test_the_checks_see_what_they_look_for():
+    assert LINK.findall("see [the design](docs/design.md#3) and [site](https://example.org)") == [
+        "docs/design.md#3", "https://example.org"]
+    assert OUTSIDE.search("read " + "../" + "shared/data") and not OUTSIDE.search("docs/design.md")
