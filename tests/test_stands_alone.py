@@ -13,6 +13,7 @@ TEXT = {".py", ".md", ".toml", ".proto", ".txt", ".json", ".yaml", ".yml", ".sh"
 # spelt in pieces, so that this file does not match itself
 OUTSIDE = re.compile("|".join([re.escape("../" + "shared"), re.escape("/work/" + "shared"), "DESIGN" + r"\.md"]))
 LINK = re.compile(r"\]\(([^)\s]+)\)")  # a markdown link's target
+CODE = re.compile(r"```.*?```|`[^`\n]*`", re.DOTALL)  # code blocks and spans: their brackets are no links
 
 pytestmark = pytest.mark.unit
 
@@ -41,7 +42,7 @@ def test_every_relative_link_in_the_docs_resolves():
     docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted(ROOT.glob("*/README.md"))]
     broken = []
     for doc in docs:
-        for target in LINK.findall(doc.read_text()):
+        for target in LINK.findall(CODE.sub("", doc.read_text())):
             if re.match(r"[a-z]+:", target) or target.startswith("#"):
                 continue  # a URL, or a heading of the same page
             path = (doc.parent / target.split("#")[0]).resolve()
@@ -53,4 +54,5 @@ def test_every_relative_link_in_the_docs_resolves():
 def test_the_checks_see_what_they_look_for():
     assert LINK.findall("see [the design](docs/design.md#3) and [site](https://example.org)") == [
         "docs/design.md#3", "https://example.org"]
+    assert not LINK.findall(CODE.sub("", "```\nx = layers[0](hidden)\n```\nand `f[0](x)`"))
     assert OUTSIDE.search("read " + "../" + "shared/data") and not OUTSIDE.search("docs/design.md")
