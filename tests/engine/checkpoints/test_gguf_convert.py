@@ -191,7 +191,7 @@ def test_bad_input_is_a_clear_error_naming_the_file(case, tmp_path):
 
 def test_engine_config_refuses_a_gguf_path_with_the_converter_named(tmp_path):
     path = write_gguf(tmp_path / "tiny.gguf")
-    with pytest.raises(ValueError, match="gguf_convert"):
+    with pytest.raises(ValueError, match="python -m engine.checkpoints"):
         ModelConfig.from_file(path)
 
 
