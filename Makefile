@@ -4,6 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROTO_OUT := kvstore/proto/kvstore_pb2.py
+DECODE_PROTO_OUT := engine/serving/proto/decode_pb2.py
 
 .PHONY: demo test lint bench proto clean install
 
@@ -16,9 +17,14 @@ $(STAMP): pyproject.toml
 $(PROTO_OUT): proto/kvstore.proto $(STAMP)
 	$(BIN)/python -m grpc_tools.protoc -Iproto --python_out=kvstore/proto --pyi_out=kvstore/proto proto/kvstore.proto
 
-proto: $(PROTO_OUT)
+# the decode instances' protocol (engine.serving): messages only, like the store's; the handlers are written by hand
+$(DECODE_PROTO_OUT): proto/decode.proto $(STAMP)
+	$(BIN)/python -m grpc_tools.protoc -Iproto --python_out=engine/serving/proto --pyi_out=engine/serving/proto \
+		proto/decode.proto
 
-install: $(STAMP) $(PROTO_OUT)
+proto: $(PROTO_OUT) $(DECODE_PROTO_OUT)
+
+install: $(STAMP) $(PROTO_OUT) $(DECODE_PROTO_OUT)
 
 demo: install
 	$(BIN)/python -m engine.demo
@@ -36,4 +42,5 @@ bench: install
 	$(BIN)/python bench/lookup.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info $(PROTO_OUT) kvstore/proto/kvstore_pb2.pyi
+	rm -rf $(VENV) build *.egg-info $(PROTO_OUT) kvstore/proto/kvstore_pb2.pyi $(DECODE_PROTO_OUT) \
+		engine/serving/proto/decode_pb2.pyi

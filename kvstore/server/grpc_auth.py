@@ -3,6 +3,8 @@
 Every call but the health check must carry `authorization: Bearer <token>`. A call without a known
 token ends UNAUTHENTICATED; a token without the call's verb ends PERMISSION_DENIED, before the service
 sees the request. The service reads the caller's principal (its tenants) with `current_principal()`.
+Other gRPC servers with the same token files (the decode instances, engine.serving) give the interceptor
+the verbs of their own methods (`method_verbs`), and take their TLS credentials from `server_credentials`.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 import contextvars
 import logging
 import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
 
 import grpc
 
@@ -32,17 +36,30 @@ def current_principal() -> Principal | None:
     return _principal.get()
 
 
-def verb_of(method: str) -> str:
-    """The verb a full method name needs ("": any authenticated caller); admin for a method not listed."""
-    service, _, name = method.strip("/").partition("/")
-    if service == SERVICE:
-        return VERB_OF.get(name, "admin")
-    return ""  # reflection: any authenticated caller
+def method_verbs(service: str, verbs: Mapping[str, str]) -> Callable[[str], str]:
+    """The verb each full method name needs: of `service`'s methods, as `verbs` says ("": any authenticated
+    caller), admin for a method not listed; of other services (reflection), any authenticated caller."""
+    def verb(method: str) -> str:
+        called, _, name = method.strip("/").partition("/")
+        return verbs.get(name, "admin") if called == service else ""
+
+    return verb
+
+
+verb_of = method_verbs(SERVICE, VERB_OF)  # the daemon's
+
+
+def server_credentials(cert: Path, key: Path, client_ca: Path | None = None) -> grpc.ServerCredentials:
+    """TLS for a gRPC port from PEM files; with `client_ca`, clients must present a certificate it signed."""
+    ca = client_ca.read_bytes() if client_ca else None
+    return grpc.ssl_server_credentials([(key.read_bytes(), cert.read_bytes())], root_certificates=ca,
+                                       require_client_auth=ca is not None)
 
 
 class TokenInterceptor(grpc.aio.ServerInterceptor):
-    def __init__(self, authenticator: Authenticator) -> None:
+    def __init__(self, authenticator: Authenticator, verb_of: Callable[[str], str] = verb_of) -> None:
         self.authenticator = authenticator
+        self.verb_of = verb_of
         self._last_warning = 0.0  # refusals are logged at most every WARN_EVERY_S, not once per call
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
@@ -54,7 +71,7 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
             self._warn("a call to %s without a valid token was refused", details.method)
             return _refusal(handler, grpc.StatusCode.UNAUTHENTICATED,
                             "a valid token is required: send 'authorization: Bearer <token>'")
-        verb = verb_of(details.method)
+        verb = self.verb_of(details.method)
         if verb and not principal.may(verb):
             self._warn("token %r refused %s: it lacks the %r verb", principal.name, details.method, verb)
             return _refusal(handler, grpc.StatusCode.PERMISSION_DENIED,
