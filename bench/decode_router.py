@@ -2,11 +2,11 @@
 
     python bench/decode_router.py [--instances 3] [--requests 200] [--speedup 8] [--json out.json] [--plot]
 
-Instances: --instances `python -m engine.decode.serve` processes (engine.decode.instances), one torch thread
+Instances: --instances `python -m engine.serving.instance` processes (engine.serving.processes), one torch thread
 each, on a random-weight model shaped like a tiny Qwen3 (2 layers, hidden 64, 4 heads / 2 KV heads of 16,
 vocab 512, context 8192), written to a temporary folder, each with a KV pool of --kv-pages (192) x
---block-tokens (64) = 12,288 tokens, so the trace's bursts fill it. They are started once; the three policies run one
-after the other on the same instances, each beginning when the previous one has drained (every request
+--block-tokens (64) = 12,288 tokens, so the trace's bursts fill it. They are started once; the three policies run
+one after the other on the same instances, each beginning when the previous one has drained (every request
 answered), after one warm-up request per instance.
 
 Workload: the first --requests records of traces/conversation_trace.jsonl. Their lengths are the
@@ -20,11 +20,11 @@ cores busy (several thousand KV tokens each) without holding them at capacity; a
 at its KV capacity with a queue, whatever the policy, and at x2 most arrivals find an idle instance, where
 every policy places alike.
 
-Routing: before placing each request the router asks every instance for its load (the "load" op, all at
+Routing: before placing each request the router asks every instance for its load (the Load RPC, all at
 once; each answers at once from its state after its last step and the requests it has received since),
 so it sees the requests placed a moment before as queued:
 InstanceLoad.running = running + waiting, kv_tokens = KV held + the prompt tokens queued
-(`engine.decode.instances.to_instance_load`), kv_capacity = pages x block tokens; Router.place decides.
+(`engine.serving.client.to_instance_load`), kv_capacity = pages x block tokens; Router.place decides.
 
 Measured per policy, while it runs, a sampler asks every instance's load every --poll-ms (50):
     router_kv_imbalance  the mean over time of max_i kv_i / mean_i kv_i, over the samples whose total KV (the
@@ -60,8 +60,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 
 from engine.checkpoints.random_model import write_random_model  # noqa: E402
-from engine.decode.instances import Instances, start_instances, to_instance_load  # noqa: E402
 from engine.decode.router import POLICIES, Router, RouterConfig  # noqa: E402
+from engine.serving.client import to_instance_load  # noqa: E402
+from engine.serving.messages import GenerateResult  # noqa: E402
+from engine.serving.processes import Instances, start_instances  # noqa: E402
 from kvstore.analytics.trace import CONVERSATION_TRACE  # noqa: E402
 
 TRACE = CONVERSATION_TRACE
@@ -134,14 +136,14 @@ def kv_imbalance(samples: Sequence[tuple[float, Sequence[int]]], period_s: float
     return float(np.average(ratio, weights=weight[busy]))
 
 
-def _summarise(samples: list[tuple[float, list[int]]], period_s: float, replies: list[dict], placed: list[int],
-               count: int, total_s: float, late_s: float) -> dict:
+def _summarise(samples: list[tuple[float, list[int]]], period_s: float, replies: list[GenerateResult],
+               placed: list[int], count: int, total_s: float, late_s: float) -> dict:
     kv = np.array([s[1] for s in samples], dtype=float).reshape(-1, count)  # (samples, instances)
     busy = kv[kv.sum(axis=1) > 0]
     imbalance = kv_imbalance(samples, period_s)
     weight = np.diff([s[0] for s in samples], append=samples[-1][0] + period_s) if samples else None
-    gaps = np.array([b - a for r in replies for a, b in zip(r["token_times_s"], r["token_times_s"][1:])])
-    first = np.array([r["token_times_s"][0] for r in replies])
+    gaps = np.array([b - a for r in replies for a, b in zip(r.token_times_s, r.token_times_s[1:])])
+    first = np.array([r.token_times_s[0] for r in replies])
     pct = (lambda a, q: float(np.percentile(a, q)) * 1e3 if len(a) else float("nan"))
     return {
         "router_kv_imbalance": imbalance,
@@ -152,7 +154,7 @@ def _summarise(samples: list[tuple[float, list[int]]], period_s: float, replies:
         "tpot_p50_ms": pct(gaps, 50), "tpot_p99_ms": pct(gaps, 99), "ttft_p50_ms": pct(first, 50),
         "total_s": total_s, "placement_lag_max_s": late_s,
         "requests_per_instance": [placed.count(i) for i in range(count)],
-        "preemptions": sum(r["preemptions"] for r in replies), "samples": len(samples), "busy_samples": len(busy),
+        "preemptions": sum(r.preemptions for r in replies), "samples": len(samples), "busy_samples": len(busy),
     }
 
 
@@ -272,7 +274,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--speedup", type=float, default=4.0, help="arrivals replay at timestamp / speedup")
     parser.add_argument("--scale", type=int, default=LENGTH_SCALE, help="trace input lengths are divided by this")
-    parser.add_argument("--output-scale", type=int, default=OUTPUT_SCALE, help="trace output lengths are divided by this")
+    parser.add_argument("--output-scale", type=int, default=OUTPUT_SCALE,
+                        help="trace output lengths are divided by this")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--trace", type=Path, default=TRACE)
     parser.add_argument("--poll-ms", type=float, default=50.0)
@@ -286,7 +289,8 @@ def main() -> None:
     args = parser.parse_args()
     try:
         figures = measure_routers(args.requests, args.instances, args.speedup, trace=args.trace, scale=args.scale,
-                                  output_scale=args.output_scale, repeats=args.repeats, poll_ms=args.poll_ms, kv_pages=args.kv_pages, block_tokens=args.block_tokens,
+                                  output_scale=args.output_scale, repeats=args.repeats, poll_ms=args.poll_ms,
+                                  kv_pages=args.kv_pages, block_tokens=args.block_tokens,
                                   request_weight=args.request_weight, kv_weight=args.kv_weight, plot=args.plot)
     except ValueError as e:
         parser.error(str(e))
@@ -303,7 +307,8 @@ def main() -> None:
             low, high = f["router_kv_imbalance_range"]
             last = f["runs"][-1]
             print(f"{policy:>15} {f['router_kv_imbalance']:6.3f} ({low:.3f}..{high:.3f}) {f['kv_peak']:8.0f} "
-                  f"{f['tpot_p50_ms']:12.2f} {f['tpot_p99_ms']:12.2f} {f['ttft_p50_ms']:12.1f} {f['preemptions']:9.0f}  "
+                  f"{f['tpot_p50_ms']:12.2f} {f['tpot_p99_ms']:12.2f} {f['ttft_p50_ms']:12.1f} "
+                  f"{f['preemptions']:9.0f}  "
                   f"{last['requests_per_instance']} / {last['kv_mean_per_instance']}")
     print("\n" + "   ".join(f"router_kv_imbalance[{p}] = {figures[p]['router_kv_imbalance']:.3f}"
                             for p in POLICIES if p in figures))

@@ -281,12 +281,12 @@ def _tenant(request: Request, config: ApiConfig) -> str:
 def build(config: ApiConfig) -> Service:
     """The engines (on the store when config.servers), the prompt encoder's processes and the advisor."""
     from engine.api.advice import Advisor
-    from engine.api.runner import EngineRunner
     from engine.api.tokenize import PromptEncoder
     from engine.checkpoints.real_model import load_real_model, load_tokenizer
     from engine.decode import DecodeConfig
     from engine.prefill import PrefillConfig, PrefillEngine
     from engine.prefill.cost import ChunkCost
+    from engine.serving.loop import ServingLoop
     from engine.text.real_text import stop_token_ids
 
     folder, tokenizer = load_real_model() if config.model is None else (config.model, load_tokenizer(config.model))
@@ -300,7 +300,8 @@ def build(config: ApiConfig) -> Service:
     cost = ChunkCost(*config.chunk_cost) if config.chunk_cost else None
     prefill = PrefillEngine.from_pretrained(folder, client, PrefillConfig(block_tokens=config.block_tokens,
                                                                           kv_pages=config.kv_pages, cost=cost))
-    runner = EngineRunner(prefill, DecodeConfig(max_running=config.max_running, detokenize=tokenizer.decode))
+    runner = ServingLoop(prefill.model, prefill, DecodeConfig(max_running=config.max_running,
+                                                              detokenize=tokenizer.decode))
     encoder = PromptEncoder(folder, config.tokenize_workers)
     return Service(runner, tokenizer, encoder, sorted(stop_token_ids(tokenizer)), advisor, config.max_in_flight,
                    config.max_in_flight_per_tenant)
@@ -358,8 +359,12 @@ def main(argv: Sequence[str] | None = None, prog: str = "kvstore-api") -> None:
     cost = service.runner.prefill.cost
     print(f"{prog}: serving {config.model_name} on http://{config.host}:{config.port} "
           f"(chunk cost {cost.a:.3g},{cost.b:.3g},{cost.c:.3g}: --chunk-cost skips the start-up fit)", flush=True)
-    uvicorn.run(create_app(service, config), host=config.host, port=config.port, log_level="warning",
-                timeout_graceful_shutdown=5)  # requests in flight get 5 s, then are cut
+    try:
+        uvicorn.run(create_app(service, config), host=config.host, port=config.port, log_level="warning",
+                    timeout_graceful_shutdown=5)  # requests in flight get 5 s, then are cut
+    finally:
+        service.runner.close()
+        service.encoder.close()
 
 
 def deprecated_main(argv: Sequence[str] | None = None) -> None:

@@ -1,9 +1,9 @@
 """Between the APIs and the engines: a `Prompt` in, its reply's text as it comes and then the `Reply` out.
 
 The API modules parse and render; this does what every API needs in between: the prompt's ids (in the
-encoder's processes), the request to the engine thread with the tenant's salt and traffic class, the
-text released as tokens come (never a stop string, never a tool call's text), the tool calls split from
-the reply, the metrics, the store's advice, and cancelling a reply whose client went away.
+encoder's processes), the request to the serving loop (engine.serving.loop) with the tenant's salt and
+traffic class, the text released as tokens come (never a stop string, never a tool call's text), the tool
+calls split from the reply, the metrics, the store's advice, and cancelling a reply whose client went away.
 """
 
 from __future__ import annotations
@@ -19,15 +19,17 @@ from engine.api.conversation import CALL_FENCE, LENGTH, STOP, TOOL_CALLS, Prompt
 from engine.api.errors import ApiError
 from engine.api.metrics import ApiMetrics
 from engine.api.reply_text import ReplyText
-from engine.api.runner import EngineRunner, Generation
 from engine.api.tokenize import PromptEncoder
+from engine.decode import DecodeError, DecodeRequest
 from engine.decode.request import CONTEXT, MAX_TOKENS
+from engine.prefill import PrefillRequest
+from engine.serving.loop import ServingClosed, ServingLoop
 from engine.text.chat_prompt import ChatPromptError
 from kvstore.block import Block
 
 
 class Service:
-    def __init__(self, runner: EngineRunner, tokenizer: Any, encoder: PromptEncoder, stop_token_ids: Sequence[int],
+    def __init__(self, runner: ServingLoop, tokenizer: Any, encoder: PromptEncoder, stop_token_ids: Sequence[int],
                  advisor: Advisor | None = None, max_in_flight: int = 128, max_in_flight_per_tenant: int = 64) -> None:
         self.runner, self.tokenizer, self.encoder, self.advisor = runner, tokenizer, encoder, advisor
         self.stop_token_ids = tuple(stop_token_ids)
@@ -46,18 +48,22 @@ class Service:
             raise ApiError(overloaded, "too many requests in flight; retry later",
                            kind="overloaded_error" if overloaded == 529 else "rate_limit_error")
         self.in_flight[tenant] += 1
-        generation = None
+        ticket = None
         try:
             ids = await self._encode(prompt)
             yield ids
             started, loop = time.monotonic(), asyncio.get_running_loop()
             events: asyncio.Queue = asyncio.Queue()
-            generation = Generation(
-                ids, prompt.sampling, tenant, traffic_class,
-                on_token=lambda token: loop.call_soon_threadsafe(events.put_nowait, ("token", token)),
-                on_done=lambda result, error: loop.call_soon_threadsafe(events.put_nowait, ("done", (result, error))))
+            # the tenant's salt comes from its API key, never from the request body
+            on_token = lambda token: loop.call_soon_threadsafe(events.put_nowait, ("token", token))
+            request = DecodeRequest(PrefillRequest(ids, salt=tenant, traffic_class=traffic_class), prompt.sampling,
+                                    on_token=on_token)
             text = ReplyText(self.tokenizer.decode, self.stop_token_ids, prompt.sampling.stop, bool(prompt.tools))
-            self.runner.generate(generation)
+            try:
+                ticket = self.runner.submit(request, lambda result, error: loop.call_soon_threadsafe(
+                    events.put_nowait, ("done", (result, error))))
+            except ServingClosed:
+                raise ApiError(503, "the server is shutting down; retry later", kind="overloaded_error") from None
             first, called = True, False
             while True:
                 kind, value = await events.get()
@@ -71,12 +77,14 @@ class Service:
                         yield new
                     if prompt.tools and CALL_FENCE in text.text and split_tool_calls(text.text, prompt.tools)[1]:
                         called = True  # a whole tool call: the reply ends there (its result arrives as cancelled)
-                        self.runner.cancel(generation)
+                        self.runner.cancel(ticket)
                     continue
                 result, error = value
-                generation = None  # done: nothing to cancel
-                if error is not None:
-                    raise ApiError(400, error)
+                ticket = None  # done: nothing to cancel
+                if isinstance(error, DecodeError):  # the engine refused the request
+                    raise ApiError(400, str(error))
+                if error is not None:  # the engine failed
+                    raise ApiError(500, str(error), kind="server_error")
                 held = text.finish()
                 content, calls = split_tool_calls(text.text, prompt.tools) if prompt.tools else (text.text, [])
                 if not calls and held:
@@ -90,8 +98,8 @@ class Service:
                 return
         finally:
             self.in_flight[tenant] -= 1
-            if generation is not None:
-                self.runner.cancel(generation)
+            if ticket is not None:
+                self.runner.cancel(ticket)
                 self.metrics.cancelled.inc()
 
     async def _encode(self, prompt: Prompt) -> list[int]:
