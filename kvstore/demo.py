@@ -1,11 +1,12 @@
-"""`make demo`: two daemons on loopback serving a multi-turn chat and agent workload.
+"""The storage path alone, without a model: `python -m kvstore.demo` (`make demo` is `engine.demo`).
 
-What an engine would do per turn, without the model: look up the longest cached prefix of the prompt,
-load it layer by layer into its KV buffers (waiting for each layer as the model would reach it),
-"compute" the rest, and save the new full blocks behind its back (write-behind). The client keeps a
-host-memory tier smaller than the working set, so hits come from this process's memory, the daemons'
-DRAM and their SSD. Payloads are derived from the block key, so every loaded byte is checked against
-what was saved. Half-way through, both daemons are restarted: the cache survives, on SSD.
+Two daemons on loopback serve a multi-turn chat and agent workload, doing per turn what an engine would
+without the model: look up the longest cached prefix of the prompt, load it layer by layer into its KV
+buffers (waiting for each layer as the model would reach it), "compute" the rest, and save the new full
+blocks behind its back (write-behind). The client keeps a host-memory tier smaller than the working set,
+so hits come from this process's memory, the daemons' DRAM and their SSD. Payloads are derived from the
+block key, so every loaded byte is checked against what was saved. Half-way through, both daemons are
+restarted: the cache survives, on SSD.
 """
 
 from __future__ import annotations
@@ -105,7 +106,8 @@ def run(sessions: int, turns: int, workdir: Path) -> None:
         for address, stats in client.server_stats().items():
             stats = stats or {}
             blocks_held = sum(v for k, v in stats.items() if k.startswith("kvstore_blocks{"))
-            print(f"  {address}: {blocks_held:.0f} blocks, {stats.get('kvstore_disk_bytes', 0) / 2**20:.0f} MiB on disk, "
+            disk_mib = stats.get('kvstore_disk_bytes', 0) / 2**20
+            print(f"  {address}: {blocks_held:.0f} blocks, {disk_mib:.0f} MiB on disk, "
                   f"{stats.get('kvstore_segments', 0):.0f} segments, "
                   f"{stats.get('kvstore_region_read_bytes_total', 0) / 2**20:.0f} MiB written straight into the "
                   f"client's shared memory")

@@ -1,1 +1,1 @@
-"""The HTTP API layer over the prefill and decode engines (OpenAI Chat Completions so far)."""
+"""The HTTP API layer over the prefill and decode engines: OpenAI Chat Completions and Responses, Anthropic Messages."""
