@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.decode import DecodeConfig
+from kvstore.client.config import ClientConfig, add_security_flags, security_settings
 
 MAX_MESSAGE_BYTES = 2**20  # a 1 MiB request holds a prompt of >200k token ids: past these models' contexts
 SECURITY_FILES = ("auth_tokens", "tls_cert", "tls_key", "tls_client_ca")
@@ -32,6 +33,12 @@ class InstanceConfig:
     tls_cert: Path | None = None  # PEM certificate chain; with tls_key, the port speaks TLS only
     tls_key: Path | None = None
     tls_client_ca: Path | None = None  # PEM CA bundle; set: clients must present a certificate it signed
+    # The instance as a client of secured daemons (with servers): the store client's settings and meaning
+    store_token: str | None = field(default=None, repr=False)  # never shown
+    store_tls_ca: str | None = None
+    store_tls_cert: str | None = None
+    store_tls_key: str | None = None
+    store_tls_server_name: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model", Path(self.model))
@@ -62,10 +69,18 @@ class InstanceConfig:
             raise ValueError("InstanceConfig: tls_cert and tls_key go together: give both (PEM files) or neither")
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise ValueError("InstanceConfig: tls_client_ca (mutual TLS) needs tls_cert and tls_key as well")
+        if self.servers:
+            self.store_client()  # checks the store client's settings, with its messages
 
     @property
     def loopback_only(self) -> bool:
         return self.host in ("localhost", "::1") or self.host.startswith("127.")
+
+    def store_client(self) -> ClientConfig:
+        """The config of the instance's client of the store (its servers)."""
+        return ClientConfig(self.servers, token=self.store_token, tls_ca=self.store_tls_ca,
+                            tls_cert=self.store_tls_cert, tls_key=self.store_tls_key,
+                            tls_server_name=self.store_tls_server_name)
 
     def decode_config(self) -> DecodeConfig:
         return DecodeConfig(max_running=self.max_running, prefill_tokens_per_step=self.prefill_tokens_per_step,
@@ -73,6 +88,7 @@ class InstanceConfig:
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(InstanceConfig))
+STORE_SECURITY = tuple(name for name in FIELDS if name.startswith("store_"))
 _HELP = {
     "model": "model directory (config.json + safetensors weights)",
     "host": "address to listen on",
@@ -92,25 +108,32 @@ _HELP = {
     "tls_key": "PEM private key of --tls-cert",
     "tls_client_ca": "PEM CA bundle: clients must present a certificate it signed (mutual TLS)",
 }
+STORE_FLAGS = "store-"  # --store-token, --store-tls-ca, ...: the store client's flags, for secured daemons
 
 
 def parse_args(argv: Sequence[str] | None = None) -> InstanceConfig:
     defaults = {f.name: f.default for f in dataclasses.fields(InstanceConfig)}
+    # defaults written out by hand: a formatter that shows every default would show a token from the environment
     parser = argparse.ArgumentParser(prog="python -m engine.serving.instance",
                                      description="A decode instance: a decode engine behind gRPC "
-                                                 "(proto/decode.proto). Prints `READY <port>` once serving.",
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                                 "(proto/decode.proto). Prints `READY <port>` once serving. The "
+                                                 "--store-* flags are the store client's --token and --tls-* "
+                                                 "(`kvstore --help`), for daemons that require them.")
     parser.add_argument("--model", required=True, type=Path, metavar="DIR", help=_HELP["model"])
-    parser.add_argument("--host", default=defaults["host"], help=_HELP["host"])
+    parser.add_argument("--host", default=defaults["host"], help=f"{_HELP['host']} (default: {defaults['host']})")
     for name in ("port", "kv_pages", "block_tokens", "max_running", "prefill_tokens_per_step", "threads",
                  "max_message_bytes"):
-        parser.add_argument("--" + name.replace("_", "-"), type=int, default=defaults[name], help=_HELP[name])
+        parser.add_argument("--" + name.replace("_", "-"), type=int, default=defaults[name],
+                            help=f"{_HELP[name]} (default: {defaults[name]})")
     parser.add_argument("--exit-on-stdin-eof", action="store_true", help=_HELP["exit_on_stdin_eof"])
     parser.add_argument("--servers", default="", metavar="HOST:PORT,...", help=_HELP["servers"])
     for name in SECURITY_FILES:
         parser.add_argument("--" + name.replace("_", "-"), type=Path, default=None, metavar="FILE", help=_HELP[name])
-    args = vars(parser.parse_args(argv))
+    add_security_flags(parser, STORE_FLAGS)
+    parsed = parser.parse_args(argv)
+    args = {name: value for name, value in vars(parsed).items() if name not in STORE_SECURITY}
     args["servers"] = tuple(s for s in args["servers"].split(",") if s)
+    args.update({"store_" + name: value for name, value in security_settings(parsed, STORE_FLAGS).items()})
     try:
         return InstanceConfig(**args)
     except ValueError as exc:

@@ -2,6 +2,7 @@
 
     python -m engine.serving.instance --model DIR [--port 0] [--servers HOST:PORT,...] [--auth-tokens FILE]
                                       [--tls-cert PEM --tls-key PEM [--tls-client-ca PEM]] [--exit-on-stdin-eof]
+                                      [--store-token T --store-tls-ca PEM ...]   (secured daemons)
 
 It loads the model, listens on HOST:PORT (0: a free port) and, once it serves, prints exactly one line,
 `READY <port>`, on stdout (flushed); everything else it says goes to stderr. With --servers the instance
@@ -72,7 +73,7 @@ def serve(config: InstanceConfig, ready: TextIO | None = None) -> int:
     if config.servers:  # the prefill engine shares its page pool with the decode engine
         from kvstore.client import KVClient
 
-        prefill = PrefillEngine(model, KVClient(list(config.servers)),
+        prefill = PrefillEngine(model, KVClient(config.store_client()),
                                 PrefillConfig(block_tokens=config.block_tokens, kv_pages=config.kv_pages),
                                 model_identity(config.model))
     faulthandler.register(signal.SIGUSR1, all_threads=True)

@@ -77,15 +77,21 @@ _SECURITY_FLAGS = {"token": "KVSTORE_TOKEN", "tls_ca": "KVSTORE_TLS_CA", "tls_ce
                    "tls_key": "KVSTORE_TLS_KEY", "tls_server_name": "KVSTORE_TLS_SERVER_NAME"}
 
 
-def add_security_flags(parser) -> None:
+def add_security_flags(parser, prefix: str = "") -> None:
     """--token, --tls-ca, --tls-cert, --tls-key, --tls-server-name for a command-line client of a secured
-    cluster; each defaults to its KVSTORE_* environment variable (a token in a flag shows in `ps`)."""
+    cluster; each defaults to its KVSTORE_* environment variable (a token in a flag shows in `ps`). A
+    `prefix` ("store-": --store-token, ...) keeps them apart from a server's own TLS flags."""
     group = parser.add_argument_group("secured daemons (docs/operations.md)")
     for name, variable in _SECURITY_FLAGS.items():
-        group.add_argument("--" + name.replace("_", "-"), dest=name, default=os.environ.get(variable),
-                           help=f"default: ${variable}")
+        group.add_argument("--" + prefix + name.replace("_", "-"), dest=_dest(prefix, name),
+                           default=os.environ.get(variable), help=f"default: ${variable}")
 
 
-def security_settings(args) -> dict:
+def security_settings(args, prefix: str = "") -> dict:
     """The ClientConfig fields the flags of `add_security_flags` gave."""
-    return {name: getattr(args, name) for name in _SECURITY_FLAGS if getattr(args, name, None)}
+    return {name: getattr(args, _dest(prefix, name)) for name in _SECURITY_FLAGS
+            if getattr(args, _dest(prefix, name), None)}
+
+
+def _dest(prefix: str, name: str) -> str:
+    return prefix.replace("-", "_") + name

@@ -10,6 +10,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from engine.serving.client import InstanceClient, InstanceError
 from engine.serving.processes import start_instances
 from kvstore.block import tenant_of
+from kvstore.client import ClientConfig, KVClient
 from kvstore.server.auth import new_token, token_entry
 from tests.engine.serving.conftest import BLOCK, tokens
 from tests.pki import make_pki
@@ -66,15 +67,24 @@ def test_calls_need_mutual_tls_and_a_token_with_their_verb(model_dir, token_file
         assert instances.stop() == [0]
 
 
-def test_a_token_generates_only_in_its_tenants_namespaces(model_dir, token_file, daemons):
-    (daemon,) = daemons(1)
+def test_a_token_generates_only_in_its_tenants_namespaces_on_a_store_that_checks_tokens(model_dir, token_file,
+                                                                                        daemons, tmp_path):
+    store_tokens = {name: new_token() for name in ("instance", "ops")}
+    daemon_tokens = tmp_path / "daemon-tokens.toml"
+    daemon_tokens.write_text(token_entry("instance", store_tokens["instance"], None, ["read", "write"])
+                             + token_entry("ops", store_tokens["ops"], None, ["admin"]))
+    (daemon,) = daemons(1, "--auth-tokens", str(daemon_tokens))
     with start_instances(model_dir, 1, servers=[daemon.address], auth_tokens=token_file,
-                         client={"token": TOKENS["tenant-t"]}, **OPTIONS) as instances:
+                         store_token=store_tokens["instance"], client={"token": TOKENS["tenant-t"]},
+                         **OPTIONS) as instances:
         client = instances[0].client
-        assert client.generate(tokens(10), 3, salt="t").result(30).prefill_path == "cold"
+        assert client.generate(tokens(3 * BLOCK), 3, salt="t").result(30).prefill_path == "cold"
         for salt in ("u", None):  # another tenant's, and the one of no salt
             options = {} if salt is None else {"salt": salt}
             with pytest.raises(InstanceError, match="PERMISSION_DENIED: token 'tenant-t' may not reach") as caught:
                 client.generate(tokens(10), 3, **options).result(30)
             assert caught.value.code == grpc.StatusCode.PERMISSION_DENIED
-        assert instances.stop() == [0]
+        assert instances.stop() == [0]  # its saves are flushed as it goes
+    with KVClient(ClientConfig((daemon.address,), token=store_tokens["ops"])) as ops:
+        stats = ops.server_stats()[daemon.address]
+    assert stats["kvstore_blocks{traffic_class=chat}"] >= 3  # the prompt's blocks, stored with its store token
