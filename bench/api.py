@@ -216,15 +216,16 @@ def report(runs: dict[str, list[dict]], args: argparse.Namespace) -> None:
     for phase in ("api", "engines"):
         print(f"{phase:<8} {sum(r['requests'] for r in runs[phase]):8d} {sum(r['errors'] for r in runs[phase]):6d} "
               f"{sum(r['incomplete'] for r in runs[phase]):10d} "
-              + " ".join(f"{med(phase, k):6.3f} ({spread(phase, k)})" for k in ("ttft_p50_s", "ttft_p99_s", "tokens_per_s")))
+              + " ".join(f"{med(phase, k):6.3f} ({spread(phase, k)})"
+                         for k in ("ttft_p50_s", "ttft_p99_s", "tokens_per_s")))
         for key in ("ttft_p50_s", "ttft_p99_s", "tokens_per_s"):
             out[f"{phase}_{key}"] = med(phase, key)
     out["errors"] = sum(r["errors"] for r in runs["api"])
     out["incomplete_streams"] = sum(r["incomplete"] for r in runs["api"])
     out["tokens_per_s_vs_engines"] = med("api", "tokens_per_s") / med("engines", "tokens_per_s")
     out["ttft_p50_vs_engines"] = med("api", "ttft_p50_s") / med("engines", "ttft_p50_s")
-    print(f"\napi / engines: tokens/s {out['tokens_per_s_vs_engines']:.2f}x, TTFT p50 {out['ttft_p50_vs_engines']:.2f}x "
-          f"(medians of {args.repeats})")
+    print(f"\napi / engines: tokens/s {out['tokens_per_s_vs_engines']:.2f}x, "
+          f"TTFT p50 {out['ttft_p50_vs_engines']:.2f}x (medians of {args.repeats})")
     if args.json:
         args.json.write_text(json.dumps(out, indent=2))
     if out["errors"] or out["incomplete_streams"]:
