@@ -5,8 +5,9 @@ Write-behind through the prefill engine's client, in the chain the prompt's bloc
 chain, or the replayed chain where the prompt's KV descends from a bounded replay (`PrefillResult.exact`).
 A block is saved once every position of it is in the KV (the last sampled token never is), with the
 bytes its pages hold. For a hybrid model the sliding window is captured at each block boundary the
-sequence passes, only the latest kept (one per sequence), and put in the window tier under that block's
-key and the request's session when the sequence ends: the next turn resumes exactly from it.
+sequence passes, only the latest kept (one per sequence), and kept when the sequence ends (the window tier
+under that block's key and the request's session, and the store's window record): the next turn resumes
+exactly from it, in this process or any other.
 
 A sequence preempted between decode steps saves its state through the store, as a prefill hands a prompt
 over to another process (`engine.prefill.handoff`: its blocks are saved already, the partial block and the window
@@ -106,4 +107,4 @@ class ReplySaver:
         state, chain.window = chain.window, None
         if state is not None:
             block = chain.namespace.blocks(tokens[: state.position])[-1]
-            self.prefill.keep_window(block, state, chain.result.request)
+            self.prefill.keep_window(block, state, chain.result.request, chain.namespace)

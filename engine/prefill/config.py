@@ -13,6 +13,9 @@ class PrefillConfig:
     kv_pages: int = 512  # pages in the engine's pool (per full layer)
     step_budget_s: float = 0.25  # what one step's chunks may cost, by the fitted model
     window_tier_bytes: int = 256 * 2**20  # host memory for sliding-window states of active sessions
+    # Save each session's latest window state in the store too (engine.swa_replay.record), so that a restarted
+    # engine or another instance resumes it exactly
+    store_windows: bool = True
     cost: ChunkCost | None = None  # None: fit at start-up on this machine
     load_timeout_s: float = 30.0  # a layer not loaded within this is treated as a failed load
     model_id: str | None = None  # the namespace's model identity; None: directory name + weights digest

@@ -6,7 +6,9 @@ in chunks the scheduler sizes to a time budget per step, save the new full block
 the sliding-window state (host memory), and return the first token, its logits and the KV.
 
 A sliding-window layer's state cannot be rebuilt exactly from the stored blocks, so a hybrid model
-resumes exactly only where the window tier holds that prefix's window. Where it is gone, the engine
+resumes exactly only where it has that prefix's window: from the window tier in host memory, or else from
+the window record the engine that kept it saved in the store (`engine.swa_replay.record`), so that a
+restarted engine or another instance resumes exactly too. Where both are gone, the engine
 loads the prefix and rebuilds an approximate window by bounded replay (`engine.swa_replay`) if that
 saves much, or else recomputes exactly; a request or tenant that needs bit-exact continuation is never
 replayed. Blocks computed after a replay are approximate: they are saved in a namespace of their own
@@ -45,6 +47,7 @@ from engine.prefill.request import (
 )
 from engine.prefill.scheduler import Waiting, plan_step
 from engine.swa_replay import WindowTier, begin_replay, default_replay_tokens, worth_replaying
+from engine.swa_replay import record as window_records
 from engine.text.token_ids import checked_token_ids
 from kvstore.block import Block, KVLayout, Namespace
 from kvstore.client import KVClient
@@ -54,6 +57,7 @@ from kvstore.eviction import ReuseHint
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 REPLAYED_SUFFIX = "#replayed"  # the model identity of the namespace that holds KV computed after a replay
+MAX_SESSIONS_TRACKED = 65_536  # sessions whose latest window record is remembered, to delete it once superseded
 
 
 @dataclass
@@ -75,6 +79,9 @@ class _Active:
     chunks: int = 0
     replayed: int = 0  # stored tokens recomputed to rebuild the window
     exact: bool = True  # False once `blocks` is the replayed chain
+    window: WindowState | None = None  # the window to resume from, read from the store's window record
+    window_source: str | None = None  # where the window it resumed from came from: "host" or "store"
+    window_bytes: int = 0  # bytes of the window record loaded from the store
 
 
 class PrefillEngine:
@@ -96,6 +103,8 @@ class PrefillEngine:
             default_replay_tokens(mc.sliding_window) if config.replay_tokens is None else config.replay_tokens)
         self._full_index = {layer: i for i, layer in enumerate(mc.full_layers)}
         self._namespaces: OrderedDict[str, Namespace] = OrderedDict()
+        self._session_records: OrderedDict[str, Block] = OrderedDict()  # session -> its latest window record
+        self.window_misses: Counter[str] = Counter()  # window records looked up and not used, by cause
         self._queue: list[_Active] = []  # submitted, waiting for KV pages
         self._active: dict[int, _Active] = {}  # admitted, oldest first
         self._ids = itertools.count()
@@ -141,14 +150,28 @@ class PrefillEngine:
         items = [(block, self._payload(page)) for block, page in zip(blocks, pages, strict=True)]
         return self.client.save(items, self.layout.num_layers, request.traffic_class, hint)
 
-    def keep_window(self, block: Block, state: WindowState, request: PrefillRequest) -> bool:
-        """Keep `state`, the sliding window as of the end of `block`, in the window tier under the block's
-        key, as the latest state of the request's session (sessions are per tenant). False if it cannot."""
+    def keep_window(self, block: Block, state: WindowState, request: PrefillRequest, chain: Namespace) -> bool:
+        """Keep `state`, the sliding window as of the end of `block` (a block of `chain`), as the latest state
+        of the request's session (sessions are per tenant): in the window tier under the block's key, and in
+        the store as the block's window record (write-behind), where the session's older record is deleted,
+        since its next turn never resumes from an earlier boundary. False if the tier cannot keep it."""
         if self.window_tier is None:
             return False
         # sessions are per tenant: another tenant's session of the same name must not replace this one's state
         session = f"{block.tenant.hex()}/{request.session_id}" if request.session_id is not None else None
-        return self.window_tier.put(block.key, state, session)
+        kept = self.window_tier.put(block.key, state, session)
+        replayed_into_exact = state.window_from and not chain.model_id.endswith(REPLAYED_SUFFIX)
+        if self.client is not None and self.config.store_windows and not replayed_into_exact:
+            record = window_records.window_record(chain, block)
+            saved = self.client.save([(record, window_records.encode(state))], 1, window_records.WINDOW_CLASS)
+            older = self._session_records.pop(session, None) if session is not None else None
+            if saved and session is not None:
+                self._session_records[session] = record
+                if len(self._session_records) > MAX_SESSIONS_TRACKED:
+                    self._session_records.popitem(last=False)
+            if older is not None and older.key != record.key:
+                self.client.delete([older])
+        return kept
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -273,8 +296,10 @@ class PrefillEngine:
         if a.stored == 0:
             return
         resumable = min(a.stored, (len(a.tokens) - 1) // B)  # the last token is always computed
-        exact = resumable  # blocks to resume from exactly: a hybrid model needs the window kept there
-        while hybrid and exact and a.blocks[exact - 1].key not in self.window_tier:
+        exact = resumable  # blocks to resume from exactly: a hybrid model needs the window there
+        if hybrid and exact and a.blocks[exact - 1].key not in self.window_tier:
+            a.window = self._stored_window(a, exact)  # host tier first, then the store's window record
+        while hybrid and exact and a.window is None and a.blocks[exact - 1].key not in self.window_tier:
             exact -= 1
         if hybrid and exact < a.stored:
             a.kv.capture_at.add(a.stored * B)  # where this prompt leaves the stored prefix
@@ -299,17 +324,36 @@ class PrefillEngine:
                 a.blocks, a.save_from, a.exact = self._replayed_chain(a), 0, False
         else:
             if hybrid:
-                state = self.window_tier.get(a.blocks[worth - 1].key)
+                state = a.window or self.window_tier.get(a.blocks[worth - 1].key)
                 if state is None:  # evicted since the check
                     self._recompute(a, WINDOW_MISSING, exact_chain)
                     return
                 a.kv.restore_window(state)
+                a.window_source = "store" if a.window is not None else "host"
             a.start, a.path = worth * B, CACHED
         sources = self.client.block_sources(source)
         a.sources = dict(Counter("host" if s == "host" else "daemon" for s in sources))
         a.loaded = worth
         destination = PagedKV(self.pool.layers, a.kv.block_table[:worth])
         a.load = self.client.load(source, destination, hit_blocks=worth)
+
+    def _stored_window(self, a: _Active, blocks: int) -> WindowState | None:
+        """The window as of the end of `a`'s first `blocks` blocks, from the store's window record; None (the
+        cause counted in `window_misses`) where it is absent or not that window: never an error."""
+        if self.client is None or not self.config.store_windows:
+            return None
+        chain = self.chain_namespace(a.request, a.exact, a.namespace)
+        found = self.client.get([window_records.window_record(chain, a.blocks[blocks - 1])])
+        if not found:  # absent, expired, or refused by verification (the client counts which)
+            self.window_misses["absent"] += 1
+            return None
+        try:
+            state = window_records.decode(found[0].payload, blocks * self.block_tokens, a.kv.rings, a.exact)
+        except window_records.CorruptWindow as exc:
+            self.window_misses[exc.cause] += 1
+            return None
+        a.window_bytes = len(found[0].payload)
+        return state
 
     def _recompute(self, a: _Active, path: str, exact_chain: tuple[list[Block], int]) -> None:
         """The whole prompt is computed from scratch: its KV is exact, so it belongs in the exact chain."""
@@ -379,6 +423,7 @@ class PrefillEngine:
             return True
         if self.window_tier is not None:
             final = 0  # the window kept (or replayed) was for the planned boundary, not for this one
+            a.window, a.window_source = None, None
             a.kv.window_from = a.kv.keep_full_before = a.replayed = 0
             a.kv.captured.clear()  # states the first chunk captured under the replay: recaptured exactly
             if not a.exact:  # recomputed from scratch, the KV is exact again: back to the exact chain
@@ -402,8 +447,8 @@ class PrefillEngine:
                 if boundary % self.block_tokens or (a.exact and state.window_from):
                     continue  # not a block boundary (a hand-off's); a replayed window never goes with an exact chain
                 block = a.blocks[boundary // self.block_tokens - 1]
-                if boundary == full * self.block_tokens:
-                    self.keep_window(block, state, a.request)  # the session's latest state
+                if boundary == full * self.block_tokens:  # the session's latest state
+                    self.keep_window(block, state, a.request, self.chain_namespace(a.request, a.exact, a.namespace))
                 else:
                     self.window_tier.put(block.key, state)
         a.kv.capture_at, a.kv.captured = set(), {}
@@ -411,7 +456,7 @@ class PrefillEngine:
         return PrefillResult(a.request, int(logits.argmax()), logits, a.kv, len(a.tokens),
                              a.stored * self.block_tokens, a.loaded * self.block_tokens, a.path, a.sources,
                              time.perf_counter() - a.submitted, a.chunks, tuple(a.blocks), a.replayed, a.exact,
-                             handed_off, a.id)
+                             handed_off, a.id, a.window_source, a.window_bytes)
 
     def _hand_off(self, a: _Active) -> bool:
         """Queue the continuation record of a `hand_off` request (its blocks are queued already)."""

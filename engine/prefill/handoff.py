@@ -19,7 +19,7 @@ its own. It is stored in the traffic class HANDOFF_CLASS, whose TTL is short (da
 
 Payload, one layer (the record's layers are equal-sized; this one is read whole):
 
-    prelude (16 bytes, little-endian): magic b"KVH1", version u16, reserved u16, position n-1 u32,
+    prelude (20 bytes, little-endian): magic b"KVH1", version u16, reserved u16, position n-1 u32,
                                        window_from u32, window positions w u32
     full layers:    (n_full, 2, n-1 - F·B, kv_heads, head_dim)   in the namespace's dtype
     sliding layers: (n_sliding, 2, w, kv_heads, head_dim)        positions n-1-w .. n-2, in order
@@ -38,6 +38,7 @@ import torch
 import xxhash
 
 from engine.model.kv import RequestKV, WindowState
+from engine.swa_replay.record import ring_slots, tensor_bytes, view_tensor, window_positions
 from kvstore.block import Block, Namespace, chain_hash
 
 HANDOFF_CLASS = "handoff"  # the traffic class of continuation records: a short TTL, they are read once
@@ -91,13 +92,13 @@ def encode(kv: RequestKV, position: int, window: WindowState | None) -> bytes:
     if window is not None:
         assert window.position == position, "the window must be as of the continuation's position"
         window_from = window.window_from
-        w = min(kv.window, position - window_from)
-        slots = torch.arange(position - w, position, device=window.rings.device) % kv.window
-        sliding = window.rings[:, :, slots]  # (n_sliding, 2, w, kv_heads, head_dim), in position order
+        w = window_positions(position, window_from, kv.window)
+        # (n_sliding, 2, w, kv_heads, head_dim), in position order
+        sliding = window.rings[:, :, ring_slots(position, w, kv.window, window.rings.device)]
     else:
         w = 0
     prelude = _PRELUDE.pack(_MAGIC, _VERSION, 0, position, window_from, w)
-    return prelude + _bytes(full) + _bytes(sliding)
+    return prelude + tensor_bytes(full) + tensor_bytes(sliding)
 
 
 def restore(payload: bytes | memoryview, kv: RequestKV, position: int, exact: bool) -> None:
@@ -110,7 +111,7 @@ def restore(payload: bytes | memoryview, kv: RequestKV, position: int, exact: bo
     magic, version, _, at, window_from, w = _PRELUDE.unpack_from(view)
     if (magic, version) != (_MAGIC, _VERSION):
         raise CorruptContinuation(f"magic {magic!r} version {version}: not a continuation record this engine reads")
-    expected_w = min(kv.window, position - window_from) if kv.rings is not None else 0
+    expected_w = window_positions(position, window_from, kv.window) if kv.rings is not None else 0
     if exact and window_from:
         raise CorruptContinuation(f"a replayed window (from {window_from}) in an exact chain's record")
     if at != position or window_from > position or w != expected_w:
@@ -129,21 +130,14 @@ def restore(payload: bytes | memoryview, kv: RequestKV, position: int, exact: bo
     if tail:
         page = kv.block_table[position // B]
         for layer in pages:
-            layer[page, :, :tail] = _tensor(view[offset : offset + tail_bytes], layer.dtype, tail_shape, layer.device)
+            layer[page, :, :tail] = view_tensor(view[offset : offset + tail_bytes], layer.dtype, tail_shape,
+                                                layer.device)
             offset += tail_bytes
     if kv.rings is not None:
         kv.rings.zero_()
         if w:
-            slots = torch.arange(position - w, position, device=kv.rings.device) % kv.window
-            kv.rings[:, :, slots] = _tensor(view[offset:], kv.rings.dtype, ring_shape, kv.rings.device)
+            slots = ring_slots(position, w, kv.window, kv.rings.device)
+            kv.rings[:, :, slots] = view_tensor(view[offset:], kv.rings.dtype, ring_shape, kv.rings.device)
         kv.window_from = window_from
     kv.length = position
 
-
-def _bytes(tensor: torch.Tensor) -> bytes:
-    return tensor.contiguous().view(torch.uint8).cpu().numpy().tobytes() if tensor.numel() else b""
-
-
-def _tensor(view: memoryview, dtype: torch.dtype, shape: Sequence[int], device: torch.device) -> torch.Tensor:
-    """A copy of `view`'s bytes as a tensor of `dtype` and `shape` on `device`."""
-    return torch.frombuffer(bytearray(view), dtype=torch.uint8).view(dtype).reshape(shape).to(device)

@@ -12,7 +12,7 @@ from kvstore.block import Block, Namespace
 
 # How a request's prefix was obtained.
 COLD = "cold"  # the store held nothing of it
-CACHED = "cached"  # loaded from the store (and, for sliding layers, the window state from host memory)
+CACHED = "cached"  # loaded from the store (and, for sliding layers, the window state: `window_source`)
 WINDOW_MISSING = "window_missing"  # the store held a prefix but its window state was gone: recomputed exactly
 REPLAYED = "replayed"  # the store held a prefix, its window state was gone: rebuilt by replaying its last
 #                        R tokens (an approximation; `engine.swa_replay`)
@@ -63,3 +63,7 @@ class PrefillResult:
     exact: bool = True  # False where the KV descends from a replay, in this request or an earlier turn
     handed_off: bool = False  # `hand_off`: the continuation record was queued for the store (flush() to wait)
     id: int = -1  # the id submit() returned
+    # A hybrid model's path "cached" resumed from the window as of the prefix's end, kept in this process's
+    # host tier ("host") or read from the store's window record ("store", window_bytes of it); None otherwise
+    window_source: str | None = None
+    window_bytes: int = 0

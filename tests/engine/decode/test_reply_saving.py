@@ -122,3 +122,18 @@ def test_a_preempted_exact_sequence_goes_on_saving_where_it_was(tiny_models, dae
         second = engine.prefill(PrefillRequest(turn, session_id="s"))
         assert second.path == CACHED and second.exact and second.loaded_tokens == _in_kv(len(conversation))
         _check(gpt_oss, second, turn)
+
+
+def test_another_engine_resumes_the_next_turn_exactly_from_the_replys_stored_window(tiny_models, daemons):
+    tiny = tiny_models["gpt_oss"]
+    (daemon,) = daemons(1)
+    prompt, more = _tokens(150, seed=36), _tokens(30, seed=37)
+    with _client(daemon) as client:
+        engine = _engine(tiny, client)
+        (done,) = _decode(engine, [engine.prefill(PrefillRequest(prompt, session_id="s"))], 45)
+        conversation = prompt + done.tokens
+        other = _engine(tiny, client)  # a restarted engine, or another instance: nothing in its window tier
+        second = other.prefill(PrefillRequest(conversation + more, session_id="s", turn=1))
+        assert (second.path, second.window_source, second.exact) == (CACHED, "store", True)
+        assert second.loaded_tokens == _in_kv(len(conversation))  # from the reply's last boundary
+        _check(tiny, second, conversation + more)

@@ -61,7 +61,8 @@ def test_without_the_handed_over_state_the_decode_side_falls_back_and_says_so(fa
     (daemon,) = daemons(1)
     prompt = _tokens(150, seed=40)
     with _client(daemon) as client:
-        stored = _engine(tiny, client)  # the blocks stored, no continuation record, the window only here
+        # the blocks stored, no continuation record, the window only here
+        stored = _engine(tiny, client, store_windows=False)
         stored.prefill(PrefillRequest(prompt)).kv.release()
         assert stored.flush(10)
         decode = DecodeEngine(family.model, _engine(tiny, client), DecodeConfig())
@@ -98,7 +99,7 @@ def test_a_preempted_replayed_sequence_resumes_its_replayed_state(families, tiny
     with _client(daemon) as client:
         _stored_first_turn(tiny, client, tokens)  # 496 stored tokens, their window lost
         for pages in (128, 46):  # room for both; then 38 + 7 pages of prompts, the younger preempted
-            engine = _engine(tiny, client, replay_tokens=R, kv_pages=pages)
+            engine = _engine(tiny, client, replay_tokens=R, kv_pages=pages, store_windows=False)
             decode = DecodeEngine(family.model, engine, DecodeConfig())
             results = drive(decode, {0: [DecodeRequest(PrefillRequest(other), SamplingParams(max_tokens=40)),
                                          DecodeRequest(PrefillRequest(tokens[:600]), SamplingParams(max_tokens=40))]})

@@ -10,6 +10,7 @@ from engine.prefill.config import PrefillConfig
 from engine.prefill.cost import ChunkCost
 from engine.prefill.engine import PrefillEngine
 from engine.prefill.request import CACHED, COLD, LOAD_FAILED, WINDOW_MISSING, PrefillError, PrefillRequest
+from engine.swa_replay import record as window_records
 from kvstore.block import Namespace
 from kvstore.client import ClientConfig, KVClient
 from tests.engine.conftest import VOCAB
@@ -90,16 +91,78 @@ def test_missing_window_state_recomputes_exactly(tiny, daemons):
     (daemon,) = daemons(1)
     conversation = _tokens(TURNS[1], seed=2)
     with _client(daemon) as client:
-        first = _engine(tiny, client)
+        first = _engine(tiny, client, store_windows=False)  # as if its window record had expired
         first.prefill(PrefillRequest(conversation[:TURNS[0]])).kv.release()
         client.write_behind.flush()
-        fresh = _engine(tiny, client)  # a different engine: the store has the prefix, its window tier has not
+        fresh = _engine(tiny, client)  # a different engine: the store has the prefix, not its window
         result = fresh.prefill(PrefillRequest(conversation))
         assert result.stored_tokens == (TURNS[0] // BLOCK) * BLOCK
         if fresh.model.config.sliding_layers:
             assert result.path == WINDOW_MISSING and result.loaded_tokens == 0
         else:
             assert result.path == CACHED and result.loaded_tokens == result.stored_tokens
+        _check(tiny, result, conversation)
+
+
+def test_a_restarted_engine_resumes_exactly_from_the_stored_window_and_the_next_turns_too(tiny_models, daemons):
+    tiny = tiny_models["gpt_oss"]
+    (daemon,) = daemons(1)
+    conversation = _tokens(TURNS[-1], seed=12)
+    with _client(daemon) as client:
+        first = _engine(tiny, client)
+        first.prefill(PrefillRequest(conversation[:TURNS[0]], session_id="s")).kv.release()
+        client.write_behind.flush()
+        for length in TURNS[1:]:  # each turn on an engine of its own, as if restarted or behind a balancer
+            engine = _engine(tiny, client)
+            result = engine.prefill(PrefillRequest(conversation[:length], session_id="s"))
+            assert (result.path, result.window_source) == (CACHED, "store")
+            assert result.loaded_tokens == result.stored_tokens > 0 and result.window_bytes > 0
+            _check(tiny, result, conversation[:length])
+            client.write_behind.flush()
+            assert engine.window_misses == {}
+
+
+def test_a_sessions_older_window_record_is_deleted_once_a_newer_one_is_saved(tiny_models, daemons):
+    tiny = tiny_models["gpt_oss"]
+    (daemon,) = daemons(1)
+    conversation = _tokens(TURNS[1], seed=13)
+    with _client(daemon) as client:
+        engine = _engine(tiny, client)
+        first = engine.prefill(PrefillRequest(conversation[:TURNS[0]], session_id="s"))
+        client.write_behind.flush()
+        chain = engine.namespace()
+        older = window_records.window_record(chain, first.blocks[-1])
+        assert client.lookup([older]) == 1
+        first.kv.release()
+        second = engine.prefill(PrefillRequest(conversation, session_id="s"))
+        client.write_behind.flush()
+        assert client.lookup([older]) == 0, "superseded by the newer turn's record"
+        assert client.lookup([window_records.window_record(chain, second.blocks[-1])]) == 1
+        second.kv.release()
+
+
+@pytest.mark.parametrize("damage", ["position", "shape", "format", "replayed"])
+def test_a_window_record_that_is_not_the_window_is_a_counted_miss_and_the_prompt_exact(tiny_models, daemons, damage):
+    tiny = tiny_models["gpt_oss"]
+    (daemon,) = daemons(1)
+    conversation = _tokens(TURNS[1], seed=14)
+    with _client(daemon) as client:
+        first = _engine(tiny, client, store_windows=False)
+        stored = first.prefill(PrefillRequest(conversation[:TURNS[0]]))
+        client.write_behind.flush()
+        boundary = len(stored.blocks) * BLOCK
+        state = first.window_tier.get(stored.blocks[-1].key)  # the true window as of the boundary
+        stored.kv.release()
+        wrong = {"position": window_records.encode(type(state)(boundary - 1, state.rings)),
+                 "shape": window_records.encode(type(state)(boundary, state.rings[:, :, :, :, :-1])),
+                 "format": b"KVH1" + window_records.encode(state)[4:],
+                 "replayed": window_records.encode(type(state)(boundary, state.rings, window_from=1))}[damage]
+        record = window_records.window_record(first.namespace(), stored.blocks[-1])
+        client.put([(record, wrong)], 1, window_records.WINDOW_CLASS)  # a record made by someone else
+        fresh = _engine(tiny, client, replay_tokens=0)
+        result = fresh.prefill(PrefillRequest(conversation))
+        assert result.path == WINDOW_MISSING and result.window_source is None
+        assert fresh.window_misses == {damage: 1}
         _check(tiny, result, conversation)
 
 
@@ -173,7 +236,7 @@ def test_a_shared_prefix_gets_its_window_kept_for_the_next_request(tiny_models, 
     system = _tokens(64, seed=4)
     prompts = [system + _tokens(40, seed=s) for s in (5, 6, 7)]
     with _client(daemon) as client:
-        engine = _engine(tiny, client)
+        engine = _engine(tiny, client, store_windows=False)
         engine.prefill(PrefillRequest(prompts[0][:64])).kv.release()  # e.g. a warm-up of the system prompt
         client.write_behind.flush()
         engine.window_tier = type(engine.window_tier)(engine.config.window_tier_bytes)  # as if lost

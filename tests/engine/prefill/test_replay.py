@@ -26,12 +26,16 @@ def gpt_oss(tiny_models):
 
 
 def _replay_engine(tiny, client, **overrides) -> PrefillEngine:
-    return _engine(tiny, client, replay_tokens=R, **overrides)
+    """An engine that replays where a window is gone: and windows are gone, here, from the store too (as
+    once their records expire), so that each turn of these tests meets the case replay is for."""
+    return _engine(tiny, client, replay_tokens=R, store_windows=False, **overrides)
 
 
 def _stored_first_turn(tiny, client, conversation) -> None:
-    """The first turn prefilled by another engine: the store holds its blocks, no window tier here has its state."""
-    _engine(tiny, client).prefill(PrefillRequest(conversation[:TURNS[0]], session_id="s")).kv.release()
+    """The first turn prefilled by another engine: the store holds its blocks, no window tier here has its state,
+    and its window record has expired."""
+    first = _engine(tiny, client, store_windows=False)
+    first.prefill(PrefillRequest(conversation[:TURNS[0]], session_id="s")).kv.release()
     assert client.write_behind.flush()
 
 
@@ -100,7 +104,7 @@ def test_a_tenant_configured_exact_is_never_replayed(gpt_oss, daemons):
     (daemon,) = daemons(1)
     conversation = _tokens(TURNS[1], seed=23)
     with _client(daemon) as client:
-        first = _engine(gpt_oss, client)
+        first = _engine(gpt_oss, client, store_windows=False)
         first.prefill(PrefillRequest(conversation[:TURNS[0]], salt="bank")).kv.release()
         assert client.write_behind.flush()
         tenant = first.namespace("bank").tenant.hex()
@@ -119,11 +123,11 @@ def test_a_short_prefix_is_recomputed_rather_than_replayed(gpt_oss, daemons):
     conversation = _tokens(TURNS[1], seed=24)
     with _client(daemon) as client:
         _stored_first_turn(gpt_oss, client, conversation)
-        engine = _engine(gpt_oss, client, replay_tokens=STORED // 2 + 1)  # the prefix is under 2 R
+        engine = _engine(gpt_oss, client, store_windows=False, replay_tokens=STORED // 2 + 1)  # the prefix is under 2 R
         result = engine.prefill(PrefillRequest(conversation))
         assert result.path == WINDOW_MISSING
         _check(gpt_oss, result, conversation)
-        never = _engine(gpt_oss, client, replay_tokens=0)
+        never = _engine(gpt_oss, client, store_windows=False, replay_tokens=0)
         assert never.prefill(PrefillRequest(conversation)).path == WINDOW_MISSING
 
 
@@ -167,7 +171,8 @@ def test_a_failed_load_under_a_short_replay_leaves_no_replayed_window_for_exact_
     conversation = _tokens(TURNS[2], seed=27)
     with _client(daemon) as client:
         _stored_first_turn(gpt_oss, client, conversation)
-        engine = _engine(gpt_oss, client, replay_tokens=R // 2)  # R < W: a replayed window starts late
+        # R < W: a replayed window starts late
+        engine = _engine(gpt_oss, client, store_windows=False, replay_tokens=R // 2)
     daemon.stop()
     corrupt_on_disk(daemon.data_dir, engine.namespace().blocks(conversation)[5].key, layer_index=0)
     daemon.start()

@@ -1,0 +1,110 @@
+"""Window records: a session's sliding-window state in the store, so that any engine resumes it exactly.
+
+The host tier (`tier`) keeps a session's window only in the process that served its last turn. A window
+record carries the same state through the store: the sliding layers' KV as of the end of a block of the
+conversation's chain, saved write-behind beside the chain's blocks whenever the engine keeps a session's
+latest state. An engine that restarted, or another instance, loads the prefix's blocks and this record and
+resumes exactly, where it would otherwise replay (approximately) or recompute.
+
+Identity: the record of block b of a chain (namespace N) lives in N's window namespace, N under the model
+identity + WINDOW_SUFFIX; its parent is H(digest of that namespace ‖ b's key) and its tokens b's tokens.
+So it commits to the whole prefix and the tenant (b's key does), it is never taken for a block of any
+chain, nor for a continuation record (`engine.prefill.handoff`, a namespace of its own), and a replayed
+chain's blocks (a namespace of their own) have records of their own. It is stored in the traffic class
+WINDOW_CLASS, whose TTL is short (an hour by default, daemon config `classes`): it is worth keeping only
+while the session is active.
+
+Payload, one layer (read whole), in the KV's dtype:
+
+    prelude (20 bytes, little-endian): magic b"KVW1", version u16, reserved u16, position p u32,
+                                       window_from u32, window positions w u32
+    sliding layers: (n_sliding, 2, w, kv_heads, head_dim)   positions p-w .. p-1, in order
+
+where p is the block's end and w = min(W, p - window_from) (a window rebuilt by bounded replay holds
+nothing before `window_from`; such a window is never saved for an exact chain, and never read as one).
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import torch
+import xxhash
+
+from engine.model.kv import WindowState
+from kvstore.block import Block, Namespace, chain_hash
+
+WINDOW_CLASS = "window"  # the traffic class of window records: a short TTL, useful while sessions are active
+WINDOW_SUFFIX = "#window"  # the model identity suffix of the namespace window records are keyed in
+_PRELUDE = struct.Struct("<4sHHIII")  # magic, version, reserved, position, window_from, window positions
+_MAGIC, _VERSION = b"KVW1", 1
+
+
+class CorruptWindow(ValueError):
+    """A window record that does not hold the window it was read for; `cause` names why, for counting."""
+
+    def __init__(self, cause: str, message: str) -> None:
+        super().__init__(message)
+        self.cause = cause
+
+
+def window_record(chain: Namespace, block: Block) -> Block:
+    """The window record of the state as of the end of `block`, a block of `chain`."""
+    space = chain.with_model_id(chain.model_id + WINDOW_SUFFIX)
+    parent = xxhash.xxh3_128_digest(space.digest + block.key)
+    return Block(space.digest, chain_hash(parent, block.tokens, chain.tenant), parent, block.tokens, chain.tenant)
+
+
+def window_positions(position: int, window_from: int, window: int) -> int:
+    """How many positions a window as of `position` holds: the last W, none before `window_from`."""
+    return min(window, position - window_from)
+
+
+def ring_slots(position: int, positions: int, window: int, device: torch.device) -> torch.Tensor:
+    """The ring slots of positions [position - positions, position), in position order."""
+    return torch.arange(position - positions, position, device=device) % window
+
+
+def encode(state: WindowState) -> bytes:
+    """The payload of `state` (rings (n_sliding, 2, W, kv_heads, head_dim))."""
+    window = state.rings.shape[2]
+    w = window_positions(state.position, state.window_from, window)
+    ordered = state.rings[:, :, ring_slots(state.position, w, window, state.rings.device)]
+    return _PRELUDE.pack(_MAGIC, _VERSION, 0, state.position, state.window_from, w) + tensor_bytes(ordered)
+
+
+def decode(payload: bytes | memoryview, position: int, like: torch.Tensor, exact: bool) -> WindowState:
+    """The window as of `position` a payload holds, as rings shaped and typed `like` (a request's rings).
+    CorruptWindow where it is not that: another format, position or shape, or a replayed window for an
+    `exact` chain."""
+    view = memoryview(payload).cast("B")
+    if len(view) < _PRELUDE.size:
+        raise CorruptWindow("format", f"{len(view)} bytes: shorter than the prelude")
+    magic, version, _, at, window_from, w = _PRELUDE.unpack_from(view)
+    if (magic, version) != (_MAGIC, _VERSION):
+        raise CorruptWindow("format", f"magic {magic!r} version {version}: not a window record this engine reads")
+    if exact and window_from:
+        raise CorruptWindow("replayed", f"a replayed window (from {window_from}) read for an exact chain")
+    window = like.shape[2]
+    if at != position or window_from > position or w != window_positions(position, window_from, window):
+        raise CorruptWindow("position", f"record as of position {at} (window from {window_from}, {w} positions) "
+                                        f"is not the window as of {position}")
+    shape = (like.shape[0], 2, w, *like.shape[3:])
+    if len(view) != _PRELUDE.size + math.prod(shape) * like.element_size():
+        raise CorruptWindow("shape", f"{len(view)} bytes do not hold a {w}-position window of this model")
+    rings = torch.zeros_like(like, device="cpu")
+    if w:
+        rings[:, :, ring_slots(position, w, window, rings.device)] = view_tensor(view[_PRELUDE.size:], like.dtype,
+                                                                                shape)
+    return WindowState(position, rings, window_from)
+
+
+def tensor_bytes(tensor: torch.Tensor) -> bytes:
+    return tensor.contiguous().view(torch.uint8).cpu().numpy().tobytes() if tensor.numel() else b""
+
+
+def view_tensor(view: memoryview, dtype: torch.dtype, shape: tuple[int, ...], device: torch.device | str = "cpu",
+                ) -> torch.Tensor:
+    """A copy of `view`'s bytes as a tensor of `dtype` and `shape` on `device`."""
+    return torch.frombuffer(bytearray(view), dtype=torch.uint8).view(dtype).reshape(shape).to(device)

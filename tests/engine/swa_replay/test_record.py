@@ -1,0 +1,70 @@
+"""Window records: identity that no other record shares, and a payload that is the window or a miss."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.model.kv import WindowState
+from engine.prefill import handoff
+from engine.swa_replay import record
+from kvstore.block import KVLayout, Namespace
+
+pytestmark = pytest.mark.unit
+
+W = 8
+LAYOUT = KVLayout(num_layers=2, kv_heads=1, head_dim=4, dtype="float32")
+
+
+def _state(position: int, window_from: int = 0) -> WindowState:
+    rings = torch.randn(3, 2, W, 1, 4, generator=torch.Generator().manual_seed(position))  # (n_sliding, 2, W, ...)
+    return WindowState(position, rings, window_from)
+
+
+@pytest.mark.parametrize("position, window_from", [(16, 0), (5, 0), (20, 14)])
+def test_a_window_round_trips_to_the_positions_it_holds(position, window_from):
+    state = _state(position, window_from)
+    back = record.decode(record.encode(state), position, state.rings, exact=False)
+    w = min(W, position - window_from)
+    slots = torch.arange(position - w, position) % W
+    assert back.position == position and back.window_from == window_from
+    assert torch.equal(back.rings[:, :, slots], state.rings[:, :, slots])
+    rest = back.rings.clone()
+    rest[:, :, slots] = 0
+    assert not rest.any()  # nothing but those positions
+
+
+def test_the_payload_is_the_window_and_a_prelude():
+    assert len(record.encode(_state(16))) == 20 + 3 * 2 * W * 1 * 4 * 4
+    assert len(record.encode(_state(5))) == 20 + 3 * 2 * 5 * 1 * 4 * 4  # a window not yet full
+
+
+@pytest.mark.parametrize("payload, position, exact, cause", [
+    (b"KVW", 16, True, "format"),
+    (b"KVH1" + record.encode(_state(16))[4:], 16, True, "format"),
+    (record.encode(_state(16)), 17, True, "position"),
+    (record.encode(_state(16))[:-4], 16, True, "shape"),
+    (record.encode(_state(20, 14)), 20, True, "replayed"),
+])
+def test_a_payload_that_is_not_the_window_is_refused_with_its_cause(payload, position, exact, cause):
+    with pytest.raises(record.CorruptWindow) as refused:
+        record.decode(payload, position, _state(16).rings, exact)
+    assert refused.value.cause == cause
+
+
+def test_a_window_record_is_no_block_nor_continuation_and_is_per_tenant_and_chain():
+    chain = Namespace("model@1", LAYOUT, 4, "alice")
+    blocks = chain.blocks(list(range(12)))
+    ours = record.window_record(chain, blocks[1])
+    assert ours == record.window_record(chain, blocks[1])  # found again by whoever looks it up
+    others = {
+        "a block": blocks[2].key,
+        "the continuation of the same prefix": handoff.continuation(chain, list(range(9))).record.key,
+        "another boundary": record.window_record(chain, blocks[2]).key,
+        "another tenant": record.window_record(Namespace("model@1", LAYOUT, 4, "bob"),
+                                               Namespace("model@1", LAYOUT, 4, "bob").blocks(list(range(12)))[1]).key,
+        "the replayed chain": record.window_record(chain.with_model_id("model@1#replayed"),
+                                                   chain.with_model_id("model@1#replayed").blocks(range(12))[1]).key,
+    }
+    assert all(key != ours.key for key in others.values()), others
+    assert ours.namespace != chain.digest and ours.tenant == chain.tenant
