@@ -3,12 +3,18 @@
 A chat template and a tokenizer hold the GIL for as long as they run (tens of milliseconds for a 100k
 character prompt), so in a thread they would still pause every stream the loop is sending. The workers
 are spawned, not forked (the server's process runs torch threads), and import no more than the tokenizer.
+
+A worker ends with the server however the server ends: `close` stops the pool, and each worker watches its
+parent and exits once it is gone (SIGKILL, a crash), rather than live on, reparented, holding its tokenizer.
 """
 
 from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import os
+import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -16,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 _tokenizer: Any = None  # in a worker: the tokenizer it loaded
+PARENT_POLL_S = 0.5  # how often a worker checks that the server that started it is still there
 
 
 class PromptEncoder:
@@ -29,7 +36,7 @@ class PromptEncoder:
 
     def _start(self) -> ProcessPoolExecutor:
         pool = ProcessPoolExecutor(self.workers, multiprocessing.get_context("spawn"), initializer=_load,
-                                   initargs=(self.folder,))
+                                   initargs=(self.folder, os.getpid()))
         for future in [pool.submit(_ready) for _ in range(self.workers)]:
             future.result()  # each worker has loaded the tokenizer: the first request does not wait for it
         return pool
@@ -50,14 +57,25 @@ class PromptEncoder:
             return await loop.run_in_executor(self.pool, _encode, list(messages))
 
     def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.pool.shutdown(wait=True, cancel_futures=True)  # the workers have exited when this returns
+
+    def worker_pids(self) -> list[int]:
+        return [p.pid for p in self.pool._processes.values()]  # the executor exposes no public list
 
 
-def _load(folder: str) -> None:
+def _load(folder: str, server_pid: int) -> None:
     global _tokenizer
+    threading.Thread(target=_exit_with, args=(server_pid,), name="parent-watch", daemon=True).start()
     import transformers
 
     _tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+
+
+def _exit_with(server_pid: int) -> None:
+    """Exit once the server is gone: this process is then another's child (init's, or a subreaper's)."""
+    while os.getppid() == server_pid:
+        time.sleep(PARENT_POLL_S)
+    os._exit(0)
 
 
 def _ready() -> bool:
