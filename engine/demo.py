@@ -3,15 +3,17 @@
 Chat and agent sessions built from the standard library's documentation (`engine.text.real_text`: Gemma 3's
 chat template, one shared system prompt, each turn's prompt the whole conversation so far) go through
 the engine. Per request it prints how many prompt tokens came from the cache, from which tier (this
-process's host tier, a daemon's DRAM or its SSD), the path the sliding window took, the time to first
+process's host tier, a daemon's DRAM or its SSD), the path the prompt took and where its sliding window came
+from (`host`: this process's window tier; `store`: the session's window record in the store), the time to first
 token beside the same prompt computed without the cache, and the start of the reply (12 greedy tokens from
 the decode engine, decoded), which becomes the assistant's turn. The reply is compared with the reply
 computed cold (the whole prompt recomputed without the cache, then the same greedy decoding): the column
 "= exact" counts its leading tokens that agree, "12/12" where the whole reply is the same. Half-way, both
 daemons, the client and the engine restart: hits then come from SSD, and the sliding-window states the
-engine kept in host memory are gone, so each session's next turn rebuilds its window by bounded replay
-(`replayed`: the stored prefix loaded, its last R tokens recomputed) and the turns after resume from
-the state the replay left. Exact paths (`cold`, `cached`, `window_missing`) give the cold reply token for
+engine kept in host memory are gone, so each session's next turn reads its window from the record the engine
+saved in the store beside the blocks (`engine.swa_replay.record`) and resumes exactly. Where neither holds
+the window (the record expired), a turn rebuilds it by bounded replay (`replayed`: the stored prefix loaded,
+its last R tokens recomputed). Exact paths (`cold`, `cached`, `window_missing`) give the cold reply token for
 token; a replayed window is an approximation, so a replayed turn's reply, and that of a later turn whose KV
 descends from the replay (marked "~"), may leave the exact one after some tokens: once one greedy token
 differs, the rest continue a different text.
@@ -70,8 +72,8 @@ def run_real(sessions: int, turns: int, workdir: Path, reply_tokens: int = REPLY
           f"{shared}-token prefix (system prompt and a worked example); replies: {reply_tokens} greedy tokens "
           "from the decode engine, compared with the reply computed without the cache (= exact; ~: the KV "
           "descends from a bounded replay)\n")
-    print(f"{'turn':>4} {'session':>9} {'prompt':>6} {'hit':>6}  {'path':<14} {'host':>4} {'DRAM':>4} {'SSD':>4} "
-          f"{'ttft':>7} {'no cache':>8} {'speed-up':>8}  = exact")
+    print(f"{'turn':>4} {'session':>9} {'prompt':>6} {'hit':>6}  {'path':<14} {'window':<6} {'host':>4} "
+          f"{'DRAM':>4} {'SSD':>4} {'ttft':>7} {'no cache':>8} {'speed-up':>8}  = exact")
     totals = Counter()
     try:
         for turn in range(turns):
@@ -79,8 +81,8 @@ def run_real(sessions: int, turns: int, workdir: Path, reply_tokens: int = REPLY
                 client = restarted(client, daemons, config)
                 engine = PrefillEngine(engine.model, client, engine.config, engine.model_id)
                 decoder = DecodeEngine(engine.model, engine)
-                print("     -- both daemons, the client and the engine restarted: the store's blocks remain on "
-                      "SSD, the window states are gone --")
+                print("     -- both daemons, the client and the engine restarted: the store's blocks and window "
+                      "records remain on SSD, the host tier's window states are gone --")
             for conversation in conversations:
                 prompt = conversation.tokens if turn == 0 else conversation.next_prompt()
                 before = tier_hits(client)
@@ -100,11 +102,13 @@ def run_real(sessions: int, turns: int, workdir: Path, reply_tokens: int = REPLY
                 kind = "exact" if result.exact else "replay"  # does this KV descend from a replay?
                 text = tokenizer.decode([t for t in reply if t not in stops], skip_special_tokens=True)
                 print(f"{turn + 1:>4} {conversation.name:>9} {len(prompt):>6} {result.loaded_tokens:>6}  "
-                      f"{result.path:<14} {served['host']:>4.0f} {served['daemon DRAM']:>4.0f} "
+                      f"{result.path:<14} {result.window_source or '-':<6} {served['host']:>4.0f} "
+                      f"{served['daemon DRAM']:>4.0f} "
                       f"{served['daemon SSD']:>4.0f} {result.ttft_s:>6.2f}s {cold.ttft_s:>7.2f}s "
                       f"{cold.ttft_s / result.ttft_s:>7.1f}x  {agree}/{length}{'' if result.exact else ' ~'}")
                 print(f"{'':>16}reply: {_one_line(text)}")
                 totals.update({"prompt": len(prompt), "hit": result.loaded_tokens, "ttft": result.ttft_s,
+                               f"window {result.window_source}": 1,
                                "cold": cold.ttft_s, kind: 1, f"{kind} same": agree == length,
                                "first": reply[0] == exact.tokens[0], "requests": 1})
                 conversation.add_reply(text)  # the start of the reply stands for the whole answer
@@ -113,8 +117,8 @@ def run_real(sessions: int, turns: int, workdir: Path, reply_tokens: int = REPLY
               f"{totals['cold']:.1f} s without the cache ({totals['cold'] / totals['ttft']:.1f}x); "
               f"whole replies equal to the exact ones in {totals['exact same']} of {totals['exact']} requests "
               f"with exact KV and {totals['replay same']} of {totals['replay']} with KV from a replay; first "
-              f"tokens agree in {totals['first']} of {totals['requests']} requests; window tier: "
-              f"{engine.window_tier.hits} hits, {engine.window_tier.misses} misses; "
+              f"tokens agree in {totals['first']} of {totals['requests']} requests; windows resumed from the host tier "
+              f"{totals['window host']} times, from the store's window records {totals['window store']}; "
               f"{time.perf_counter() - began:.0f} s in all")
     finally:
         client.close()
