@@ -21,7 +21,8 @@ from engine.serving.processes import REPO_ROOT, InstanceStartError, start_instan
 from engine.serving.proto import method, pb
 from tests.engine.serving.conftest import BLOCK, CONTEXT, PAGES, VOCAB, idle, tokens, wait_for
 
-pytestmark = pytest.mark.integration
+# one worker runs the module, so its pair of instances starts once
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("decode_instances")]
 
 MAX_MESSAGE = 65_536  # small, so the oversized request of a test is cheap to send
 OPTIONS = dict(kv_pages=PAGES, block_tokens=BLOCK, max_running=8, max_message_bytes=MAX_MESSAGE)
