@@ -10,7 +10,7 @@ import torch
 from engine.model.decoder import Chunk
 from engine.model.kv import WindowState
 from engine.prefill import handoff
-from engine.prefill.request import CACHED, COLD, HANDED_OVER, REPLAYED, WINDOW_MISSING, PrefillRequest
+from engine.prefill.request import CACHED, COLD, HANDED_OVER, REPLAYED, PrefillRequest
 from tests.engine.prefill.test_engine import BLOCK, TOLERANCE, _client, _engine, _tokens
 
 pytestmark = pytest.mark.integration
@@ -58,8 +58,9 @@ def test_without_a_record_the_decode_side_falls_back_and_says_so(tiny, daemons):
         assert engine.flush(10)  # its blocks are stored now, but no continuation record
         other = _engine(tiny, client)
         result = other.prefill(PrefillRequest(tokens, from_handoff=True))
-        # a full-attention model loads the blocks; a hybrid one lacks the window (no replay configured here)
-        assert result.path == (WINDOW_MISSING if tiny.kind == "gpt_oss" else CACHED)
+        # both load the blocks; a hybrid one takes the window from the window record the first engine saved
+        assert result.path == CACHED
+        assert result.window_source == ("store" if tiny.kind == "gpt_oss" else None)
         assert (result.logits - tiny.logits(tokens)[-1]).abs().max().item() <= TOLERANCE
         result.kv.release()
 
@@ -123,7 +124,7 @@ def test_an_exact_request_never_continues_a_replayed_state(tiny_models, daemons)
     (daemon,) = daemons(1)
     conversation = _tokens(600, seed=8)
     with _client(daemon) as client:  # the first turn, stored by an engine whose window tier is then gone
-        _engine(gpt_oss, client).prefill(PrefillRequest(conversation[:500])).kv.release()
+        _engine(gpt_oss, client, store_windows=False).prefill(PrefillRequest(conversation[:500])).kv.release()
         assert client.write_behind.flush(10)
         prefill = _engine(gpt_oss, client, replay_tokens=128)
         result = prefill.prefill(PrefillRequest(conversation, hand_off=True))
