@@ -19,6 +19,10 @@ class ApiMetrics:
                                 ["api", "status"], registry=r)
         self.prompt_tokens = Counter("kvstore_api_prompt_tokens", "Prompt tokens of finished replies", registry=r)
         self.cached_tokens = Counter("kvstore_api_cached_prompt_tokens", "Prompt tokens the store held", registry=r)
+        # how each prompt's KV came (engine.prefill.request.PATHS) and, for a hybrid model's cached prompt,
+        # where its sliding window came from: this process's window tier ("host") or the store ("store")
+        self.prefill_paths = Counter("kvstore_api_prefill_paths", "Prompts by prefill path and window source",
+                                     ["path", "window"], registry=r)
         self.completion_tokens = Counter("kvstore_api_completion_tokens", "Tokens generated", registry=r)
         self.finished = Counter("kvstore_api_replies", "Replies, by how they ended", ["reason"], registry=r)
         self.cancelled = Counter("kvstore_api_cancelled", "Replies cancelled because the client went away", registry=r)

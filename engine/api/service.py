@@ -93,6 +93,7 @@ class Service:
                 reply = Reply(content, calls, reason, len(ids), len(result.tokens), result.cached_tokens,
                               text.stop_sequence, result.tokens)
                 self._finished(reply, started)
+                self.metrics.prefill_paths.labels(result.prefill_path or "none", result.window_source or "none").inc()
                 self._advise(tenant, traffic_class, ids + result.tokens, goes_on=bool(calls))
                 yield reply
                 return

@@ -236,6 +236,7 @@ class DecodeEngine:
         else:
             sequence.chain = self._saver.chain(result) if self._saver is not None else None
             sequence.prefill_path, sequence.cached_tokens = result.path, result.loaded_tokens
+            sequence.window_source = result.window_source
         sequence.append(token)
         if result is sequence.request.prompt:
             sequence.token_times_s[-1] = 0.0  # it came with the prefill, before submit

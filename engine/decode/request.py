@@ -58,6 +58,7 @@ class DecodeResult:
     #                                  fallback where the handed-over state was gone); None for token ids
     resumed_from_store: int = 0  # preemptions resumed from the KV saved through the store, not recomputed
     cached_tokens: int = 0  # prompt tokens loaded from the store (or handed over) rather than computed
+    window_source: str | None = None  # a hybrid model's cached prompt: its window from "host" or "store"
 
     @property
     def inter_token_s(self) -> list[float]:

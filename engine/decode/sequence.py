@@ -36,6 +36,7 @@ class DecodeSequence:
     cancelled: bool = False  # cancelled while its prefill ran: its KV is released when the prefill returns
     prefill_path: str | None = None
     cached_tokens: int = 0  # of the prompt, loaded from the store rather than computed
+    window_source: str | None = None  # where a hybrid model's cached prompt took its window (PrefillResult's)
     resumed_from_store: int = 0
 
     @property
@@ -88,4 +89,4 @@ class DecodeSequence:
     def result(self, reason: str) -> DecodeResult:
         return DecodeResult(self.id, self.request, self.reply, reason, self.prompt_tokens, self.token_times_s,
                             self.preemptions, self.recomputed_tokens, self.prefill_path, self.resumed_from_store,
-                            self.cached_tokens)
+                            self.cached_tokens, self.window_source)

@@ -150,11 +150,14 @@ class PrefillEngine:
         items = [(block, self._payload(page)) for block, page in zip(blocks, pages, strict=True)]
         return self.client.save(items, self.layout.num_layers, request.traffic_class, hint)
 
-    def keep_window(self, block: Block, state: WindowState, request: PrefillRequest, chain: Namespace) -> bool:
+    def keep_window(self, block: Block, state: WindowState, request: PrefillRequest, chain: Namespace,
+                    supersedes: Block | None = None) -> bool:
         """Keep `state`, the sliding window as of the end of `block` (a block of `chain`), as the latest state
         of the request's session (sessions are per tenant): in the window tier under the block's key, and in
-        the store as the block's window record (write-behind), where the session's older record is deleted,
-        since its next turn never resumes from an earlier boundary. False if the tier cannot keep it."""
+        the store as the block's window record (write-behind). The conversation's older record is deleted,
+        since its next turn never resumes from an earlier boundary: the session's last one, and the one at
+        `supersedes` (a block of the same chain: where this conversation resumed from, for requests that name
+        no session, as the HTTP API's do). False if the tier cannot keep it."""
         if self.window_tier is None:
             return False
         # sessions are per tenant: another tenant's session of the same name must not replace this one's state
@@ -164,13 +167,15 @@ class PrefillEngine:
         if self.client is not None and self.config.store_windows and not replayed_into_exact:
             record = window_records.window_record(chain, block)
             saved = self.client.save([(record, window_records.encode(state))], 1, window_records.WINDOW_CLASS)
-            older = self._session_records.pop(session, None) if session is not None else None
+            older = [self._session_records.pop(session, None) if session is not None else None]
+            older.append(window_records.window_record(chain, supersedes) if supersedes is not None else None)
             if saved and session is not None:
                 self._session_records[session] = record
                 if len(self._session_records) > MAX_SESSIONS_TRACKED:
                     self._session_records.popitem(last=False)
-            if older is not None and older.key != record.key:
-                self.client.delete([older])
+            dead = {r.key: r for r in older if r is not None and r.key != record.key}
+            if dead:
+                self.client.delete(list(dead.values()))
         return kept
 
     # -- requests ---------------------------------------------------------------------------------
@@ -448,7 +453,9 @@ class PrefillEngine:
                     continue  # not a block boundary (a hand-off's); a replayed window never goes with an exact chain
                 block = a.blocks[boundary // self.block_tokens - 1]
                 if boundary == full * self.block_tokens:  # the session's latest state
-                    self.keep_window(block, state, a.request, self.chain_namespace(a.request, a.exact, a.namespace))
+                    resumed_at = a.blocks[a.loaded - 1] if a.path == CACHED and a.loaded else None
+                    self.keep_window(block, state, a.request, self.chain_namespace(a.request, a.exact, a.namespace),
+                                     resumed_at)
                 else:
                     self.window_tier.put(block.key, state)
         a.kv.capture_at, a.kv.captured = set(), {}

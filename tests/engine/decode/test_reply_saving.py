@@ -8,6 +8,7 @@ import pytest
 from engine.decode import DecodeConfig, DecodeEngine, DecodeRequest, DecodeResult, SamplingParams
 from engine.prefill.engine import PrefillEngine
 from engine.prefill.request import CACHED, REPLAYED, WINDOW_MISSING, PrefillRequest
+from engine.swa_replay import record as window_records
 from tests.engine.prefill.test_engine import BLOCK, _check, _client, _engine, _tokens
 from tests.engine.prefill.test_replay import STORED, R, _replayed_logits, _stored_first_turn
 
@@ -137,3 +138,22 @@ def test_another_engine_resumes_the_next_turn_exactly_from_the_replys_stored_win
         assert (second.path, second.window_source, second.exact) == (CACHED, "store", True)
         assert second.loaded_tokens == _in_kv(len(conversation))  # from the reply's last boundary
         _check(tiny, second, conversation + more)
+
+
+def test_the_replys_window_record_supersedes_the_prompts_without_a_session(tiny_models, daemons):
+    tiny = tiny_models["gpt_oss"]
+    (daemon,) = daemons(1)
+    prompt = _tokens(150, seed=38)
+    with _client(daemon) as client:
+        engine = _engine(tiny, client)
+        result = engine.prefill(PrefillRequest(prompt))
+        client.write_behind.flush()
+        at_prompt = window_records.window_record(engine.chain_namespace(result.request), result.blocks[-1])
+        assert client.lookup([at_prompt]) == 1
+        (done,) = _decode(engine, [result], 45)
+        client.write_behind.flush()
+        conversation = prompt + done.tokens
+        reply_end = engine.namespace().blocks(conversation[:_in_kv(len(conversation))])[-1]
+        at_reply = window_records.window_record(engine.namespace(), reply_end)
+        assert at_reply.key != at_prompt.key
+        assert (client.lookup([at_prompt]), client.lookup([at_reply])) == (0, 1)

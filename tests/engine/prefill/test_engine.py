@@ -141,6 +141,27 @@ def test_a_sessions_older_window_record_is_deleted_once_a_newer_one_is_saved(tin
         second.kv.release()
 
 
+def test_without_a_session_the_record_a_turn_resumed_from_is_deleted_once_it_keeps_a_newer_one(tiny_models, daemons):
+    """The HTTP API names no session: the boundary a prompt resumed at stands for its conversation's last."""
+    tiny = tiny_models["gpt_oss"]
+    (daemon,) = daemons(1)
+    conversation = _tokens(TURNS[2], seed=14)
+    with _client(daemon) as client:
+        first = _engine(tiny, client).prefill(PrefillRequest(conversation[:TURNS[0]]))
+        client.write_behind.flush()
+        chain = _engine(tiny, None).namespace()
+        records = [window_records.window_record(chain, first.blocks[-1])]
+        first.kv.release()
+        for length in TURNS[1:3]:
+            result = _engine(tiny, client).prefill(PrefillRequest(conversation[:length]))  # on another engine
+            client.write_behind.flush()
+            assert (result.path, result.window_source) == (CACHED, "store")
+            records.append(window_records.window_record(chain, result.blocks[-1]))
+            assert [client.lookup([r]) for r in records[-2:]] == [0, 1], "the one resumed from is superseded"
+            result.kv.release()
+        assert client.lookup(records[:1]) == 0
+
+
 @pytest.mark.parametrize("damage", ["position", "shape", "format", "replayed"])
 def test_a_window_record_that_is_not_the_window_is_a_counted_miss_and_the_prompt_exact(tiny_models, daemons, damage):
     tiny = tiny_models["gpt_oss"]
