@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PROTO_OUT := kvstore/proto/kvstore_pb2.py
 DECODE_PROTO_OUT := engine/serving/proto/decode_pb2.py
 
-.PHONY: demo test lint bench proto clean install
+.PHONY: demo test test-processes lint bench proto clean install
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -36,6 +36,10 @@ lint: install
 # unit + integration + crash tests; benchmarks and slow work are marked `bench` and left out.
 test: install
 	$(BIN)/python -m pytest -q -n 2 --dist loadgroup tests
+
+# whole kvstore-api processes on the real model: signals, process counts, two instances on one daemon (~3 min)
+test-processes: install
+	$(BIN)/python -m pytest -q -m processes tests/engine/api/test_processes.py
 
 bench: install
 	$(BIN)/python bench/dataplane.py

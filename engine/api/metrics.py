@@ -10,9 +10,11 @@ _SECONDS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
 class ApiMetrics:
-    def __init__(self, engine_load: Callable[[], dict[str, int]], advised: Callable[[], dict[str, int]]) -> None:
+    def __init__(self, engine_load: Callable[[], dict[str, int]], advised: Callable[[], dict[str, int]],
+                 store_writes: Callable[[], dict[str, int]] = dict) -> None:
         """`engine_load`: the engines' running, waiting and KV tokens; `advised`: conversations the store was
-        advised of, by why; both read at each scrape."""
+        advised of, by why; `store_writes`: the write-behind queue's pending bytes and its blocks by outcome;
+        all read at each scrape."""
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("kvstore_api_requests", "Requests answered, by API and HTTP status",
@@ -39,3 +41,7 @@ class ApiMetrics:
         load = Gauge("kvstore_api_engine", "The engines' load at the scrape", ["what"], registry=r)
         for what in ("running", "waiting", "kv_tokens"):
             load.labels(what).set_function(lambda what=what: engine_load().get(what, 0))
+        writes = Gauge("kvstore_api_store_writes", "Write-behind to the store: bytes pending, blocks by outcome",
+                       ["what"], registry=r)
+        for what in ("pending_bytes", "queued", "stored", "existed", "failed", "dropped"):
+            writes.labels(what).set_function(lambda what=what: store_writes().get(what, 0))

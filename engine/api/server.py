@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import signal
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -351,20 +352,38 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = "kvstore-api") -> 
         parser.error(str(exc))
 
 
+class _Stopped(Exception):
+    """SIGTERM or SIGINT: stop, closing what was started."""
+
+
+def _stop(signum: int, _frame) -> None:
+    raise _Stopped(signal.Signals(signum).name)
+
+
 def main(argv: Sequence[str] | None = None, prog: str = "kvstore-api") -> None:
+    """Serve until SIGTERM or SIGINT, then exit 0 with every process and thread it started ended. During
+    start-up the signal interrupts it at once; while serving, uvicorn takes it first (requests in flight get
+    5 s), then hands it back to `_stop` once it has shut down."""
     import uvicorn
 
     config = parse_args(argv, prog)
-    service = build(config)
-    cost = service.runner.prefill.cost
-    print(f"{prog}: serving {config.model_name} on http://{config.host}:{config.port} "
-          f"(chunk cost {cost.a:.3g},{cost.b:.3g},{cost.c:.3g}: --chunk-cost skips the start-up fit)", flush=True)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _stop)
+    service = None
     try:
+        service = build(config)
+        cost = service.runner.prefill.cost
+        print(f"{prog}: serving {config.model_name} on http://{config.host}:{config.port} "
+              f"(chunk cost {cost.a:.3g},{cost.b:.3g},{cost.c:.3g}: --chunk-cost skips the start-up fit)", flush=True)
         uvicorn.run(create_app(service, config), host=config.host, port=config.port, log_level="warning",
-                    timeout_graceful_shutdown=5)  # requests in flight get 5 s, then are cut
+                    timeout_graceful_shutdown=5)
+    except _Stopped as stopped:
+        print(f"{prog}: {stopped}: stopped", file=sys.stderr, flush=True)
     finally:
-        service.runner.close()
-        service.encoder.close()
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second signal must not cut the clean-up short
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if service is not None:
+            service.close()
 
 
 def deprecated_main(argv: Sequence[str] | None = None) -> None:

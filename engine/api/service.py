@@ -35,7 +35,10 @@ class Service:
         self.stop_token_ids = tuple(stop_token_ids)
         self.max_in_flight, self.max_in_flight_per_tenant = max_in_flight, max_in_flight_per_tenant
         self.in_flight: Counter[str] = Counter()  # requests admitted and not yet done, by tenant
-        self.metrics = ApiMetrics(lambda: runner.load, lambda: advisor.advised if advisor else {})
+        client = runner.prefill.client
+        writes = (lambda: {"pending_bytes": client.write_behind.pending_bytes, **client.write_behind.counters}
+                  ) if client is not None else dict
+        self.metrics = ApiMetrics(lambda: runner.load, lambda: advisor.advised if advisor else {}, writes)
 
     async def generate(self, prompt: Prompt, tenant: str, traffic_class: str, overloaded: int = 429
                        ) -> AsyncIterator[list[int] | str | Reply]:
@@ -115,6 +118,13 @@ class Service:
     def blocks(self, tenant: str, tokens: Sequence[int]) -> list[Block]:
         """The full blocks of `tokens` in the tenant's namespace: what the store holds of them."""
         return self.runner.prefill.namespace(tenant).blocks(tokens)
+
+    def close(self) -> None:
+        """Stop the engines, then store what they queued for the store, then end the encoder's processes."""
+        self.runner.close()
+        if self.runner.prefill.client is not None:
+            self.runner.prefill.client.close()
+        self.encoder.close()
 
     def close_conversation(self, tenant: str, tokens: Sequence[int]) -> None:
         if self.advisor is not None:

@@ -48,6 +48,11 @@ class WriteBehind:
             self._changed.notify_all()
         return True
 
+    @property
+    def pending_bytes(self) -> int:
+        """Payload bytes queued or being stored."""
+        return self._queued_bytes
+
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued save has been stored (or failed); False on timeout."""
         with self._changed:

@@ -69,6 +69,5 @@ def served(tmp_path_factory):
     yield Served(f"http://127.0.0.1:{port}", service, daemon)
     http.should_exit = True
     thread.join(10)
-    service.runner.close()
-    service.encoder.close()
+    service.close()
     daemon.stop()
