@@ -29,6 +29,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import xxhash
+
 from engine.decode import SamplingParams
 
 CALL_FENCE = "```tool_call\n"
@@ -87,6 +89,19 @@ class Reply:
     cached_tokens: int  # prompt tokens the store held
     stop_sequence: str | None = None  # the request's stop string that ended the reply, if one did
     tokens: list[int] = field(default_factory=list)  # the reply's token ids
+
+
+def conversation_id(prompt: Prompt) -> str:
+    """A name for the conversation a prompt continues, the same on every turn: a digest of its messages up to
+    and including the first user message, which later turns repeat. The engines keep one window record per
+    conversation by it (an older one is deleted once superseded). Two conversations that open alike share it,
+    and then only the latest of them keeps its record; the other resumes by replay or recompute, exactly."""
+    opening = []
+    for message in prompt.messages:
+        opening.append([message.role, message.content])
+        if message.role == "user":
+            break
+    return "conversation-" + xxhash.xxh3_128_hexdigest(json.dumps(opening).encode())
 
 
 def chat_messages(prompt: Prompt) -> list[dict[str, str]]:

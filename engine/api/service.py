@@ -15,7 +15,17 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from engine.api.advice import Advisor
-from engine.api.conversation import CALL_FENCE, LENGTH, STOP, TOOL_CALLS, Prompt, Reply, chat_messages, split_tool_calls
+from engine.api.conversation import (
+    CALL_FENCE,
+    LENGTH,
+    STOP,
+    TOOL_CALLS,
+    Prompt,
+    Reply,
+    chat_messages,
+    conversation_id,
+    split_tool_calls,
+)
 from engine.api.errors import ApiError
 from engine.api.metrics import ApiMetrics
 from engine.api.reply_text import ReplyText
@@ -59,8 +69,8 @@ class Service:
             events: asyncio.Queue = asyncio.Queue()
             # the tenant's salt comes from its API key, never from the request body
             on_token = lambda token: loop.call_soon_threadsafe(events.put_nowait, ("token", token))
-            request = DecodeRequest(PrefillRequest(ids, salt=tenant, traffic_class=traffic_class), prompt.sampling,
-                                    on_token=on_token)
+            prefill = PrefillRequest(ids, salt=tenant, traffic_class=traffic_class, session_id=conversation_id(prompt))
+            request = DecodeRequest(prefill, prompt.sampling, on_token=on_token)
             text = ReplyText(self.tokenizer.decode, self.stop_token_ids, prompt.sampling.stop, bool(prompt.tools))
             try:
                 ticket = self.runner.submit(request, lambda result, error: loop.call_soon_threadsafe(

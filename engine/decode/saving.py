@@ -107,5 +107,4 @@ class ReplySaver:
         state, chain.window = chain.window, None
         if state is not None:
             block = chain.namespace.blocks(tokens[: state.position])[-1]
-            prompt_end = chain.result.blocks[-1] if chain.result.blocks and chain.exact == chain.result.exact else None
-            self.prefill.keep_window(block, state, chain.result.request, chain.namespace, prompt_end)
+            self.prefill.keep_window(block, state, chain.result.request, chain.namespace)

@@ -82,6 +82,7 @@ class _Active:
     window: WindowState | None = None  # the window to resume from, read from the store's window record
     window_source: str | None = None  # where the window it resumed from came from: "host" or "store"
     window_bytes: int = 0  # bytes of the window record loaded from the store
+    own_record: Block | None = None  # that record, where this request's session saved it: superseded when done
 
 
 class PrefillEngine:
@@ -151,24 +152,23 @@ class PrefillEngine:
         return self.client.save(items, self.layout.num_layers, request.traffic_class, hint)
 
     def keep_window(self, block: Block, state: WindowState, request: PrefillRequest, chain: Namespace,
-                    supersedes: Block | None = None) -> bool:
+                    superseded: Block | None = None) -> bool:
         """Keep `state`, the sliding window as of the end of `block` (a block of `chain`), as the latest state
         of the request's session (sessions are per tenant): in the window tier under the block's key, and in
-        the store as the block's window record (write-behind). The conversation's older record is deleted,
-        since its next turn never resumes from an earlier boundary: the session's last one, and the one at
-        `supersedes` (a block of the same chain: where this conversation resumed from, for requests that name
-        no session, as the HTTP API's do). False if the tier cannot keep it."""
+        the store as the block's window record (write-behind). The session's older record is deleted, since
+        its next turn never resumes from an earlier boundary: the last one this engine saved for it, and
+        `superseded`, a record of this session another engine saved (the one this request resumed from).
+        Requests of no session delete nothing: their records expire. False if the tier cannot keep it."""
         if self.window_tier is None:
             return False
-        # sessions are per tenant: another tenant's session of the same name must not replace this one's state
-        session = f"{block.tenant.hex()}/{request.session_id}" if request.session_id is not None else None
+        session = _session(block, request)
         kept = self.window_tier.put(block.key, state, session)
         replayed_into_exact = state.window_from and not chain.model_id.endswith(REPLAYED_SUFFIX)
         if self.client is not None and self.config.store_windows and not replayed_into_exact:
             record = window_records.window_record(chain, block)
-            saved = self.client.save([(record, window_records.encode(state))], 1, window_records.WINDOW_CLASS)
-            older = [self._session_records.pop(session, None) if session is not None else None]
-            older.append(window_records.window_record(chain, supersedes) if supersedes is not None else None)
+            payload = window_records.encode(state, window_records.session_tag(session))
+            saved = self.client.save([(record, payload)], 1, window_records.WINDOW_CLASS)
+            older = [self._session_records.pop(session, None) if session is not None else None, superseded]
             if saved and session is not None:
                 self._session_records[session] = record
                 if len(self._session_records) > MAX_SESSIONS_TRACKED:
@@ -353,11 +353,13 @@ class PrefillEngine:
             self.window_misses["absent"] += 1
             return None
         try:
-            state = window_records.decode(found[0].payload, blocks * self.block_tokens, a.kv.rings, a.exact)
+            state, session = window_records.decode(found[0].payload, blocks * self.block_tokens, a.kv.rings, a.exact)
         except window_records.CorruptWindow as exc:
             self.window_misses[exc.cause] += 1
             return None
         a.window_bytes = len(found[0].payload)
+        if session and session == window_records.session_tag(_session(found[0].block, a.request)):
+            a.own_record = found[0].block  # this session's older state: dead weight once this turn keeps its own
         return state
 
     def _recompute(self, a: _Active, path: str, exact_chain: tuple[list[Block], int]) -> None:
@@ -453,9 +455,8 @@ class PrefillEngine:
                     continue  # not a block boundary (a hand-off's); a replayed window never goes with an exact chain
                 block = a.blocks[boundary // self.block_tokens - 1]
                 if boundary == full * self.block_tokens:  # the session's latest state
-                    resumed_at = a.blocks[a.loaded - 1] if a.path == CACHED and a.loaded else None
                     self.keep_window(block, state, a.request, self.chain_namespace(a.request, a.exact, a.namespace),
-                                     resumed_at)
+                                     a.own_record if a.path == CACHED else None)
                 else:
                     self.window_tier.put(block.key, state)
         a.kv.capture_at, a.kv.captured = set(), {}
@@ -503,3 +504,8 @@ class PrefillEngine:
                 kv.release()
 
         return chunk_cost.measure(run_chunk, grid, repeats)
+
+
+def _session(block: Block, request: PrefillRequest) -> str | None:
+    """The request's session, qualified by its tenant: another tenant's session of the same name is another."""
+    return f"{block.tenant.hex()}/{request.session_id}" if request.session_id is not None else None

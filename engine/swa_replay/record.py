@@ -16,12 +16,17 @@ while the session is active.
 
 Payload, one layer (read whole), in the KV's dtype:
 
-    prelude (20 bytes, little-endian): magic b"KVW1", version u16, reserved u16, position p u32,
-                                       window_from u32, window positions w u32
+    prelude (28 bytes, little-endian): magic b"KVW1", version u16 = 2, reserved u16, position p u32,
+                                       window_from u32, window positions w u32, session tag u64
     sliding layers: (n_sliding, 2, w, kv_heads, head_dim)   positions p-w .. p-1, in order
 
 where p is the block's end and w = min(W, p - window_from) (a window rebuilt by bounded replay holds
 nothing before `window_from`; such a window is never saved for an exact chain, and never read as one).
+The session tag (`session_tag`: a hash of the tenant and the session's name; 0 for none) tells an engine
+that resumes from a record whether it is its own session's older state, which it deletes once it keeps a
+newer one, or another session's state at a boundary they share (a system prompt's), which it leaves.
+Version 1 (no tag) is read as a miss of cause "format": records live an hour, so none outlives an upgrade
+by long.
 """
 
 from __future__ import annotations
@@ -37,8 +42,8 @@ from kvstore.block import Block, Namespace, chain_hash
 
 WINDOW_CLASS = "window"  # the traffic class of window records: a short TTL, useful while sessions are active
 WINDOW_SUFFIX = "#window"  # the model identity suffix of the namespace window records are keyed in
-_PRELUDE = struct.Struct("<4sHHIII")  # magic, version, reserved, position, window_from, window positions
-_MAGIC, _VERSION = b"KVW1", 1
+_PRELUDE = struct.Struct("<4sHHIIIQ")  # magic, version, reserved, position, window_from, window positions, session
+_MAGIC, _VERSION = b"KVW1", 2
 
 
 class CorruptWindow(ValueError):
@@ -56,6 +61,11 @@ def window_record(chain: Namespace, block: Block) -> Block:
     return Block(space.digest, chain_hash(parent, block.tokens, chain.tenant), parent, block.tokens, chain.tenant)
 
 
+def session_tag(session: str | None) -> int:
+    """The tag of a session (its tenant-qualified name) in its records; 0 for requests of no session."""
+    return xxhash.xxh3_64_intdigest(session.encode()) or 1 if session is not None else 0
+
+
 def window_positions(position: int, window_from: int, window: int) -> int:
     """How many positions a window as of `position` holds: the last W, none before `window_from`."""
     return min(window, position - window_from)
@@ -66,22 +76,22 @@ def ring_slots(position: int, positions: int, window: int, device: torch.device)
     return torch.arange(position - positions, position, device=device) % window
 
 
-def encode(state: WindowState) -> bytes:
-    """The payload of `state` (rings (n_sliding, 2, W, kv_heads, head_dim))."""
+def encode(state: WindowState, session: int = 0) -> bytes:
+    """The payload of `state` (rings (n_sliding, 2, W, kv_heads, head_dim)), of the session tagged `session`."""
     window = state.rings.shape[2]
     w = window_positions(state.position, state.window_from, window)
     ordered = state.rings[:, :, ring_slots(state.position, w, window, state.rings.device)]
-    return _PRELUDE.pack(_MAGIC, _VERSION, 0, state.position, state.window_from, w) + tensor_bytes(ordered)
+    return _PRELUDE.pack(_MAGIC, _VERSION, 0, state.position, state.window_from, w, session) + tensor_bytes(ordered)
 
 
-def decode(payload: bytes | memoryview, position: int, like: torch.Tensor, exact: bool) -> WindowState:
-    """The window as of `position` a payload holds, as rings shaped and typed `like` (a request's rings).
-    CorruptWindow where it is not that: another format, position or shape, or a replayed window for an
-    `exact` chain."""
+def decode(payload: bytes | memoryview, position: int, like: torch.Tensor, exact: bool) -> tuple[WindowState, int]:
+    """The window as of `position` a payload holds, as rings shaped and typed `like` (a request's rings), and
+    the session tag it was saved with. CorruptWindow where it is not that: another format, position or shape,
+    or a replayed window for an `exact` chain."""
     view = memoryview(payload).cast("B")
     if len(view) < _PRELUDE.size:
         raise CorruptWindow("format", f"{len(view)} bytes: shorter than the prelude")
-    magic, version, _, at, window_from, w = _PRELUDE.unpack_from(view)
+    magic, version, _, at, window_from, w, session = _PRELUDE.unpack_from(view)
     if (magic, version) != (_MAGIC, _VERSION):
         raise CorruptWindow("format", f"magic {magic!r} version {version}: not a window record this engine reads")
     if exact and window_from:
@@ -97,7 +107,7 @@ def decode(payload: bytes | memoryview, position: int, like: torch.Tensor, exact
     if w:
         rings[:, :, ring_slots(position, w, window, rings.device)] = view_tensor(view[_PRELUDE.size:], like.dtype,
                                                                                 shape)
-    return WindowState(position, rings, window_from)
+    return WindowState(position, rings, window_from), session
 
 
 def tensor_bytes(tensor: torch.Tensor) -> bytes:

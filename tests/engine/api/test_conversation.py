@@ -8,7 +8,16 @@ import json
 
 import pytest
 
-from engine.api.conversation import CALL_FENCE, Message, Prompt, Tool, ToolCall, chat_messages, split_tool_calls
+from engine.api.conversation import (
+    CALL_FENCE,
+    Message,
+    Prompt,
+    Tool,
+    ToolCall,
+    chat_messages,
+    conversation_id,
+    split_tool_calls,
+)
 from engine.decode import SamplingParams
 
 pytestmark = pytest.mark.unit
@@ -31,6 +40,16 @@ def test_tools_are_described_in_the_system_text_and_tool_traffic_alternates_turn
     assert rendered[3]["content"] == "```tool_output\n18 C, sunny\n```\n\nAnd tomorrow?"
     without = chat_messages(_prompt(Message("user", "hi"), tools=()))
     assert without == [{"role": "user", "content": "hi"}], "no tools: the messages as they are"
+
+
+def test_a_conversation_keeps_its_id_from_turn_to_turn_and_another_gets_its_own():
+    opening = [Message("system", "Be brief."), Message("user", "Weather in Paris?")]
+    later = opening + [Message("assistant", "Sunny."), Message("user", "And tomorrow?")]
+    assert conversation_id(_prompt(*opening)) == conversation_id(_prompt(*later))
+    others = [[Message("system", "Be brief."), Message("user", "Weather in Rome?")],
+              [Message("system", "Be long."), Message("user", "Weather in Paris?")], opening[1:]]
+    ids = {conversation_id(_prompt(*messages)) for messages in [opening, *others]}
+    assert len(ids) == 4
 
 
 def test_a_reply_is_a_tool_call_only_when_it_calls_a_declared_tool_well_formed():

@@ -140,13 +140,13 @@ def test_another_engine_resumes_the_next_turn_exactly_from_the_replys_stored_win
         _check(tiny, second, conversation + more)
 
 
-def test_the_replys_window_record_supersedes_the_prompts_without_a_session(tiny_models, daemons):
+def test_the_replys_window_record_supersedes_the_prompts(tiny_models, daemons):
     tiny = tiny_models["gpt_oss"]
     (daemon,) = daemons(1)
     prompt = _tokens(150, seed=38)
     with _client(daemon) as client:
         engine = _engine(tiny, client)
-        result = engine.prefill(PrefillRequest(prompt))
+        result = engine.prefill(PrefillRequest(prompt, session_id="s"))
         client.write_behind.flush()
         at_prompt = window_records.window_record(engine.chain_namespace(result.request), result.blocks[-1])
         assert client.lookup([at_prompt]) == 1

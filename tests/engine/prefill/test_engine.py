@@ -141,25 +141,31 @@ def test_a_sessions_older_window_record_is_deleted_once_a_newer_one_is_saved(tin
         second.kv.release()
 
 
-def test_without_a_session_the_record_a_turn_resumed_from_is_deleted_once_it_keeps_a_newer_one(tiny_models, daemons):
-    """The HTTP API names no session: the boundary a prompt resumed at stands for its conversation's last."""
+def test_a_session_deletes_its_older_record_saved_by_another_engine_and_leaves_a_shared_one(tiny_models, daemons):
     tiny = tiny_models["gpt_oss"]
     (daemon,) = daemons(1)
     conversation = _tokens(TURNS[2], seed=14)
     with _client(daemon) as client:
-        first = _engine(tiny, client).prefill(PrefillRequest(conversation[:TURNS[0]]))
-        client.write_behind.flush()
         chain = _engine(tiny, None).namespace()
-        records = [window_records.window_record(chain, first.blocks[-1])]
-        first.kv.release()
-        for length in TURNS[1:3]:
-            result = _engine(tiny, client).prefill(PrefillRequest(conversation[:length]))  # on another engine
+        record = lambda result: window_records.window_record(chain, result.blocks[-1])  # noqa: E731
+        first = _engine(tiny, client).prefill(PrefillRequest(conversation[:TURNS[0]], session_id="s"))
+        client.write_behind.flush()
+        # another session resumes from the first's record (a prefix they share), on an engine of its own
+        other = _engine(tiny, client).prefill(PrefillRequest(conversation[:TURNS[0]] + _tokens(40, 15),
+                                                             session_id="t"))
+        client.write_behind.flush()
+        assert (other.path, other.window_source) == (CACHED, "store") and record(other) != record(first)
+        assert client.lookup([record(first)]) == 1, "another session's record is left where it was"
+        first.kv.release(), other.kv.release()
+        records = [record(first)]
+        for length in TURNS[1:3]:  # the session's next turns, each on another engine
+            result = _engine(tiny, client).prefill(PrefillRequest(conversation[:length], session_id="s"))
             client.write_behind.flush()
             assert (result.path, result.window_source) == (CACHED, "store")
-            records.append(window_records.window_record(chain, result.blocks[-1]))
-            assert [client.lookup([r]) for r in records[-2:]] == [0, 1], "the one resumed from is superseded"
+            records.append(record(result))
+            assert [client.lookup([r]) for r in records[-2:]] == [0, 1], "the session's older record is superseded"
             result.kv.release()
-        assert client.lookup(records[:1]) == 0
+        assert client.lookup(records[:1]) == 0 and client.lookup([record(other)]) == 1
 
 
 @pytest.mark.parametrize("damage", ["position", "shape", "format", "replayed"])

@@ -24,7 +24,8 @@ def _state(position: int, window_from: int = 0) -> WindowState:
 @pytest.mark.parametrize("position, window_from", [(16, 0), (5, 0), (20, 14)])
 def test_a_window_round_trips_to_the_positions_it_holds(position, window_from):
     state = _state(position, window_from)
-    back = record.decode(record.encode(state), position, state.rings, exact=False)
+    back, session = record.decode(record.encode(state, 7), position, state.rings, exact=False)
+    assert session == 7
     w = min(W, position - window_from)
     slots = torch.arange(position - w, position) % W
     assert back.position == position and back.window_from == window_from
@@ -35,13 +36,20 @@ def test_a_window_round_trips_to_the_positions_it_holds(position, window_from):
 
 
 def test_the_payload_is_the_window_and_a_prelude():
-    assert len(record.encode(_state(16))) == 20 + 3 * 2 * W * 1 * 4 * 4
-    assert len(record.encode(_state(5))) == 20 + 3 * 2 * 5 * 1 * 4 * 4  # a window not yet full
+    assert len(record.encode(_state(16))) == 28 + 3 * 2 * W * 1 * 4 * 4
+    assert len(record.encode(_state(5))) == 28 + 3 * 2 * 5 * 1 * 4 * 4  # a window not yet full
+
+
+def test_session_tags_tell_sessions_and_tenants_apart_and_none_is_zero():
+    tags = {record.session_tag(s) for s in ("aa/chat-1", "aa/chat-2", "bb/chat-1")}
+    assert len(tags) == 3 and 0 not in tags
+    assert record.session_tag(None) == 0 and record.session_tag("aa/chat-1") == record.session_tag("aa/chat-1")
 
 
 @pytest.mark.parametrize("payload, position, exact, cause", [
     (b"KVW", 16, True, "format"),
     (b"KVH1" + record.encode(_state(16))[4:], 16, True, "format"),
+    (record.encode(_state(16))[:4] + b"\x01\x00" + record.encode(_state(16))[6:], 16, True, "format"),  # version 1
     (record.encode(_state(16)), 17, True, "position"),
     (record.encode(_state(16))[:-4], 16, True, "shape"),
     (record.encode(_state(20, 14)), 20, True, "replayed"),
