@@ -142,7 +142,8 @@ def start_stack(workdir: Path) -> tuple[list[subprocess.Popen], str, str]:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     server = subprocess.Popen([sys.executable, "-m", "engine.api.server", "--port", str(port), "--servers",
-                               daemon.address, "--kv-pages", str(KV_PAGES)], env={**os.environ, "OMP_NUM_THREADS": "2"})
+                               daemon.address, "--kv-pages", str(KV_PAGES),
+                               "--block-tokens", "256"], env={**os.environ, "OMP_NUM_THREADS": "2"})
     url = f"http://127.0.0.1:{port}"
     import httpx
 

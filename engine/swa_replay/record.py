@@ -63,7 +63,7 @@ def window_record(chain: Namespace, block: Block) -> Block:
 
 def session_tag(session: str | None) -> int:
     """The tag of a session (its tenant-qualified name) in its records; 0 for requests of no session."""
-    return xxhash.xxh3_64_intdigest(session.encode()) or 1 if session is not None else 0
+    return (xxhash.xxh3_64_intdigest(session.encode()) or 1) if session is not None else 0  # never 0 for one
 
 
 def window_positions(position: int, window_from: int, window: int) -> int:

@@ -54,7 +54,7 @@ def served(tmp_path_factory):
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    config = ApiConfig(port=port, api_keys=KEYS, kv_pages=32, servers=(daemon.address,), tokenize_workers=1,
+    config = ApiConfig(port=port, api_keys=KEYS, kv_pages=128, servers=(daemon.address,), tokenize_workers=1,
                        idle_s={"chat": 3600.0, "agent": 3600.0},
                        chunk_cost=(8e-8, 2e-3, 0.0))  # as fitted on 2 cores: no start-up forwards to time
     service = build(config)

@@ -31,10 +31,10 @@ def test_every_option_has_help_text(capsys):
 
 
 def test_options_reach_the_config():
-    config = parse_args(["--servers", "127.0.0.1:1,127.0.0.1:2", "--api-key", "k1=alice", "--block-tokens", "64",
+    config = parse_args(["--servers", "127.0.0.1:1,127.0.0.1:2", "--api-key", "k1=alice", "--block-tokens", "32",
                          "--max-running", "4", "--kv-pages", "9", "--tokenize-workers", "1", "--chunk-cost", "1,2,0"])
     assert config.servers == ("127.0.0.1:1", "127.0.0.1:2") and config.api_keys == {"k1": "alice"}
-    assert (config.block_tokens, config.max_running, config.kv_pages, config.tokenize_workers) == (64, 4, 9, 1)
+    assert (config.block_tokens, config.max_running, config.kv_pages, config.tokenize_workers) == (32, 4, 9, 1)
     assert config.chunk_cost == (1.0, 2.0, 0.0)
 
 

@@ -73,7 +73,7 @@ class ApiProcess:
         self.mark, self.port = uuid.uuid4().hex, port or _free_port()
         keys = [arg for key, tenant in KEYS.items() for arg in ("--api-key", f"{key}={tenant}")]
         command = [sys.executable, "-m", "engine.api.server", "--port", str(self.port), "--chunk-cost", CHUNK_COST,
-                   "--kv-pages", "48", "--tokenize-workers", "2", *keys, *args]
+                   "--kv-pages", "192", "--tokenize-workers", "2", *keys, *args]
         if servers:
             command += ["--servers", ",".join(servers)]
         self.process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
