@@ -219,6 +219,8 @@ def test_a_tenant_at_its_limit_is_told_to_come_back(served):
         refused = _post(served, "/v1/messages", chat)
         assert refused.status_code == 529 and refused.json()["error"]["type"] == "overloaded_error"
         assert _post(served, "/v1/chat/completions", chat, key="key-bob").status_code == 200, "bob has his own"
+        # the reply can reach the client a moment before its request gives back its slot
+        assert _wait(lambda: service.in_flight["bob"] == 0), "bob's request gave its slot back"
         service.in_flight["bob"] = service.max_in_flight - service.max_in_flight_per_tenant
         assert _post(served, "/v1/chat/completions", chat, key="key-bob").status_code == 429, "the server is full"
     finally:
