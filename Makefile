@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PROTO_OUT := kvstore/proto/kvstore_pb2.py
 DECODE_PROTO_OUT := engine/serving/proto/decode_pb2.py
 
-.PHONY: demo test test-processes lint bench proto clean install
+.PHONY: demo test test-processes test-connectors lint bench proto clean install
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -40,6 +40,13 @@ test: install
 # whole kvstore-api processes on the real model: signals, process counts, two instances on one daemon (~3 min)
 test-processes: install
 	$(BIN)/python -m pytest -q -m processes tests/engine/api/test_processes.py
+
+# engine plug-ins (kvstore/connectors/) against the engines' own packages, each in a venv of its own built from
+# its lock file (deploy/connectors/; 1.5-2 GB and a few minutes each, the first time)
+CONNECTOR_LOCKS := lmcache-0.5.6
+test-connectors: install
+	for lock in $(CONNECTOR_LOCKS); do deploy/connectors/venv.sh $$lock && \
+		.venvs/$$lock/bin/python -m pytest -q -m connectors tests/connectors || exit 1; done
 
 bench: install
 	$(BIN)/python bench/dataplane.py

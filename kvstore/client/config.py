@@ -77,6 +77,11 @@ _SECURITY_FLAGS = {"token": "KVSTORE_TOKEN", "tls_ca": "KVSTORE_TLS_CA", "tls_ce
                    "tls_key": "KVSTORE_TLS_KEY", "tls_server_name": "KVSTORE_TLS_SERVER_NAME"}
 
 
+def security_from_environment() -> dict:
+    """The ClientConfig fields the KVSTORE_* variables give: for clients that take no flags (engine plug-ins)."""
+    return {name: os.environ[variable] for name, variable in _SECURITY_FLAGS.items() if os.environ.get(variable)}
+
+
 def add_security_flags(parser, prefix: str = "") -> None:
     """--token, --tls-ca, --tls-cert, --tls-key, --tls-server-name for a command-line client of a secured
     cluster; each defaults to its KVSTORE_* environment variable (a token in a flag shows in `ps`). A

@@ -1,0 +1,61 @@
+"""Block identities for an engine's own cache keys (docs/design.md section 6, "Engine keys").
+
+SGLang's, LMCache's and vLLM's tier interfaces pass the engine's key for a page or chunk (already a hash
+chained over the prefix), never its tokens. The store still promises that a hit is what was stored for
+that key, from that model and layout, for that tenant, or a miss. So an engine key becomes a one-block
+chain of its own:
+
+    namespace   model identity  "<engine>|<model>|<layout>|page=<tokens>|rank=<r>/<world>",
+                layout (1 opaque layer of bytes), block_tokens = KEY_TOKENS, salt = the tenant
+    tokens      the 128-bit xxh3 of the engine key, as KEY_TOKENS little-endian u32 words
+    parent      the namespace digest (no predecessor: the engine's key already commits to the prefix)
+
+Two engines, models, layouts, page sizes, tensor-parallel ranks or tenants name different namespaces, so
+their keys never meet; the daemon checks each record's header against the key it was asked for, so a hit
+is the bytes stored under exactly this identity. A leading run of keys is looked up as for any blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import xxhash
+
+from kvstore.block import Block, KVLayout, Namespace
+
+KEY_TOKENS = 4  # the engine key's 128-bit digest as u32 words: the block's "tokens"
+OPAQUE = KVLayout(num_layers=1, kv_heads=1, head_dim=1, dtype="int8")  # the engine's bytes, stored as they are
+
+
+@dataclass(frozen=True)
+class EngineIdentity:
+    engine: str  # "lmcache", "sglang", "vllm"
+    model: str
+    layout: str  # the engine's description of one page's bytes: format, dtype, shape
+    page_tokens: int
+    rank: int = 0
+    world: int = 1
+    tenant: str = ""  # the namespace salt: tenants never share blocks
+    namespace: Namespace = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.engine or not self.model or not self.layout:
+            raise ValueError("EngineIdentity: engine, model and layout must be non-empty")
+        if "|" in self.engine + self.model + self.layout:
+            raise ValueError("EngineIdentity: '|' separates the identity's fields and cannot appear in them")
+        if self.page_tokens < 1 or self.world < 1 or not 0 <= self.rank < self.world:
+            raise ValueError(f"EngineIdentity: page_tokens >= 1 and 0 <= rank < world, got page_tokens "
+                             f"{self.page_tokens}, rank {self.rank} of {self.world}")
+        namespace = Namespace(f"{self.engine}|{self.model}|{self.layout}|page={self.page_tokens}|"
+                              f"rank={self.rank}/{self.world}", OPAQUE, KEY_TOKENS, self.tenant)
+        object.__setattr__(self, "namespace", namespace)
+
+    def block(self, key: str | bytes) -> Block:
+        """The block that stands for the engine key `key`."""
+        raw = key.encode() if isinstance(key, str) else bytes(key)
+        digest = xxhash.xxh3_128_digest(raw)
+        tokens = tuple(int.from_bytes(digest[i : i + 4], "little") for i in range(0, 16, 4))
+        return self.namespace.blocks(tokens)[0]
+
+    def blocks(self, keys) -> list[Block]:
+        return [self.block(key) for key in keys]
