@@ -64,8 +64,7 @@ class KVStoreConnector(RemoteConnector):
             f"remote_storage_plugin.{PLUGIN}.{name}", default)
         servers = setting("servers") or os.environ.get("KVSTORE_SERVERS", "")
         self.client_config = ClientConfig(tuple(s.strip() for s in servers.split(",") if s.strip()),
-                                          timeout_s=float(setting("timeout_s", 5.0)), transport="grpc",
-                                          **security_from_environment())
+                                          timeout_s=float(setting("timeout_s", 5.0)), **security_from_environment())
         if not self.client_config.servers:
             raise ValueError(f"the kvstore plug-in needs remote_storage_plugin.{PLUGIN}.servers or KVSTORE_SERVERS")
         self.traffic_class = str(setting("traffic_class", "chat"))
@@ -125,8 +124,9 @@ class KVStoreConnector(RemoteConnector):
         return memory_obj
 
     def _write(self, keys: list[CacheEngineKey], memory_objs: list[MemoryObj]) -> None:
-        items = [(self._block(key), bytes(memoryview(obj.byte_array).cast("B"))) for key, obj in zip(keys, memory_objs,
-                                                                                                   strict=True)]
+        # the chunks' own memory: LMCache holds each until this returns
+        items = [(self._block(key), memoryview(obj.byte_array).cast("B")) for key, obj in zip(keys, memory_objs,
+                                                                                             strict=True)]
         try:
             self.client.put(items, 1, self.traffic_class)
         except Exception as exc:  # noqa: BLE001 - a chunk that is not stored is simply not cached
