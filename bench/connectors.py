@@ -7,7 +7,8 @@ fresh 4 MiB chunks are set and then got:
 
     lmcache   through LMCache 0.5.6's RemoteBackend (batched_submit_put_task, batched_get_blocking) and
               its LocalCPUBackend allocator, the path LMCache itself takes, into this project's plug-in
-    client    the same bytes through kvstore.client.KVClient put / get, with the same (default) transport
+    client    the same bytes, in tensors as an engine holds them, through kvstore.client.KVClient put / get,
+              with the same (default) transport
 
 Reported: GB/s of set and of get, medians (min-max) over repeats, and the plug-in's over the client's
 (aim >= 0.8).
@@ -81,7 +82,10 @@ def lmcache_round(local, remote, metadata, first: int, n: int) -> tuple[float, f
 
 def client_round(client: KVClient, first: int, n: int, nbytes: int) -> tuple[float, float]:
     identity = EngineIdentity("bench-client", "bench", "raw", CHUNK)
-    items = [(identity.block(str(first + i)), bytes([(first + i) % 251]) * nbytes) for i in range(n)]
+    # the chunks in tensors, as an engine holds them (the client copies them into its records, as it does
+    # for the plug-in)
+    tensors = [torch.full((nbytes // 2,), float((first + i) % 7), dtype=torch.float16) for i in range(n)]
+    items = [(identity.block(str(first + i)), memoryview(t.numpy()).cast("B")) for i, t in enumerate(tensors)]
     started = time.perf_counter()
     client.put(items, 1)
     set_s = time.perf_counter() - started
