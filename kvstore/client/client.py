@@ -104,6 +104,11 @@ class AsyncKVClient:
             return in_host
         return in_host + await self._lookup_daemons(blocks[in_host:])
 
+    async def present(self, blocks: Sequence[Block]) -> list[bool]:
+        """Whether each block is stored, each on its own rather than as a prefix (one round: a Lookup per
+        block, all at once). For state kept only at some blocks of a prefix, such as a sliding window's."""
+        return [hits == 1 for hits in await asyncio.gather(*(self.lookup([block]) for block in blocks))]
+
     async def _lookup_daemons(self, blocks: Sequence[Block]) -> int:
         groups = self._group(blocks)
 

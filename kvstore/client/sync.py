@@ -50,6 +50,9 @@ class KVClient:
     def lookup(self, blocks: Sequence[Block]) -> int:
         return self._run(self._async.lookup(blocks))
 
+    def present(self, blocks: Sequence[Block]) -> list[bool]:
+        return self._run(self._async.present(blocks))
+
     def get(self, blocks: Sequence[Block], layer_begin: int = 0, layer_end: int | None = None,
             layer_major: bool = False, into: Sequence[Buffer] | None = None) -> list[BlockData]:
         """As AsyncKVClient.get. When every daemon involved has a known data channel, the sockets are

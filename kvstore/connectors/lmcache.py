@@ -10,9 +10,12 @@ In LMCache's configuration (YAML or LMCACHE_* variables):
       remote_storage_plugin.kvstore.tenant: "team-a"          # optional: the namespace salt
       remote_storage_plugin.kvstore.traffic_class: "chat"     # optional: the retention class
       remote_storage_plugin.kvstore.timeout_s: 5              # optional: the deadline of each call
+      remote_storage_plugin.kvstore.token_file: /run/secrets/kvstore-token     # optional: secured daemons
+      remote_storage_plugin.kvstore.tls_ca: /etc/kvstore/ca.pem                # optional: and tls_cert,
+                                                                               # tls_key, tls_server_name
 
-A bearer token and TLS come from KVSTORE_TOKEN, KVSTORE_TLS_CA, KVSTORE_TLS_CERT, KVSTORE_TLS_KEY and
-KVSTORE_TLS_SERVER_NAME (docs/operations.md), never from a config file.
+Each security setting falls back to its KVSTORE_* variable (KVSTORE_TOKEN, KVSTORE_TLS_CA, ...;
+docs/operations.md); a token is read from a file, never written into a config.
 
 Each chunk (a MemoryObj, KV_2LTD `[2, layers, tokens, hidden]`; the last one of a prompt may hold fewer
 tokens) is one record of the chunk's bytes, under the block identity of its CacheEngineKey
@@ -27,8 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import threading
 from typing import Any
 
 import torch
@@ -38,9 +39,9 @@ from lmcache.v1.storage_backend.connector import ConnectorAdapter, ConnectorCont
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from kvstore.block import Block
-from kvstore.client import ClientConfig, KVClient
-from kvstore.client.config import security_from_environment
+from kvstore.client import KVClient
 from kvstore.connectors.identity import EngineIdentity
+from kvstore.connectors.store import LazyClient, client_config
 
 PLUGIN = "kvstore"
 log = logging.getLogger(__name__)
@@ -60,28 +61,21 @@ class KVStoreConnector(RemoteConnector):
     def __init__(self, loop: asyncio.AbstractEventLoop, local_cpu_backend, config, metadata) -> None:
         super().__init__(config, metadata)
         self.loop, self.local_cpu_backend = loop, local_cpu_backend
-        setting = lambda name, default=None: (config.extra_config or {}).get(  # noqa: E731
-            f"remote_storage_plugin.{PLUGIN}.{name}", default)
-        servers = setting("servers") or os.environ.get("KVSTORE_SERVERS", "")
-        self.client_config = ClientConfig(tuple(s.strip() for s in servers.split(",") if s.strip()),
-                                          timeout_s=float(setting("timeout_s", 5.0)), **security_from_environment())
-        if not self.client_config.servers:
-            raise ValueError(f"the kvstore plug-in needs remote_storage_plugin.{PLUGIN}.servers or KVSTORE_SERVERS")
-        self.traffic_class = str(setting("traffic_class", "chat"))
+        prefix = f"remote_storage_plugin.{PLUGIN}."
+        settings = {k.removeprefix(prefix): v for k, v in (config.extra_config or {}).items() if k.startswith(prefix)}
+        settings = {k: v for k, v in settings.items() if k not in ("module_path", "class_name")}
+        self.client_config = client_config(settings, prefix)
+        self.store = LazyClient(self.client_config)
+        self.traffic_class = str(settings.get("traffic_class", "chat"))
         shapes = ";".join(f"{list(shape)}:{str(dtype).removeprefix('torch.')}"
                           for shape, dtype in zip(self.meta_shapes, self.meta_dtypes, strict=True))
         self.identity = EngineIdentity("lmcache", metadata.model_name, f"{self.meta_fmt.name}{shapes}",
                                        metadata.chunk_size, metadata.worker_id, metadata.world_size,
-                                       str(setting("tenant", "")))
-        self._client: KVClient | None = None
-        self._connecting = threading.Lock()
+                                       str(settings.get("tenant", "")))
 
     @property
     def client(self) -> KVClient:
-        with self._connecting:
-            if self._client is None:
-                self._client = KVClient(self.client_config)
-            return self._client
+        return self.store.get()
 
     def _block(self, key: CacheEngineKey) -> Block:
         return self.identity.block(key.to_string())
@@ -153,9 +147,7 @@ class KVStoreConnector(RemoteConnector):
         return []  # the daemons index keys, not LMCache's strings: there is nothing to list them from
 
     async def close(self) -> None:
-        if self._client is not None:
-            await self._in_thread(self._client.close)
-            self._client = None
+        await self._in_thread(self.store.close)
 
     def support_batched_get(self) -> bool:
         return True

@@ -34,6 +34,21 @@ def test_blocks_spread_over_all_daemons(daemons):
         assert client.lookup([b for b, _ in items]) == 30
 
 
+def test_present_answers_for_each_block_not_for_the_prefix(daemons):
+    cluster = daemons(3)
+    items = conversation(12, seed=7)
+    kept = [i for i in range(12) if i % 3 != 1]  # holes after the first block: the prefix is 1 block long
+    with KVClient(fast_config(cluster)) as client:
+        client.put([items[i] for i in kept], NS.num_layers)
+        blocks = [b for b, _ in items]
+        assert client.lookup(blocks) == 1
+        assert client.present(blocks) == [i in kept for i in range(12)]
+        assert client.present([]) == []
+        cluster[0].kill()
+        on_the_rest = client.present(blocks)  # the blocks of a dead daemon are absent, never an exception
+        assert all(i in kept for i, p in enumerate(on_the_rest) if p)
+
+
 def test_a_dead_daemon_means_misses_then_hits_again_when_it_returns(daemons):
     cluster = daemons(3)
     sessions = [conversation(12, seed=s) for s in range(6)]
