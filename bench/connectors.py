@@ -1,90 +1,45 @@
-"""The engine plug-ins' throughput against the plain client, on the same bytes, in one run.
+"""The engine plug-ins' throughput against the plain client on the same bytes, in the same run.
 
-    .venvs/lmcache-0.5.6/bin/python bench/connectors.py [--chunks 32] [--repeats 5] [--json out.json]
+    .venv/bin/python bench/connectors.py [--pages 32] [--repeats 5] [--json out.json]
+    .venvs/<lock>/bin/python bench/connectors.py --backend sglang ...    # one backend, in its own venv
 
-(run in the engine's venv: `make test-connectors` builds it). One daemon on loopback. Per round, `--chunks`
-fresh 4 MiB chunks are set and then got:
-
-    lmcache   through LMCache 0.5.6's RemoteBackend (batched_submit_put_task, batched_get_blocking) and
-              its LocalCPUBackend allocator, the path LMCache itself takes, into this project's plug-in
-    client    the same bytes, in tensors as an engine holds them, through kvstore.client.KVClient put / get,
-              with the same (default) transport
-
-Reported: GB/s of set and of get, medians (min-max) over repeats, and the plug-in's over the client's
-(aim >= 0.8).
+Each backend runs in its engine's venv (`make test-connectors` builds them), one after the other, each
+with a daemon of its own on loopback. Per round, `--pages` fresh 4 MiB pages are set through the engine's
+own call path into the plug-in (bench/connector_paths/) and got back; then the same number of pages of
+the same size, in tensors as an engine holds them, through kvstore.client.KVClient put / get, with the
+same (default) transport. Reported: GB/s of set and get, medians (min-max) over repeats, and the
+plug-in's over the client's (aim >= 0.8). SGLang adds the hit rate of a multi-turn sliding-window
+workload through its hybrid interface, beside SGLang's own HiCacheFile.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
+import importlib
 import json
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
-import torch  # noqa: E402
-
-from kvstore.client import ClientConfig, KVClient  # noqa: E402
-from kvstore.connectors.identity import EngineIdentity  # noqa: E402
-from kvstore.server.process import DaemonProcess  # noqa: E402
-
-CHUNK, LAYERS, HEADS, HEAD_DIM = 256, 8, 4, 128  # [2, 8, 256, 512] float16: 4 MiB
+BACKENDS = {"lmcache": "lmcache-0.5.6", "sglang": "sglang-0.5.23", "vllm-tier": "vllm-0.33.0",
+            "vllm-connector": "vllm-0.33.0"}  # backend: the lock file of its venv (deploy/connectors/)
 
 
-def lmcache_backend(address: str, loop, cpu_gb: float):
-    from lmcache.v1.config import LMCacheEngineConfig
-    from lmcache.v1.metadata import LMCacheMetadata
-    from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
-    from lmcache.v1.storage_backend.remote_backend import RemoteBackend
+def client_round(client, first: int, pages: int, page_bytes: int) -> tuple[float, float]:
+    import torch
 
-    extra = {"remote_storage_plugin.kvstore.module_path": "kvstore.connectors.lmcache",
-             "remote_storage_plugin.kvstore.class_name": "KVStoreConnectorAdapter",
-             "remote_storage_plugin.kvstore.servers": address}
-    config = LMCacheEngineConfig.from_defaults(chunk_size=CHUNK, local_cpu=True, max_local_cpu_size=cpu_gb,
-                                               remote_storage_plugins=["kvstore"], extra_config=extra)
-    metadata = LMCacheMetadata(model_name="bench", world_size=1, local_world_size=1, worker_id=0, local_worker_id=0,
-                               kv_dtype=torch.float16, kv_shape=(LAYERS, 2, CHUNK, HEADS, HEAD_DIM))
-    local = LocalCPUBackend(config, metadata)
-    return local, RemoteBackend(config, metadata, loop, local, dst_device="cpu", plugin_name="kvstore"), metadata
+    from kvstore.connectors.identity import EngineIdentity
 
-
-def lmcache_round(local, remote, metadata, first: int, n: int) -> tuple[float, float, bytes]:
-    from lmcache.utils import CacheEngineKey
-    from lmcache.v1.memory_management import MemoryFormat
-
-    keys = [CacheEngineKey("bench", 1, 0, first + i, torch.float16) for i in range(n)]
-    objs = []
-    for i in range(n):
-        obj = local.allocate(metadata.get_shapes(), metadata.get_dtypes(), MemoryFormat.KV_2LTD)
-        obj.tensor.fill_(float(first + i) % 7)
-        objs.append(obj)
-    started = time.perf_counter()
-    remote.batched_submit_put_task(keys, objs)
-    while any(obj.get_ref_count() > 1 for obj in objs):  # LMCache holds a reference until the put is done
-        time.sleep(0.0005)
-    set_s = time.perf_counter() - started
-    started = time.perf_counter()
-    got = remote.batched_get_blocking(keys)
-    get_s = time.perf_counter() - started
-    assert all(g is not None for g in got), "a chunk just set was not found"
-    sample = bytes(got[-1].byte_array[:64])
-    for obj in objs + got:
-        obj.ref_count_down()
-    return set_s, get_s, sample
-
-
-def client_round(client: KVClient, first: int, n: int, nbytes: int) -> tuple[float, float]:
-    identity = EngineIdentity("bench-client", "bench", "raw", CHUNK)
-    # the chunks in tensors, as an engine holds them (the client copies them into its records, as it does
-    # for the plug-in)
-    tensors = [torch.full((nbytes // 2,), float((first + i) % 7), dtype=torch.float16) for i in range(n)]
+    identity = EngineIdentity("bench-client", "bench", "raw", 64)
+    tensors = [torch.full((page_bytes // 2,), float((first + i) % 7), dtype=torch.float16) for i in range(pages)]
     items = [(identity.block(str(first + i)), memoryview(t.numpy()).cast("B")) for i, t in enumerate(tensors)]
     started = time.perf_counter()
     client.put(items, 1)
@@ -92,60 +47,94 @@ def client_round(client: KVClient, first: int, n: int, nbytes: int) -> tuple[flo
     started = time.perf_counter()
     got = client.get([block for block, _ in items])
     get_s = time.perf_counter() - started
-    assert len(got) == n
+    assert len(got) == pages
     return set_s, get_s
 
 
-def _spread(values: list[float]) -> dict:
+def spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def measure(backend: str, pages: int, repeats: int) -> dict:
+    """One backend, in this (its engine's) venv."""
+    from kvstore.client import ClientConfig, KVClient
+    from kvstore.server.process import DaemonProcess
+
+    module = importlib.import_module(f"connector_paths.{backend.replace('-', '_')}")
+    workdir = Path(tempfile.mkdtemp(prefix="kvstore-connectors-bench-"))
+    daemon = DaemonProcess(workdir / "daemon", workdir, ["--hot-tier-bytes", "2GiB"]).start()
+    rates = {"plugin": {"set": [], "get": []}, "client": {"set": [], "get": []}}
+    result: dict = {}
+    try:
+        path = module.Path(daemon.address, pages)
+        gb = pages * path.page_bytes / 1e9
+        with KVClient(ClientConfig((daemon.address,))) as client:
+            for repeat in range(repeats):  # the two ways interleaved, fresh keys each round
+                first = (repeat + 1) * 1_000_000
+                for way, (set_s, get_s) in (("plugin", path.round(first)),
+                                            ("client", client_round(client, first, pages, path.page_bytes))):
+                    rates[way]["set"].append(gb / set_s)
+                    rates[way]["get"].append(gb / get_s)
+                print(f"  {backend} repeat {repeat + 1}/{repeats}: plug-in set {rates['plugin']['set'][-1]:.2f} "
+                      f"get {rates['plugin']['get'][-1]:.2f} GB/s; client set {rates['client']['set'][-1]:.2f} "
+                      f"get {rates['client']['get'][-1]:.2f} GB/s", flush=True)
+        path.close()
+        result["page_bytes"] = path.page_bytes
+        if hasattr(module, "swa_hit_rates"):
+            result["swa_hit_rate"] = module.swa_hit_rates(daemon.address, str(workdir / "hicache-file"))
+    finally:
+        daemon.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+    for op in ("set", "get"):
+        result[op] = {"plugin_gbps": spread(rates["plugin"][op]), "client_gbps": spread(rates["client"][op]),
+                      "plugin_over_client": spread([a / b for a, b in zip(rates["plugin"][op], rates["client"][op])])}
+    return result
+
+
+def in_its_venv(backend: str, args) -> dict | None:
+    python = ROOT / ".venvs" / BACKENDS[backend] / "bin" / "python"
+    if not python.exists():
+        print(f"  {backend}: no venv at {python.parent.parent} (make test-connectors builds it); skipped")
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        subprocess.run([str(python), __file__, "--backend", backend, "--pages", str(args.pages), "--repeats",
+                        str(args.repeats), "--json", out.name], check=True)
+        return json.loads(Path(out.name).read_text())[backend]
+
+
+def report(results: dict, pages: int, repeats: int) -> None:
+    print(f"\n{pages} pages of 4 MiB per round, one daemon on loopback; GB/s, medians (min-max) of {repeats}")
+    cell = lambda s: f"{s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f})"  # noqa: E731
+    print(f"  {'backend':<15} {'op':<4} {'plug-in':<18} {'client':<18} plug-in/client (aim >= 0.8)")
+    for backend, result in results.items():
+        for op in ("set", "get"):
+            r = result[op]
+            print(f"  {backend:<15} {op:<4} {cell(r['plugin_gbps']):<18} {cell(r['client_gbps']):<18} "
+                  f"{cell(r['plugin_over_client'])}")
+        if "swa_hit_rate" in result:
+            rates = result["swa_hit_rate"]
+            print(f"  {backend:<15} multi-turn SWA hit rate (v2): kvstore {rates['kvstore']:.3f}, SGLang's "
+                  f"HiCacheFile {rates['file']:.3f}, ratio {rates['kvstore'] / rates['file']:.2f} "
+                  f"({rates['pages_asked']} pages asked)")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--chunks", type=int, default=32)
+    parser.add_argument("--backend", choices=sorted(BACKENDS), help="one backend, in this venv (default: each "
+                        "in its own venv)")
+    parser.add_argument("--pages", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    if min(args.chunks, args.repeats) < 1:
-        parser.error("--chunks and --repeats must be >= 1")
-    workdir = Path(tempfile.mkdtemp(prefix="kvstore-connectors-bench-"))
-    daemon = DaemonProcess(workdir / "daemon", workdir, ["--hot-tier-bytes", "2GiB"]).start()
-    loop = asyncio.new_event_loop()
-    threading.Thread(target=loop.run_forever, daemon=True).start()
-    rates = {"lmcache": {"set": [], "get": []}, "client": {"set": [], "get": []}}
-    try:
-        local, remote, metadata = lmcache_backend(daemon.address, loop, cpu_gb=3 * args.chunks * 4 / 1024 + 0.1)
-        nbytes = 2 * LAYERS * CHUNK * HEADS * HEAD_DIM * 2  # the chunk, float16
-        gb = args.chunks * nbytes / 1e9
-        with KVClient(ClientConfig((daemon.address,))) as client:
-            for repeat in range(args.repeats):  # the two ways interleaved, fresh keys each round
-                first = (repeat + 1) * 1_000_000
-                set_s, get_s, _ = lmcache_round(local, remote, metadata, first, args.chunks)
-                rates["lmcache"]["set"].append(gb / set_s)
-                rates["lmcache"]["get"].append(gb / get_s)
-                set_s, get_s = client_round(client, first, args.chunks, nbytes)
-                rates["client"]["set"].append(gb / set_s)
-                rates["client"]["get"].append(gb / get_s)
-                print(f"  repeat {repeat + 1}/{args.repeats}: lmcache set {rates['lmcache']['set'][-1]:.2f} get "
-                      f"{rates['lmcache']['get'][-1]:.2f} GB/s; client set {rates['client']['set'][-1]:.2f} get "
-                      f"{rates['client']['get'][-1]:.2f} GB/s", flush=True)
-        remote.close()
-    finally:
-        loop.call_soon_threadsafe(loop.stop)
-        daemon.stop()
-        shutil.rmtree(workdir, ignore_errors=True)
-    summary = {"chunk_bytes": nbytes, "chunks": args.chunks, "repeats": args.repeats}
-    print(f"\n{args.chunks} chunks of {nbytes / 2**20:.0f} MiB per round, one daemon on loopback; GB/s, "
-          f"medians (min-max) of {args.repeats}")
-    for op in ("set", "get"):
-        ours, plain = _spread(rates["lmcache"][op]), _spread(rates["client"][op])
-        ratio = _spread([a / b for a, b in zip(rates["lmcache"][op], rates["client"][op])])
-        summary[op] = {"lmcache_gbps": ours, "client_gbps": plain, "lmcache_over_client": ratio}
-        print(f"  {op}: lmcache {ours['median']:.2f} ({ours['min']:.2f}-{ours['max']:.2f})   client "
-              f"{plain['median']:.2f} ({plain['min']:.2f}-{plain['max']:.2f})   lmcache_over_client "
-              f"{ratio['median']:.2f} ({ratio['min']:.2f}-{ratio['max']:.2f})  (aim >= 0.8)")
+    if min(args.pages, args.repeats) < 1:
+        parser.error("--pages and --repeats must be >= 1")
+    if args.backend:
+        results = {args.backend: measure(args.backend, args.pages, args.repeats)}
+    else:
+        results = {b: r for b in BACKENDS if (r := in_its_venv(b, args)) is not None}
+    report(results, args.pages, args.repeats)
     if args.json:
-        args.json.write_text(json.dumps(summary, indent=2))
+        args.json.write_text(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":
