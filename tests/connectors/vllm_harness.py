@@ -117,3 +117,113 @@ class Scheduler:
 
     def shutdown(self) -> None:
         self.manager.shutdown()
+
+
+# -- the KV connector -----------------------------------------------------------------------------------
+
+CONNECTOR_MODULE = "kvstore.connectors.vllm_connector"
+
+
+def layer_name(i: int) -> str:
+    return f"model.layers.{i}.self_attn.attn"
+
+
+def connector_pair(servers: str, model_id: str, layers: int = 2, heads: int = 2, head_dim: int = 8,
+                   block_size: int = 16, dtype=None, tenant: str = "", timeout_s: float = 2.0):
+    """vLLM's scheduler-side and worker-side connectors, built by vLLM's own factory from the
+    --kv-transfer-config a user gives; a model of `layers` full-attention layers."""
+    import torch
+    from vllm.config import CacheConfig, KVTransferConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    extra = {"servers": servers, "model_id": model_id, "tenant": tenant, "timeout_s": timeout_s}
+    transfer = KVTransferConfig(kv_connector="KVStoreConnector", kv_connector_module_path=CONNECTOR_MODULE,
+                                kv_role="kv_both", kv_connector_extra_config=extra)
+    config = VllmConfig(cache_config=CacheConfig(block_size=block_size), kv_transfer_config=transfer)
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=heads, head_size=head_dim,
+                             dtype=dtype or torch.float16)
+    kv_cache_config = KVCacheConfig(num_blocks=64, kv_cache_tensors=[],
+                                    kv_cache_groups=[KVCacheGroupSpec([layer_name(i) for i in range(layers)], spec)])
+    return (KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER, kv_cache_config),
+            KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache_config))
+
+
+class Engine:
+    """One vLLM instance's connector pair and CPU KV cache: per layer [num_blocks, 2, block_size, H, D]."""
+
+    def __init__(self, servers: str, model_id: str, num_blocks: int = 64, layers: int = 2, heads: int = 2,
+                 head_dim: int = 8, block_size: int = 16, dtype=None, **extra) -> None:
+        import torch
+
+        self.dtype = dtype or torch.float16
+        self.scheduler, self.worker = connector_pair(servers, model_id, layers, heads, head_dim, block_size,
+                                                     self.dtype, **extra)
+        self.block_size = block_size
+        self.names = [layer_name(i) for i in range(layers)]
+        self.kv = [torch.zeros((num_blocks, 2, block_size, heads, head_dim), dtype=self.dtype) for _ in self.names]
+        self._next_block = 1  # block 0 is vLLM's null block
+
+    def allocate(self, n: int) -> list[int]:
+        ids = list(range(self._next_block, self._next_block + n))
+        self._next_block += n
+        return ids
+
+    def schedule(self, request, block_ids: list[int], num_computed_tokens: int = 0):
+        """The scheduler side of one request's first step, as vLLM's scheduler calls it: the match, the
+        allocation, then this step's metadata for `num_scheduled` = the rest of the prompt."""
+        from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+        from vllm.v1.core.kv_cache_utils import KVCacheBlock
+        from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
+
+        external, asynchronous = self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        assert asynchronous is False
+        blocks = KVCacheBlocks((tuple(KVCacheBlock(i) for i in block_ids),))
+        self.scheduler.update_state_after_alloc(request, blocks, external)
+        request.num_computed_tokens = num_computed_tokens + external
+        output = SchedulerOutput.make_empty()
+        output.scheduled_new_reqs = [NewRequestData.from_request(request, (list(block_ids),))]
+        scheduled = len(request.prompt_token_ids) - request.num_computed_tokens
+        output.num_scheduled_tokens = {request.request_id: scheduled}
+        output.total_num_scheduled_tokens = scheduled
+        return external, self.scheduler.build_connector_meta(output)
+
+    def forward(self, meta, compute=None) -> set[int]:
+        """The worker side of one step, as vLLM's model runner and attention layers call it; `compute(layer)`
+        stands for the attention layer writing its new KV. The block ids that failed to load."""
+        from types import SimpleNamespace
+
+        from vllm.forward_context import ForwardContext
+
+        layers = {n: SimpleNamespace(kv_cache=t) for n, t in zip(self.names, self.kv, strict=True)}  # attention layers
+        context = ForwardContext(no_compile_layers=layers, attn_metadata={n: object() for n in self.names},
+                                 slot_mapping={})
+        self.worker.bind_connector_metadata(meta)
+        self.worker.start_load_kv(context)
+        for i, name in enumerate(self.names):
+            self.worker.wait_for_layer_load(name)
+            if compute is not None:
+                compute(i)
+            self.worker.save_kv_layer(name, self.kv[i], context.attn_metadata[name])
+        self.worker.wait_for_save()
+        failed = self.worker.get_block_ids_with_load_errors()
+        self.worker.clear_connector_metadata()
+        return failed
+
+    def pages(self, block_ids: list[int]) -> list[bytes]:
+        """Each block's KV as stored: layer-major, each layer's page [2, block_size, H, D]."""
+        import torch
+
+        return [b"".join(t[i].contiguous().view(torch.uint8).numpy().tobytes() for t in self.kv) for i in block_ids]
+
+    def close(self) -> None:
+        self.worker.shutdown()
+        self.scheduler.shutdown()
+
+
+def vllm_request(request_id: str, tokens: list[int], cache_salt: str | None = None):
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    return Request(request_id, list(tokens), SamplingParams(max_tokens=1), None, cache_salt=cache_salt)
