@@ -18,7 +18,8 @@ The record's bytes are SGLang's flat data page (`get_data_page(index, flat=True)
 the page's pieces in host memory (`get_page_buffer_meta`: K and V, or K and V of each layer), so:
 
   - the zero-copy interface (`interface_v1`: `batch_get_v1`, `batch_set_v1` over `host_indices`) reads
-    each piece straight out of and into SGLang's host pool, with no staging copy;
+    each piece straight out of and into SGLang's host pool, with no staging copy (MHA pools; others,
+    such as MLA's, through their flat data pages);
   - the generic interface (`get`, `set`, `batch_get`, `batch_set`, `exists`) stores the same bytes, so
     pages written one way are read the other;
   - the hybrid interface (`register_mem_host_pool_v2`, `batch_exists_v2`, `batch_get_v2`,
@@ -48,6 +49,7 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransfer,
     PoolTransferResult,
 )
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
 from kvstore.block import Block
 from kvstore.client import KVClient
@@ -55,6 +57,9 @@ from kvstore.connectors.identity import KEY_TOKENS, EngineIdentity
 from kvstore.connectors.store import SETTINGS, LazyClient, client_config
 
 log = logging.getLogger(__name__)
+# MHA host layouts whose pages lie in host memory as equal K and V pieces (get_page_buffer_meta); other
+# pools (MLA, Mamba, DSA, ...) are stored through their flat data pages, a copy each way
+ZERO_COPY_LAYOUTS = ("page_first", "page_first_direct", "layer_first", "page_head")
 
 
 class HostPages:
@@ -63,7 +68,7 @@ class HostPages:
     def __init__(self, name: str, host_pool: Any, config: HiCacheStorageConfig, tenant: str) -> None:
         self.name, self.host = str(name), host_pool
         self.page_size = int(getattr(host_pool, "page_size", 1) or 1)
-        self.zero_copy = hasattr(host_pool, "get_page_buffer_meta")
+        self.zero_copy = isinstance(host_pool, MHATokenToKVPoolHost) and host_pool.layout in ZERO_COPY_LAYOUTS
         geometry = ",".join(f"{field}={getattr(host_pool, field)}" for field in
                             ("layer_num", "head_num", "head_dim", "v_head_dim", "kv_lora_rank", "size_per_token")
                             if getattr(host_pool, field, None) is not None)
@@ -79,6 +84,8 @@ class HostPages:
                                        tenant)
         first = (self.pieces(self._first_page())[0] if self.zero_copy
                  else [_bytes_of(host_pool.get_dummy_flat_data_page())])
+        if len({len(piece) for piece in first}) != 1:
+            raise ValueError(f"SGLang's {self.name} host pool has pieces of unequal sizes; pass it as flat pages")
         self.pieces_per_page = len(first)
         self.page_bytes = sum(len(piece) for piece in first)
 

@@ -19,7 +19,12 @@ import sglang_harness  # noqa: E402
 
 sglang_harness.install()
 import torch  # noqa: E402
-from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo  # noqa: E402
+from sglang.srt.mem_cache.device_pool_info import (  # noqa: E402
+    KVBufferLayout,
+    KVBuffers,
+    MHABufferInfo,
+    MLABufferInfo,
+)
 from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
     HiCacheFile,
     HiCacheStorageConfig,
@@ -28,6 +33,7 @@ from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
     PoolTransfer,
 )
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
+from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost  # noqa: E402
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
 
 from kvstore.connectors.sglang import KVStoreHiCache  # noqa: E402
@@ -53,13 +59,26 @@ def host_pool(layout: str, layers: int = LAYERS, label: str = "kv") -> MHATokenT
                                 pool_label=label)
 
 
+def mla_pool(layout: str = "page_first") -> MLATokenToKVPoolHost:
+    """An MLA model's host pool: one latent vector per token and layer, the same on every TP rank."""
+    rank, rope = 32, 8
+    buffers = tuple(torch.zeros(DEVICE_TOKENS, 1, rank + rope, dtype=torch.bfloat16) for _ in range(LAYERS))
+    info = MLABufferInfo(buffers=buffers, data_ptrs=torch.tensor([b.data_ptr() for b in buffers], dtype=torch.uint64),
+                         layer_indices=tuple(range(LAYERS)), device_layer_num=LAYERS, page_size=PAGE,
+                         kv_lora_rank=rank, qk_rope_head_dim=rope, kv_cache_dim=rank + rope, dtype=torch.bfloat16,
+                         device=torch.device("cpu"))
+    return MLATokenToKVPoolHost(info, 2.0, 0, PAGE, layout, pin_memory=False, device="cpu",
+                                device_capacity_tokens=DEVICE_TOKENS, start_layer=0, end_layer=LAYERS,
+                                target_layer_num=LAYERS)
+
+
 def storage_config(servers: str = "", model: str = "org/model", tp_rank: int = 0, tp_size: int = 1,
-                   tenant: str = "", **extra) -> HiCacheStorageConfig:
+                   tenant: str = "", mla: bool = False, **extra) -> HiCacheStorageConfig:
     extra_config = {"backend_name": "kvstore", "module_path": "kvstore.connectors.sglang",
                     "class_name": "KVStoreHiCache", "interface_v1": 1, "servers": servers, "tenant": tenant,
                     "timeout_s": 2.0, **extra}
     return HiCacheStorageConfig(tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0,
-                                attn_cp_size=1, is_mla_model=False, enable_storage_metrics=False,
+                                attn_cp_size=1, is_mla_model=mla, enable_storage_metrics=False,
                                 is_page_first_layout=True, model_name=model, extra_config=extra_config)
 
 
@@ -156,6 +175,25 @@ def test_models_ranks_tenants_and_layouts_never_see_each_others_pages(daemons):
         assert other.batch_get_v1(keys, other_pool.alloc(3 * PAGE)) == [False] * 3
         other.close()
     owner.close()
+
+
+def test_an_mla_models_pages_go_flat_and_serve_every_rank(daemons):
+    """MLA pools are stored through their flat data pages (a copy), once for all tensor-parallel ranks."""
+    (daemon,) = daemons(1)
+    writer_pool, reader_pool = mla_pool(), mla_pool()
+    writer = kvstore_backend(daemon.address, writer_pool, mla=True, tp_rank=0, tp_size=2)
+    reader = kvstore_backend(daemon.address, reader_pool, mla=True, tp_rank=1, tp_size=2)
+    assert not writer.kv.zero_copy
+    keys = keys_of("mla", 3)
+    indices = fill(writer_pool, 3, seed=7)
+    assert all(writer.batch_set_v1(keys, indices))
+    into = reader_pool.alloc(3 * PAGE)
+    assert reader.batch_exists(keys) == 3 and reader.batch_get_v1(keys, into) == [True] * 3
+    assert page_bytes(reader_pool, into, 3) == page_bytes(writer_pool, indices, 3)
+    mha = kvstore_backend(daemon.address, host_pool("page_first"), tp_rank=1, tp_size=2)
+    assert mha.batch_exists(keys) == 0, "an MHA rank's pages are its own"
+    for backend in (writer, reader, mha):
+        backend.close()
 
 
 def swa_transfer(keys: list[str], indices: torch.Tensor | None = None) -> PoolTransfer:
