@@ -9,7 +9,8 @@
             "model_id": "gemma-3-270m@1f2e...",  # optional: the namespace's model identity (default: the model)
             "tenant": "team-a",         # optional: the namespace salt of requests without a cache_salt
             "traffic_class": "chat",    # optional: the daemons' retention class
-            "timeout_s": 5.0}}'         # optional: the deadline of each call
+            "timeout_s": 5.0,           # optional: the deadline of each call
+            "write_behind_bytes": 268435456}}'  # optional: saves queued beyond this are dropped (counted)
 
 A bearer token and TLS come from KVSTORE_TOKEN, KVSTORE_TLS_CA, KVSTORE_TLS_CERT, KVSTORE_TLS_KEY and
 KVSTORE_TLS_SERVER_NAME (docs/operations.md), never from the JSON (it shows in `ps` and in vLLM's logs).
@@ -131,7 +132,9 @@ class KVStoreConnector(KVConnectorBase_V1):
         if isinstance(servers, str):
             servers = servers.split(",")
         self.client_config = ClientConfig(tuple(s.strip() for s in servers if s.strip()),
-                                          timeout_s=float(extra.get("timeout_s", 5.0)), **security_from_environment())
+                                          timeout_s=float(extra.get("timeout_s", 5.0)),
+                                          write_behind_bytes=int(extra.get("write_behind_bytes", 256 * 2**20)),
+                                          **security_from_environment())
         self.traffic_class = str(extra.get("traffic_class", "chat"))
         self.tenant = str(extra.get("tenant", ""))
         model = vllm_config.model_config
