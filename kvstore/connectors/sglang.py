@@ -98,8 +98,13 @@ class HostPages:
     def pieces(self, host_indices: torch.Tensor) -> list[list[memoryview]]:
         """Per page of `host_indices` (page_size indices each), its pieces in host memory, in the order of
         the flat data page: K before V (for layer_first, K of every layer, then V of every layer)."""
-        pointers, sizes = self.host.get_page_buffer_meta(host_indices)
         pages = len(host_indices) // self.page_size
+        firsts = host_indices[:: self.page_size]  # SGLang's meta reads each page from its first index
+        if pages and (bool((firsts % self.page_size).any()) or int(firsts.min()) < 0
+                      or int(firsts.max()) + self.page_size > self.host.size):
+            raise IndexError(f"host indices outside the {self.name} pool's {self.host.size} slots or not "
+                             "page-aligned")  # raw pointers must stay inside SGLang's buffer
+        pointers, sizes = self.host.get_page_buffer_meta(host_indices)
         per_page = len(pointers) // pages
         out = []
         for page in range(pages):
@@ -249,12 +254,18 @@ class KVStoreHiCache(HiCacheStorage):
         return [summary.failed == 0] * len(keys)
 
     def _store(self, pool: HostPages, keys: Sequence[str], host_indices: torch.Tensor) -> list[bool]:
-        if host_indices is None or host_indices.numel() != len(keys) * pool.page_size:
+        if not keys or host_indices is None or host_indices.numel() != len(keys) * pool.page_size:
             return [False] * len(keys)
-        if pool.zero_copy:
-            return self._save(pool, keys, pool.pieces(host_indices) if keys else [])
-        pages = [pool.host.get_data_page(offset, flat=True) for offset in pool.page_offsets(host_indices, len(keys))]
-        return self._save(pool, keys, [[_bytes_of(page)] for page in pages])
+        try:
+            if pool.zero_copy:
+                pages = pool.pieces(host_indices)
+            else:
+                offsets = pool.page_offsets(host_indices, len(keys))
+                pages = [[_bytes_of(pool.host.get_data_page(offset, flat=True))] for offset in offsets]
+        except Exception as exc:  # noqa: BLE001 - indices outside the pool: nothing stored, nothing raised
+            log.error("kvstore: cannot read %d pages of the %s host pool: %s", len(keys), pool.name, exc)
+            return [False] * len(keys)
+        return self._save(pool, keys, pages)
 
     # -- the zero-copy interface --------------------------------------------------------------------
 

@@ -157,6 +157,10 @@ def test_the_generic_and_zero_copy_paths_read_each_other(layout, daemons):
     flat = backend.batch_get(keys, [pool.get_dummy_flat_data_page() for _ in keys])
     assert [bytes(t.view(torch.uint8).numpy()) for t in flat] == want
     assert not backend.set(keys_of("short", 1)[0], torch.zeros(3, dtype=torch.bfloat16)), "a wrong-sized page"
+    outside = torch.arange(pool.size, pool.size + PAGE)  # never read or written through raw pointers
+    assert backend.batch_set_v1(keys_of("outside", 1), outside) == [False]
+    assert backend.batch_get_v1(keys[:1], outside) == [False]
+    assert backend.batch_get_v1(keys[:1], into[1 : PAGE + 1]) == [False], "not page-aligned"
     backend.close()
 
 
