@@ -43,7 +43,7 @@ test-processes: install
 
 # engine plug-ins (kvstore/connectors/) against the engines' own packages, each in a venv of its own built from
 # its lock file (deploy/connectors/; 1.5-2 GB and a few minutes each, the first time)
-CONNECTOR_LOCKS := lmcache-0.5.6 sglang-0.5.23
+CONNECTOR_LOCKS := lmcache-0.5.6 sglang-0.5.23 vllm-0.33.0
 test-connectors: install
 	for lock in $(CONNECTOR_LOCKS); do deploy/connectors/venv.sh $$lock && \
 		.venvs/$$lock/bin/python -m pytest -q -m connectors tests/connectors || exit 1; done

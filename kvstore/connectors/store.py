@@ -16,11 +16,12 @@ SETTINGS = ("servers", "tenant", "traffic_class", "timeout_s", "token_file", "tl
             "tls_server_name")
 
 
-def client_config(settings: Mapping[str, object], where: str) -> ClientConfig:
+def client_config(settings: Mapping[str, object], where: str, **fields) -> ClientConfig:
     """The client config of a plug-in: `servers` ("host:port,...") or $KVSTORE_SERVERS; `timeout_s`, the
     deadline of each call; security from the engine's settings (`token_file`, never a token itself, which
     would show in a command line; `tls_*` paths) over the KVSTORE_* variables. `where` names the settings
-    in errors ("remote_storage_plugin.kvstore.", "--hicache-storage-backend-extra-config ")."""
+    in errors ("remote_storage_plugin.kvstore.", "--hicache-storage-backend-extra-config "); `fields` are
+    further ClientConfig fields the plug-in sets itself."""
     unknown = sorted(set(settings) - set(SETTINGS))
     if unknown:
         raise ValueError(f"{where}: unknown kvstore settings {unknown}; known: {list(SETTINGS)}")
@@ -38,7 +39,7 @@ def client_config(settings: Mapping[str, object], where: str) -> ClientConfig:
     if not servers.strip():
         raise ValueError(f"{where}servers (or $KVSTORE_SERVERS) must list the daemons as host:port,...")
     return ClientConfig(tuple(s.strip() for s in servers.split(",") if s.strip()),
-                        timeout_s=float(settings.get("timeout_s", 5.0)), **security)
+                        timeout_s=float(settings.get("timeout_s", 5.0)), **security, **fields)
 
 
 class LazyClient:
@@ -54,6 +55,11 @@ class LazyClient:
             if self._client is None:
                 self._client = KVClient(self.config)
             return self._client
+
+    @property
+    def existing(self) -> KVClient | None:
+        """The client if it was made; None before the first use."""
+        return self._client
 
     def close(self) -> None:
         with self._lock:

@@ -12,8 +12,9 @@
             "timeout_s": 5.0,           # optional: the deadline of each call
             "write_behind_bytes": 268435456}}'  # optional: saves queued beyond this are dropped (counted)
 
-A bearer token and TLS come from KVSTORE_TOKEN, KVSTORE_TLS_CA, KVSTORE_TLS_CERT, KVSTORE_TLS_KEY and
-KVSTORE_TLS_SERVER_NAME (docs/operations.md), never from the JSON (it shows in `ps` and in vLLM's logs).
+A secured cluster's `token_file`, `tls_ca`, `tls_cert`, `tls_key` and `tls_server_name` settings are
+optional, each over its KVSTORE_* variable (docs/operations.md); a token is read from a file, never put
+in the JSON (which shows in `ps` and in vLLM's logs).
 
 This path sees the prompt's token ids, so a request's blocks are the store's own:
 `Namespace(model_id, KVLayout(layers, kv_heads, head_dim, dtype), block_size, salt).blocks(prompt)`, the
@@ -49,8 +50,6 @@ first use.
 from __future__ import annotations
 
 import logging
-import os
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -65,10 +64,10 @@ from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from kvstore.block import Block, KVLayout, Namespace
-from kvstore.client import ClientConfig, KVClient
-from kvstore.client.config import security_from_environment
+from kvstore.client import KVClient
 from kvstore.client.loading import LoadCancelled, LoadHandle
 from kvstore.client.torch_kv import PagedKV
+from kvstore.connectors.store import SETTINGS, LazyClient, client_config
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -128,13 +127,10 @@ class KVStoreConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
-        servers = extra.get("servers") or os.environ.get("KVSTORE_SERVERS", "")
-        if isinstance(servers, str):
-            servers = servers.split(",")
-        self.client_config = ClientConfig(tuple(s.strip() for s in servers if s.strip()),
-                                          timeout_s=float(extra.get("timeout_s", 5.0)),
-                                          write_behind_bytes=int(extra.get("write_behind_bytes", 256 * 2**20)),
-                                          **security_from_environment())
+        self.client_config = client_config({name: extra[name] for name in SETTINGS if name in extra},
+                                           "kv_connector_extra_config.",
+                                           write_behind_bytes=int(extra.get("write_behind_bytes", 256 * 2**20)))
+        self.store = LazyClient(self.client_config)
         self.traffic_class = str(extra.get("traffic_class", "chat"))
         self.tenant = str(extra.get("tenant", ""))
         model = vllm_config.model_config
@@ -148,8 +144,6 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.layer_names, self.layout, self.block_tokens = kv_layout(kv_cache_config)
         self._layer_index = {name: i for i, name in enumerate(self.layer_names)}
         self._namespaces: dict[tuple[str, int], Namespace] = {}
-        self._client: KVClient | None = None
-        self._connecting = threading.Lock()
         # scheduler side
         self._hits: dict[str, int] = {}  # request -> leading prompt blocks in the store
         self._tracked: dict[str, _Tracked] = {}
@@ -163,10 +157,7 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     @property
     def client(self) -> KVClient:
-        with self._connecting:
-            if self._client is None:
-                self._client = KVClient(self.client_config)
-            return self._client
+        return self.store.get()
 
     def namespace(self, salt: str, rank: int = 0) -> Namespace:
         space = self._namespaces.get((salt, rank))
@@ -347,7 +338,8 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until every queued save is stored (tests, benchmarks, shutdown)."""
-        return self._client is None or self._client.write_behind.flush(timeout_s)
+        client = self.store.existing
+        return client is None or client.write_behind.flush(timeout_s)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return None, None  # loads finish within the step, saves need no blocks kept
@@ -358,9 +350,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         return errors
 
     def shutdown(self) -> None:
-        if self._client is not None:
-            self._client.close()  # flushes the write-behind queue
-            self._client = None
+        self.store.close()  # flushes the write-behind queue
 
 
 def _destination(layers: Sequence[torch.Tensor], block_ids: list[int]):

@@ -15,8 +15,9 @@ them and promoted back. This module is such a tier. In vLLM's `--kv-transfer-con
             "traffic_class": "chat",   # optional: the daemons' retention class
             "timeout_s": 5.0}]}}       # optional: the deadline of each call
 
-A bearer token and TLS come from KVSTORE_TOKEN, KVSTORE_TLS_CA, KVSTORE_TLS_CERT, KVSTORE_TLS_KEY and
-KVSTORE_TLS_SERVER_NAME (docs/operations.md), never from the JSON (it shows in `ps` and in vLLM's logs).
+A secured cluster's `token_file`, `tls_ca`, `tls_cert`, `tls_key` and `tls_server_name` settings are
+optional, each over its KVSTORE_* variable (docs/operations.md); a token is read from a file, never put
+in the JSON (which shows in `ps` and in vLLM's logs).
 
 The tier runs in vLLM's scheduler process and sees only vLLM's OffloadKeys (a block hash chained over the
 prefix, plus the KV cache group), never tokens. Each chunk, one row of the CPU tier's buffer (every
@@ -39,9 +40,7 @@ vLLM calls the tier under its lock and wants every call to return at once:
 from __future__ import annotations
 
 import logging
-import os
 import queue
-import threading
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -52,9 +51,9 @@ from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobResult, ScheduleEndContext, SecondaryTierManager, TransferJob
 
 from kvstore.block import Block
-from kvstore.client import ClientConfig, KVClient
-from kvstore.client.config import security_from_environment
+from kvstore.client import KVClient
 from kvstore.connectors.identity import EngineIdentity
+from kvstore.connectors.store import LazyClient, client_config
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
@@ -93,21 +92,17 @@ class KVStoreTier(SecondaryTierManager):
     medium: ClassVar[Medium] = Medium.STORAGE
 
     def __init__(self, offloading_spec: OffloadingSpec, primary_kv_view: memoryview, tier_type: str,
-                 servers: str | list[str] | None = None, tenant: str = "", traffic_class: str = "chat",
+                 servers: str | None = None, tenant: str = "", traffic_class: str = "chat",
                  timeout_s: float = 5.0, locality: str | None = "REMOTE",
-                 backpressure_detector: BackpressureDetector | None = None) -> None:
+                 backpressure_detector: BackpressureDetector | None = None, **security: str) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self.locality = Locality(locality) if locality is not None else None
-        servers = servers or os.environ.get("KVSTORE_SERVERS", "")
-        if isinstance(servers, str):
-            servers = servers.split(",")
-        self.client_config = ClientConfig(tuple(s.strip() for s in servers if s.strip()), timeout_s=float(timeout_s),
-                                          **security_from_environment())
+        self.client_config = client_config({"servers": servers, "timeout_s": timeout_s, **security},
+                                           "secondary_tiers[kvstore].")
+        self.store = LazyClient(self.client_config)
         self.traffic_class = traffic_class
         self.identity = tier_identity(offloading_spec, self.block_size_bytes, tenant)
         self._view = primary_kv_view.cast("B")  # (num_chunks * block_size_bytes,): the rows, flat
-        self._client: KVClient | None = None
-        self._connecting = threading.Lock()
         # one worker: jobs run in the order vLLM submitted them (a load after the store of the same key)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-vllm-tier")
         # (result, keys of a promotion that did not arrive), from the worker to vLLM's thread
@@ -119,10 +114,7 @@ class KVStoreTier(SecondaryTierManager):
 
     @property
     def client(self) -> KVClient:
-        with self._connecting:
-            if self._client is None:
-                self._client = KVClient(self.client_config)
-            return self._client
+        return self.store.get()
 
     def _row(self, chunk_id: int) -> memoryview:
         """One chunk of the CPU tier: (block_size_bytes,) bytes of its shared memory."""
@@ -222,9 +214,7 @@ class KVStoreTier(SecondaryTierManager):
     def shutdown(self) -> None:
         self._lookups.shutdown()
         self._pool.shutdown(wait=True)
-        if self._client is not None:
-            self._client.close()
-            self._client = None
+        self.store.close()
 
     @classmethod
     def config_info_keys(cls, tier_config: dict[str, Any]) -> tuple[str, ...]:

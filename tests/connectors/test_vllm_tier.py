@@ -122,5 +122,5 @@ def test_a_dead_daemon_is_a_miss_and_failed_jobs_within_the_deadline(daemons):
 
 def test_building_the_tier_connects_to_nothing():
     scheduler = Scheduler(tiering_spec("127.0.0.1:1", CHUNK))  # no daemon there
-    assert scheduler.tier._client is None
+    assert scheduler.tier.store.existing is None
     scheduler.shutdown()
