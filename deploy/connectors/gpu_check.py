@@ -1,7 +1,9 @@
 """The backends under the real servers, on a CUDA machine: a repeated prompt is served from the store.
 
     python deploy/connectors/gpu_check.py sglang [--model DIR]    # python -m sglang.launch_server
-    python deploy/connectors/gpu_check.py vllm [--model DIR]      # vllm serve, with the KV connector
+    python deploy/connectors/gpu_check.py vllm [--model DIR]      # vllm serve, the tier below its CPU tier
+    python deploy/connectors/gpu_check.py vllm-connector --model DIR   # vllm serve, the KV connector (a model
+                                                                       # of full-attention layers)
 
 It needs a GPU and the engine's CUDA build installed beside this project (`pip install -e .`); it cannot run
 on the CPU-only CI machines, whose tests drive the same backends through the engines' own classes instead
@@ -50,9 +52,15 @@ def sglang_command(model: str, port: int, store: str) -> list[str]:
             "wait_complete", "--mem-fraction-static", "0.3"]
 
 
-def vllm_command(model: str, port: int, store: str) -> list[str]:
-    transfer = {"kv_connector": "KVStoreConnector", "kv_connector_module_path": "kvstore.connectors.vllm_connector",
-                "kv_role": "kv_both", "kv_connector_extra_config": {"servers": store}}
+def vllm_command(model: str, port: int, store: str, connector: bool = False) -> list[str]:
+    if connector:  # the KV connector: models of full-attention layers only (not Gemma 3's sliding window)
+        transfer = {"kv_connector": "KVStoreConnector", "kv_connector_module_path": "kvstore.connectors.vllm_connector",
+                    "kv_role": "kv_both", "kv_connector_extra_config": {"servers": store}}
+    else:  # the tier below vLLM's CPU offloading tier
+        tier = {"type": "KVStoreTier", "module_path": "kvstore.connectors.vllm_tier", "servers": store}
+        transfer = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                    "kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 2**30,
+                                                  "secondary_tiers": [tier]}}
     return ["vllm", "serve", model, "--served-model-name", "m", "--port", str(port), "--kv-transfer-config",
             json.dumps(transfer), "--enable-prompt-tokens-details", "--gpu-memory-utilization", "0.3",
             "--max-model-len", "4096"]
@@ -88,7 +96,8 @@ def wait_ready(process: subprocess.Popen, port: int, timeout_s: float = 900) -> 
 
 def serve_once(engine: str, model: str, store: str) -> int:
     port = free_port()
-    command = (sglang_command if engine == "sglang" else vllm_command)(model, port, store)
+    command = (sglang_command(model, port, store) if engine == "sglang"
+               else vllm_command(model, port, store, connector=engine == "vllm-connector"))
     process = subprocess.Popen(command, start_new_session=True)
     try:
         wait_ready(process, port)
@@ -103,7 +112,7 @@ def serve_once(engine: str, model: str, store: str) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("engine", choices=["sglang", "vllm"])
+    parser.add_argument("engine", choices=["sglang", "vllm", "vllm-connector"])
     parser.add_argument("--model", help="a model folder (default: this project's Gemma 3 270M)")
     args = parser.parse_args()
     if args.model is None:
