@@ -15,7 +15,6 @@ import sglang_harness  # noqa: E402  - stand-ins for triton and torchvision, whi
 
 sglang_harness.install()
 import torch  # noqa: E402
-from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo  # noqa: E402
 from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
     HiCacheStorageConfig,
     PoolHitPolicy,
@@ -30,16 +29,8 @@ PAGE, LAYERS, HEADS, HEAD_DIM = 64, 16, 8, 128
 
 
 def host_pool(pages: int, layers: int = LAYERS, page: int = PAGE, label: str = "kv") -> MHATokenToKVPoolHost:
-    tokens = pages * page // 2  # the host pool is twice the 'device' pool, which only lends its geometry
-    k = tuple(torch.empty(tokens, HEADS, HEAD_DIM, dtype=torch.bfloat16) for _ in range(layers))
-    v = tuple(torch.empty(tokens, HEADS, HEAD_DIM, dtype=torch.bfloat16) for _ in range(layers))
-    pointers = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.uint64)  # noqa: E731
-    info = MHABufferInfo(buffers=KVBuffers(k=k, v=v, k_data_ptrs=pointers(k), v_data_ptrs=pointers(v),
-                                           layout=KVBufferLayout.NHD),
-                         page_size=page, head_num=HEADS, head_dim=HEAD_DIM, v_head_dim=HEAD_DIM,
-                         dtype=torch.bfloat16, device=torch.device("cpu"))
-    return MHATokenToKVPoolHost(info, 2.0, 0, page, "page_first", pin_memory=False, device="cpu",
-                                device_capacity_tokens=tokens, start_layer=0, end_layer=layers, pool_label=label)
+    """A page_first host pool of `pages` pages."""
+    return sglang_harness.mha_host_pool("page_first", layers, HEADS, HEAD_DIM, page, pages * page // 2, label)
 
 
 def backend(name: str, address: str, pool, **extra):

@@ -19,12 +19,7 @@ import sglang_harness  # noqa: E402
 
 sglang_harness.install()
 import torch  # noqa: E402
-from sglang.srt.mem_cache.device_pool_info import (  # noqa: E402
-    KVBufferLayout,
-    KVBuffers,
-    MHABufferInfo,
-    MLABufferInfo,
-)
+from sglang.srt.mem_cache.device_pool_info import MLABufferInfo  # noqa: E402
 from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
     HiCacheFile,
     HiCacheStorageConfig,
@@ -46,17 +41,7 @@ MISS_DEADLINE_S = 30.0  # a dead daemon must be a miss within the client's deadl
 
 
 def host_pool(layout: str, layers: int = LAYERS, label: str = "kv") -> MHATokenToKVPoolHost:
-    """SGLang's host KV pool on CPU, over CPU 'device' buffers (the host pool only reads their geometry)."""
-    k = tuple(torch.zeros(DEVICE_TOKENS, HEADS, HEAD_DIM, dtype=torch.bfloat16) for _ in range(layers))
-    v = tuple(torch.zeros(DEVICE_TOKENS, HEADS, HEAD_DIM, dtype=torch.bfloat16) for _ in range(layers))
-    pointers = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.uint64)  # noqa: E731
-    info = MHABufferInfo(buffers=KVBuffers(k=k, v=v, k_data_ptrs=pointers(k), v_data_ptrs=pointers(v),
-                                           layout=KVBufferLayout.NHD),
-                         page_size=PAGE, head_num=HEADS, head_dim=HEAD_DIM, v_head_dim=HEAD_DIM,
-                         dtype=torch.bfloat16, device=torch.device("cpu"))
-    return MHATokenToKVPoolHost(info, 2.0, 0, PAGE, layout, pin_memory=False, device="cpu",
-                                device_capacity_tokens=DEVICE_TOKENS, start_layer=0, end_layer=layers,
-                                pool_label=label)
+    return sglang_harness.mha_host_pool(layout, layers, HEADS, HEAD_DIM, PAGE, DEVICE_TOKENS, label)
 
 
 def mla_pool(layout: str = "page_first") -> MLATokenToKVPoolHost:
