@@ -102,9 +102,9 @@ async def _open(store: BlockStore, request: pb.GetRequest, index: int,
         return head(index, found.status, 0, 0, b"", 0, found.cause)
     n_layers = found.header.n_layers
     begin, end = request.layer_begin, request.layer_end or n_layers
-    if end > n_layers:
+    if not begin < end <= n_layers:  # a request's shape is never a reason to read, let alone drop, a block
         store.close_block(found)
-        return head(index, pb.BAD_RANGE, begin, end, b"", 0, f"block has {n_layers} layers")
+        return head(index, pb.BAD_RANGE, begin, end, b"", 0, f"layers [{begin}, {end}) of a block of {n_layers}")
     return index, found, begin, end
 
 

@@ -298,8 +298,13 @@ class BlockStore:
                           into: memoryview | None = None) -> bytes | bytearray | memoryview:
         """Payload bytes of layers [begin, end), verified; written into `into` when given.
 
-        Raises CorruptRecord or OSError."""
+        Raises CorruptRecord or OSError; ValueError for a range outside the block (a caller's bug, never
+        a reason to drop it). `into` may be memory the client can write (its shared region): bytes there
+        that fail their checksums are read again into the daemon's own memory, and the block is dropped
+        only if they fail there too."""
         header = block.header
+        if not 0 <= begin < end <= header.n_layers:
+            raise ValueError(f"layers [{begin}, {end}) of a block of {header.n_layers}")
         if block.payload is not None:
             if into is not None:
                 into[:] = memoryview(block.payload)[begin * header.layer_bytes : end * header.layer_bytes]
@@ -311,17 +316,31 @@ class BlockStore:
         whole = begin == 0 and end == header.n_layers and into is None
         nbytes = (end - begin) * header.layer_bytes
         data = into if into is not None else self.hot.buffer(nbytes) if whole else bytearray(nbytes)
+        offset = block.entry.offset + header.layer_offset(begin)
         try:
-            await self.run_io(SegmentSet.read_into, block.segment, block.entry.offset + header.layer_offset(begin),
-                              memoryview(data))
+            await self.run_io(SegmentSet.read_into, block.segment, offset, memoryview(data))
             header.check_layers(data, begin)
-        except CorruptRecord:
+        except CorruptRecord as exc:
+            if into is not None and exc.cause != "truncated":
+                await self._verify_privately(block, offset, nbytes, begin)
+                raise CorruptRecord("changed_in_client_memory",
+                                    "the bytes changed in the client's memory while the daemon checked them") from None
             await self.drop_corrupt(block.key, block.entry)
             raise
         if whole:  # the DRAM tier keeps it; pinned for this reader, as if it had come from there
             self.hot.put(block.key, block.header_bytes, data)
             block.hot = self.hot.pin(block.key)
         return data
+
+    async def _verify_privately(self, block: OpenBlock, offset: int, nbytes: int, begin: int) -> None:
+        """Read the layers again into memory no client can write; drop the block if they are corrupt there."""
+        private = bytearray(nbytes)
+        try:
+            await self.run_io(SegmentSet.read_into, block.segment, offset, memoryview(private))
+            block.header.check_layers(private, begin)
+        except CorruptRecord:
+            await self.drop_corrupt(block.key, block.entry)
+            raise
 
     async def warm(self, block: OpenBlock) -> None:
         """Bring a block read from SSD into the DRAM tier (whole), so its layers are served from memory.
