@@ -90,7 +90,7 @@ class BlockStore:
         self._dirty: dict[bytes, tuple[int, int, int]] = {}  # key -> (access_ms, expires_ms, class_id)
         self._reclassed: dict[bytes, int] = {}  # key -> its new eviction policy class, to persist
         self._learned_saved: bytes | None = None  # the policy snapshot last persisted
-        self._pending: set[bytes] = set()
+        self._pending: dict[bytes, asyncio.Future] = {}  # key -> done when the put writing it ends
         self._disk_limit = config.capacity_bytes  # lowered when the file system turns out smaller
         self.retention = Retention(self)
         self._executor = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvstore-io")
@@ -407,6 +407,10 @@ class BlockStore:
         key = header.key
         class_id = self._class_ids[header.traffic_class]
         tenant_id = await self.tenant_id(header.tenant)
+        while (writing := self._pending.get(key)) is not None:
+            # Another put of this key is writing it: its outcome is ours (an EXISTS answered before its
+            # record is durable would acknowledge a block a crash then loses). If it failed, we try.
+            await asyncio.wait([writing])
         now_ms = self.now_ms()
         entry = self.index.get(key)
         if entry is not None and entry.tenant_id != tenant_id:
@@ -420,10 +424,7 @@ class BlockStore:
             if self.access_log is not None:
                 self.access_log.write(now_ms, "put", key, header.traffic_class, "exists", "", 0)
             return pb.EXISTS
-        if key in self._pending:
-            self.metrics.puts.labels(result="exists").inc()
-            return pb.EXISTS
-        self._pending.add(key)
+        self._pending[key] = asyncio.get_running_loop().create_future()
         try:
             expires_ms = now_ms + self._ttl_ms(class_id)
             if self.retention.disk_full:  # what room eviction makes goes to the index's reserve first
@@ -453,7 +454,7 @@ class BlockStore:
                 await self.retention.enforce_budget()
             return pb.STORED
         finally:
-            self._pending.discard(key)
+            self._pending.pop(key).set_result(None)
 
     async def _commit_put(self, key: bytes, new: Entry, segment: Segment, header_bytes: bytes,
                           payload: bytes | bytearray, hint: ReuseHint | None) -> None:

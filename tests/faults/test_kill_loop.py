@@ -14,12 +14,14 @@ kill, and injected I/O errors that the daemon must survive without a restart.
 from __future__ import annotations
 
 import itertools
+import os
 import random
 import threading
 
 import grpc
 import pytest
 
+from kvstore.block import KVLayout, Namespace
 from kvstore.proto import pb
 from kvstore.server.fsck import check
 
@@ -214,3 +216,36 @@ def test_io_errors_on_reads_are_counted_misses(daemons):
     daemon.stop()
     daemon.start()
     assert [got.payload for got in raw_get(daemon.address, [b.key for b, _ in stored])] == [p for _, p in stored]
+
+
+BIG = Namespace("kill-loop-16MiB", KVLayout(num_layers=4, kv_heads=8, head_dim=128, dtype="float16"), block_tokens=1024)
+
+
+@pytest.mark.parametrize("durability", ["fsync", "os"])
+def test_a_put_answered_exists_while_another_writes_the_key_survives_a_kill(daemons, durability):
+    """Two connections put the same 16 MiB record; the daemon is killed as soon as one is answered EXISTS
+    (issue 21, finding 7: that answer came at once, before the other put's record was written)."""
+    daemon, = daemons(1, "--durability", durability)
+    for round_ in range(3):
+        block = BIG.blocks(range(round_ * BIG.block_tokens, (round_ + 1) * BIG.block_tokens))[0]
+        payload = os.urandom(BIG.block_bytes)
+        exists = threading.Event()
+
+        def put(transport: str) -> None:
+            with client_for(daemon, transport) as client:
+                if client.put([(block, payload)], BIG.num_layers).existed:
+                    exists.set()
+                    daemon.kill()  # at once: the answer EXISTS promises the block is stored
+
+        writers = [threading.Thread(target=put, args=(t,)) for t in ("auto", "grpc")]
+        for writer in writers:
+            writer.start()
+        for writer in writers:
+            writer.join(60)
+        if not exists.is_set():  # both stored it (one after the other): nothing to test this round
+            daemon.stop()
+        else:
+            daemon.proc.wait(timeout=10)
+        daemon.start()
+        (served,) = raw_get(daemon.address, [block.key])
+        assert served.status == pb.OK and served.payload == payload, f"round {round_}: the block was lost"
