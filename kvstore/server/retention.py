@@ -106,9 +106,12 @@ class Retention:
         free = fs.f_bavail * fs.f_frsize
         if not held or (self.disk_full and free < needed):
             store.disk_is_full()  # each pass then gives back a share, not all at once
-        elif self.disk_full:
+            return held
+        # Every pass, not only after a full disk: room that another writer on this file system took and
+        # gave back is the budget's again, and room it takes lowers the budget before puts hit ENOSPC.
+        store.disk_has_room(free)
+        if self.disk_full:
             self.disk_full = False
-            store.disk_has_room(free)
             log.info("room again on the file system of %s: puts resume (budget %d bytes)",
                      store.config.data_dir, store.limit())
         return held

@@ -219,3 +219,39 @@ def test_fault7_reserve_gives_back_exactly_its_room(small_fs, ballast):
     assert SpaceReserve(small_fs / "RESERVE").held_bytes == 2**20, "a restart finds the reserve held"
     assert held.release() == 2**20 and not (small_fs / "RESERVE").exists()
     assert held.hold(2**20), "the room it gave back is there to take again"
+
+
+def capacity(daemon: DaemonProcess) -> float:
+    with grpc.insecure_channel(daemon.address) as channel:
+        call = channel.unary_unary(method("Stats"), pb.StatsRequest.SerializeToString, pb.StatsResponse.FromString)
+        values = dict(call(pb.StatsRequest(), timeout=10).values)
+    return values["kvstore_capacity_bytes"], values.get("kvstore_evictions_total", 0.0)
+
+
+def test_capacity_comes_back_when_another_writer_frees_the_disk(tmp_path, small_fs, ballast):
+    """Issue 21, finding 9: another writer filled the file system and freed it again; the budget fell to
+    what the segments held at the worst moment and stayed there, so later puts evicted with room free."""
+    daemon = DaemonProcess(small_fs / "data", tmp_path, ARGS).start()
+    try:
+        putter = Putter(daemon.address)
+        for block, payload in blocks_from(0, 16):
+            putter.put_until_stored(block, payload)
+        assert_refused_when_full(putter, ballast)  # the other writer takes every free byte,
+        os.ftruncate(ballast, os.fstat(ballast).st_size - 2 * 2**20)  # gives a little back: puts resume ...
+        putter.put_until_stored(*blocks_from(50, 1)[0])
+        low, _ = capacity(daemon)
+        os.ftruncate(ballast, 0)  # ... and later all the rest
+        deadline = time.monotonic() + RECOVERY_DEADLINE_S
+        while capacity(daemon)[0] < FS_BYTES // 2:
+            assert time.monotonic() < deadline, f"the budget stayed at {capacity(daemon)[0]:.0f} bytes " \
+                                                f"(it fell to {low:.0f}) with the disk free again"
+            time.sleep(0.2)
+        _, evicted = capacity(daemon)
+        more = blocks_from(100, FS_BYTES // 4 // NS.block_bytes)  # a quarter of the disk: room for all
+        for block, payload in more:
+            putter.put_until_stored(block, payload)
+        putter.close()
+        assert capacity(daemon)[1] == evicted, "puts that fit in the free room evicted blocks"
+        assert_readable(daemon, more)
+    finally:
+        daemon.kill()
