@@ -33,6 +33,8 @@ class Metrics:
         self.disk_bytes = Gauge("kvstore_disk_bytes", "Bytes of segment files", registry=r)
         self.capacity_bytes = Gauge("kvstore_capacity_bytes", "Configured byte budget", registry=r)
         self.hot_bytes = Gauge("kvstore_hot_tier_bytes", "Bytes held in the DRAM tier", registry=r)
+        self.access_log_dropped = Gauge("kvstore_access_log_dropped_lines", "Access log lines not written: past a "
+                                        "call's cap or with the writer behind", registry=r)
         self.segments = Gauge("kvstore_segments", "Segment files", registry=r)
         self.index_entries = Gauge("kvstore_index_entries", "LMDB index entries", registry=r)
         self.index_map_bytes = Gauge("kvstore_index_map_bytes", "LMDB map size", registry=r)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from kvstore.eviction import EvictionPolicy, ReuseHint, make_policy
 from kvstore.proto import pb
 from kvstore.record import NO_TENANT, CorruptRecord, RecordHeader, decode_header
-from kvstore.server.access_log import AccessLog
+from kvstore.server.access_log import KEYS_PER_CALL, AccessLog
 from kvstore.server.config import ServerConfig
 from kvstore.server.hot_tier import HotEntry, HotTier
 from kvstore.server.index import Entry, Index, IndexDamaged, IndexFull, IndexNoSpace
@@ -258,8 +258,10 @@ class BlockStore:
         now_ms = self.now_ms()
         hits = self.index.live_prefix(keys, now_ms, self._dirty, self.tenant_ids(scope))
         if self.access_log is not None:
-            for position, key in enumerate(keys):
+            logged = keys[:KEYS_PER_CALL]
+            for position, key in enumerate(logged):
                 self.access_log.write(now_ms, "lookup", key, "", "hit" if position < hits else "missing", "", 0)
+            self.access_log.skipped(len(keys) - len(logged))
         self.metrics.lookup_keys.inc(len(keys))
         self.metrics.lookup_hits.inc(hits)
         return hits
@@ -596,6 +598,8 @@ class BlockStore:
         m.disk_bytes.set(self.segments.disk_bytes)
         m.capacity_bytes.set(self.limit())
         m.hot_bytes.set(self.hot.bytes)
+        if self.access_log is not None:
+            m.access_log_dropped.set(self.access_log.dropped)
         m.segments.set(len(self.segments.segments))
         stat = self.index.stat()
         m.index_entries.set(stat["entries"])
