@@ -10,6 +10,7 @@ peer on the host, only memory it holds, and memory that cannot shrink under the 
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import mmap
 import os
@@ -195,3 +196,80 @@ def test_fault3_a_regular_file_is_not_a_region(daemon_with_block, tmp_path):
             os.close(fd)
         assert kind == wire.ERROR and pb.DataError.FromString(head).code == "INVALID_ARGUMENT"
     assert victim.read_bytes() == bytes(REGION)
+
+
+@pytest.fixture
+def huge_pages():
+    """A few huge pages reserved for the test, where this host has none and lets root reserve them."""
+    setting = "/proc/sys/vm/nr_hugepages"
+    try:
+        with open(setting) as f:
+            before = int(f.read())
+        if before < 2:
+            with open(setting, "w") as f:
+                f.write("4")
+    except (OSError, ValueError):
+        pytest.skip("no huge pages on this host, and they cannot be reserved (needs root)")
+    try:
+        fd = os.memfd_create("kvstore-hugetlb-probe", os.MFD_HUGETLB)
+        try:
+            os.ftruncate(fd, 2 * 2**20)
+            with mmap.mmap(fd, 2 * 2**20) as probe:
+                probe[0] = 1
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        pytest.skip(f"no huge page could be had: {exc}")
+    yield
+    if before < 2:
+        with open(setting, "w") as f:
+            f.write(str(before))
+
+
+def test_huge_pages_are_refused_since_seals_do_not_keep_them(daemon_with_block, huge_pages):
+    """Issue 21, finding 6: a sealed MFD_HUGETLB memfd passed the F_SEAL_SHRINK check, but PUNCH_HOLE
+    still freed its pages, and the next Get into it killed the daemon with SIGBUS."""
+    daemon, key, _ = daemon_with_block
+    size = 2 * 2**20
+    fd = os.memfd_create("kvstore-fault-hugetlb", os.MFD_HUGETLB | os.MFD_ALLOW_SEALING | os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+        with unix_connection(daemon) as sock:
+            kind, head = lend(sock, fd, size)
+            if kind == wire.REGISTERED:  # the old daemon took it: the attack goes on
+                _punch_hole(fd, size)
+                hog = _take_every_free_huge_page()  # so that the daemon's next write finds none
+                try:
+                    get_into_region(sock, key, pb.RegionRegistered.FromString(head).region_id)
+                    try:
+                        read_frame(sock)
+                    except OSError:
+                        pass
+                finally:
+                    os.close(hog)
+            else:
+                error = pb.DataError.FromString(head)
+                assert kind == wire.ERROR and "huge pages" in error.message, error.message
+    finally:
+        os.close(fd)
+    assert daemon.proc.poll() is None, f"the daemon died with {daemon.proc.returncode}"
+    assert kind == wire.ERROR, "huge pages must be refused at REGISTER"
+
+
+def _punch_hole(fd: int, size: int) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 1, 2
+    if libc.fallocate(fd, FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE, ctypes.c_long(0), ctypes.c_long(size)):
+        raise OSError(ctypes.get_errno(), "fallocate(PUNCH_HOLE)")
+
+
+def _take_every_free_huge_page() -> int:
+    """A hugetlbfs memfd holding every huge page still free (fallocate fails cleanly where a touch would
+    be a SIGBUS); close it to give them back."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.memfd_create("kvstore-hugetlb-hog", os.MFD_HUGETLB)
+    page, taken = 2 * 2**20, 0
+    while libc.fallocate(fd, 0, ctypes.c_long(taken), ctypes.c_long(page)) == 0:
+        taken += page
+    return fd
