@@ -76,6 +76,9 @@ class ServerConfig:
 
     capacity_bytes: int = 64 * 2**30
     high_watermark: float = 0.95
+    # The most of the budget one tenant's blocks may hold; past it that tenant's own least recently used
+    # blocks go, so one tenant cannot evict another's. 1.0: no quota (a lone tenant may use it all).
+    tenant_max_share: float = 1.0
     low_watermark: float = 0.85
     segment_bytes: int = 256 * 2**20
     compaction_min_garbage: float = 0.5  # compact a sealed segment once this share of it is dead
@@ -154,6 +157,9 @@ class ServerConfig:
             value = getattr(self, name)
             if value is not None and not 0 <= value <= 65535:
                 raise ValueError(f"{name} must be 0..65535, or 'off', got {value}")
+        if not 0 < self.tenant_max_share <= 1:
+            raise ValueError(f"tenant_max_share must be in (0, 1], the most of the budget one tenant may hold; "
+                             f"got {self.tenant_max_share}")
         if not 0 < self.low_watermark < self.high_watermark <= 1:
             raise ValueError(
                 f"need 0 < low_watermark < high_watermark <= 1, got {self.low_watermark} and {self.high_watermark}"

@@ -22,6 +22,8 @@ class Metrics:
         self.bytes_written = Counter("kvstore_written_bytes", "Record bytes written by Put", registry=r)
         self.puts = Counter("kvstore_puts", "Put records, by result", ["result"], registry=r)
         self.evictions = Counter("kvstore_evictions", "Blocks evicted for capacity", registry=r)
+        self.share_evictions = Counter("kvstore_share_evictions", "Blocks evicted because their tenant held more "
+                                       "than tenant_max_share of the budget", registry=r)
         self.advised = Counter("kvstore_advised_blocks", "Held blocks engines advised on, by whether their "
                                "conversation goes on", ["continues"], registry=r)
         self.expiries = Counter("kvstore_expiries", "Blocks dropped at the end of their TTL", registry=r)

@@ -160,6 +160,8 @@ class Retention:
         """Once live records pass the high watermark, evict down to the low one (puts call it too)."""
         store, config = self.store, self.store.config
         async with self._evicting:
+            if store.live_bytes > store.limit() * config.high_watermark and store.shares.enabled:
+                await store.keep_to_shares()  # a tenant past its share pays first, never the others
             if store.live_bytes > store.limit() * config.high_watermark:
                 await self.evict_bytes(store.live_bytes - store.limit() * config.low_watermark)
 

@@ -34,6 +34,7 @@ from kvstore.server.metrics import Metrics
 from kvstore.server.recovery import drop_stale, open_index, rebuild_index, replace_damaged, verify_entries
 from kvstore.server.retention import Retention
 from kvstore.server.segments import Segment, SegmentSet
+from kvstore.server.tenant_share import TenantShare
 
 log = logging.getLogger(__name__)
 Scope = frozenset[bytes] | None  # the tenant digests a caller may reach; None: all (no authentication)
@@ -93,6 +94,8 @@ class BlockStore:
         self._pending: dict[bytes, asyncio.Future] = {}  # key -> done when the put writing it ends
         self._disk_limit = config.capacity_bytes  # lowered when the file system turns out smaller
         self.retention = Retention(self)
+        self.shares = TenantShare(config.tenant_max_share)
+        self._share_lock = asyncio.Lock()
         self._executor = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvstore-io")
         self._lock_fd: int | None = None
         self.closed = False
@@ -156,17 +159,18 @@ class BlockStore:
                             len(found))
             live += found
         self._load_names()  # a rebuild names the classes and tenants its records carry
-        order: list[tuple[int, bytes, int, bytes, int]] = []
+        order: list[tuple[int, bytes, int, bytes, int, int]] = []
         for key, entry in live:
             segment = self.segments.segments[entry.segment]
             segment.live_bytes += entry.record_len
             self.live_bytes += entry.record_len
             self._class_blocks[entry.class_id] = self._class_blocks.get(entry.class_id, 0) + 1
-            order.append((entry.access_ms, key, entry.record_len, entry.parent, entry.policy_class))
+            order.append((entry.access_ms, key, entry.record_len, entry.parent, entry.policy_class, entry.tenant_id))
         order.sort()
         self._restore_learned()
-        for _, key, size, parent, policy_class in order:  # the prefix tree and classes too
+        for _, key, size, parent, policy_class, tenant_id in order:  # the prefix tree and classes too
             self.policy.restore(key, size, parent or None, policy_class)
+            self.shares.added(tenant_id, key, size)
         # After a rebuild every verifiable record has an entry, so a segment without one holds only
         # superseded copies or damage; with a trusted index, a record it lacks was deleted, evicted or
         # expired (docs/operations.md).
@@ -370,6 +374,7 @@ class BlockStore:
             self.metrics.hits.labels(tier=block.tier).inc()
             self.metrics.class_hits.labels(traffic_class=self.class_name(block.entry) or "unknown").inc()
             self.policy.access(block.key)
+            self.shares.accessed(block.entry.tenant_id, block.key)
             self._extend(block.key, block.entry, now_ms, block.entry.class_id)
         if self.access_log is not None:
             for block in blocks:
@@ -451,6 +456,8 @@ class BlockStore:
             except IndexNoSpace as exc:  # the record's bytes are left dead, for compaction
                 self.disk_is_full()
                 raise DiskFull(f"no space left to index a {header.record_len}-byte record") from exc
+            if self.shares.enabled:
+                await self.keep_to_shares([tenant_id])
             if self.live_bytes > self.limit() * self.config.high_watermark:
                 # The budget holds at every put, not only when the maintenance loop comes round.
                 await self.retention.enforce_budget()
@@ -474,6 +481,17 @@ class BlockStore:
         if self.segments.disk_bytes > self.limit() * self.config.high_watermark:
             self.retention.wake.set()  # dead bytes to compact
 
+    async def keep_to_shares(self, tenant_ids: Sequence[int] | None = None) -> None:
+        """Evict each tenant's own least recently used blocks while it holds more than its share (all
+        tenants, or `tenant_ids`). One at a time: concurrent puts would pick the same victims."""
+        async with self._share_lock:
+            for tenant_id in self.shares.tenants() if tenant_ids is None else tenant_ids:
+                victims = self.shares.victims(tenant_id, self.limit())
+                if victims:
+                    removed = await self.remove(victims)
+                    self.metrics.evictions.inc(len(removed))
+                    self.metrics.share_evictions.inc(len(removed))
+
     def _account_added(self, key: bytes, entry: Entry, hint: ReuseHint | None = None) -> None:
         segment = self.segments.segments.get(entry.segment)
         if segment is not None:
@@ -481,6 +499,7 @@ class BlockStore:
         self.live_bytes += entry.record_len
         self._class_blocks[entry.class_id] = self._class_blocks.get(entry.class_id, 0) + 1
         self.policy.insert(key, entry.record_len, entry.parent or None, hint)
+        self.shares.added(entry.tenant_id, key, entry.record_len)
 
     def _account_removed(self, key: bytes, entry: Entry) -> None:
         segment = self.segments.segments.get(entry.segment)
@@ -488,6 +507,7 @@ class BlockStore:
             segment.live_bytes -= entry.record_len
         self.live_bytes -= entry.record_len
         self._class_blocks[entry.class_id] = self._class_blocks.get(entry.class_id, 0) - 1
+        self.shares.removed(entry.tenant_id, key)
 
     async def remove(self, keys: Sequence[bytes],
                      only_at: dict[bytes, tuple[int, int]] | None = None) -> list[tuple[bytes, Entry]]:
@@ -515,6 +535,7 @@ class BlockStore:
             class_id = self._class_ids[class_name] if class_name else entry.class_id
             self._extend(key, entry, now_ms, class_id)
             self.policy.access(key)
+            self.shares.accessed(entry.tenant_id, key)
             touched += 1
         return touched
 
