@@ -38,6 +38,11 @@ class ApiConfig:
     # nothing there tells agent gaps apart), so about 4% of such advice is wrong (bench/api_advice.py)
     idle_s: dict[str, float] = field(default_factory=lambda: {"chat": 600.0, "agent": 600.0})
     sweep_interval_s: float = 5.0  # how often idle conversations are looked for
+    # What one client may hold of the server's connections (engine/api/connections.py)
+    max_connections: int = 2048  # in all; past it a new connection is closed before it is read
+    max_connections_per_client: int = 256  # from one client address
+    header_timeout_s: float = 10.0  # a request head must arrive whole within this
+    write_timeout_s: float = 30.0  # a response its client does not take for this long ends its connection
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -56,6 +61,10 @@ class ApiConfig:
                                             or not self.chunk_cost[0] + self.chunk_cost[1] > 0):
             raise ValueError(f"ApiConfig: chunk_cost is three seconds-coefficients a, b, c >= 0 with a + b > 0, "
                              f"got {self.chunk_cost}")
+        if not 1 <= self.max_connections_per_client <= self.max_connections:
+            raise ValueError("ApiConfig: need 1 <= max_connections_per_client <= max_connections")
+        if not (self.header_timeout_s > 0 and self.write_timeout_s > 0):
+            raise ValueError("ApiConfig: header_timeout_s and write_timeout_s must be > 0")
         if not self.sweep_interval_s > 0:
             raise ValueError("ApiConfig: sweep_interval_s must be > 0")
         object.__setattr__(self, "servers", tuple(self.servers))

@@ -366,6 +366,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "kvstore-api") -> None:
     5 s), then hands it back to `_stop` once it has shut down."""
     import uvicorn
 
+    from engine.api.connections import guarded
+
     config = parse_args(argv, prog)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _stop)
@@ -376,7 +378,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "kvstore-api") -> None:
         print(f"{prog}: serving {config.model_name} on http://{config.host}:{config.port} "
               f"(chunk cost {cost.a:.3g},{cost.b:.3g},{cost.c:.3g}: --chunk-cost skips the start-up fit)", flush=True)
         uvicorn.run(create_app(service, config), host=config.host, port=config.port, log_level="warning",
-                    timeout_graceful_shutdown=5)
+                    timeout_graceful_shutdown=5, http=guarded(config))
     except _Stopped as stopped:
         print(f"{prog}: {stopped}: stopped", file=sys.stderr, flush=True)
     finally:
