@@ -110,6 +110,18 @@ class ServerConfig:
     max_data_connections: int = 512  # data-channel connections at once (TCP and Unix socket together)
     max_data_connections_per_peer: int = 64  # of them from one address (TCP) or one user (Unix socket)
     max_unfinished_frame_bytes: int = 256 * 2**20  # bytes held daemon-wide for frames still arriving
+    # What one caller may hold (docs/operations.md, "Limits"): a principal is a token, or a peer without tokens.
+    max_inflight_put_bytes_per_principal: int = 256 * 2**20  # of max_inflight_put_bytes, one principal's share
+    put_record_timeout_s: float = 60.0  # a record must arrive whole this long after its PutHead (both transports)
+    max_concurrent_rpcs_per_principal: int = 128  # of max_concurrent_rpcs, the gRPC calls one principal has open
+    max_concurrent_rpcs_per_connection: int = 64  # gRPC calls open on one connection (HTTP/2 concurrent streams)
+    rpc_stream_timeout_s: float = 30.0  # a gRPC stream whose client sends (Put) or takes (Get) nothing this long ends
+    max_grpc_send_bytes: int = 256 * 2**20  # memory held daemon-wide for gRPC Get payloads clients have not taken
+    max_grpc_send_bytes_per_principal: int = 128 * 2**20  # of it, one principal's share
+    max_grpc_connections: int = 4096  # gRPC connections at once; fewer if the descriptor limit leaves less room
+    grpc_handshake_timeout_s: float = 10.0  # a gRPC connection must finish TLS and the HTTP/2 preface within this
+    grpc_connection_idle_s: float = 300.0  # a gRPC connection without a call this long is closed (GOAWAY)
+    fd_reserve: int = 1024  # descriptors no connection may take: segment files, the index, logs
     log_level: str = "INFO"
 
     # Security (docs/operations.md, "Running a secured cluster"). Off by default for loopback development.
@@ -205,16 +217,38 @@ class ServerConfig:
                      "data_frame_timeout_s", "data_idle_timeout_s"):
             if not 0 < getattr(self, name) < math.inf:
                 raise ValueError(f"{name} must be a positive number of seconds, got {getattr(self, name)}")
+        self._check_caller_limits()
         if not isinstance(self.log_level, str) or self.log_level.upper() not in logging.getLevelNamesMapping():
             raise ValueError(f"log_level must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL, got {self.log_level!r}")
+
+    def _check_caller_limits(self) -> None:
+        """The limits on what one caller may hold (kvstore/server/limits.py)."""
+        for name in ("max_inflight_put_bytes_per_principal", "max_concurrent_rpcs_per_principal",
+                     "max_concurrent_rpcs_per_connection", "max_grpc_send_bytes", "max_grpc_send_bytes_per_principal",
+                     "max_grpc_connections"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_inflight_put_bytes_per_principal < self.max_block_bytes:
+            raise ValueError("max_inflight_put_bytes_per_principal must be >= max_block_bytes, or no block could "
+                             "ever be put; raise it or lower max_block_bytes")
+        if self.max_concurrent_rpcs_per_connection > self.max_concurrent_rpcs:
+            raise ValueError("max_concurrent_rpcs_per_connection must be <= max_concurrent_rpcs")
+        if self.fd_reserve < 64:
+            raise ValueError(f"fd_reserve must be at least 64 (the daemon's own files), got {self.fd_reserve}")
+        for name in ("put_record_timeout_s", "rpc_stream_timeout_s", "grpc_handshake_timeout_s",
+                     "grpc_connection_idle_s"):
+            if not 0 < getattr(self, name) < math.inf:
+                raise ValueError(f"{name} must be a positive number of seconds, got {getattr(self, name)}")
 
 
 _SIZE_FIELDS = {"capacity_bytes", "segment_bytes", "hot_tier_bytes", "lmdb_map_bytes", "lmdb_max_map_bytes",
                 "access_log_max_bytes",
                 "max_block_bytes", "max_message_bytes", "max_inflight_put_bytes", "max_region_bytes",
-                "max_unfinished_frame_bytes"}
+                "max_unfinished_frame_bytes", "max_inflight_put_bytes_per_principal", "max_grpc_send_bytes",
+                "max_grpc_send_bytes_per_principal"}
 _TIME_FIELDS = {"expiry_bucket_s", "sweep_interval_s", "access_flush_interval_s", "grace_s", "data_frame_timeout_s",
-                "data_idle_timeout_s"}
+                "data_idle_timeout_s", "put_record_timeout_s", "rpc_stream_timeout_s", "grpc_handshake_timeout_s",
+                "grpc_connection_idle_s"}
 _FIELDS = {f.name: f for f in dataclasses.fields(ServerConfig)}
 
 

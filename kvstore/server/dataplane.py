@@ -9,6 +9,9 @@ No client can wedge or exhaust the daemon through it (docs/design.md section 10,
   excess is answered RESOURCE_EXHAUSTED and closed;
 * a connection silent between frames for `data_idle_timeout_s`, or stalled inside one (or in taking
   what it asked for) for `data_frame_timeout_s`, is closed;
+* a record's reservation in the put budget comes out of its principal's share (its token, or its peer
+  without tokens), and a record that has not arrived whole `put_record_timeout_s` after its PUT frame
+  gives it back and ends the connection;
 * memory is held only for bytes that arrived, and bounded daemon-wide for frames still arriving
   (`max_unfinished_frame_bytes`): heads grow as they arrive, and a large record payload lands in a
   mapping whose pages exist only once bytes are written into them and go back to the OS when freed.
@@ -36,6 +39,7 @@ from kvstore.record import FIXED_HEADER_BYTES
 from kvstore.server.auth import Principal
 from kvstore.server.config import ServerConfig
 from kvstore.server.data_connection import READ_STEP, Closed, Connection, FrameBudget, Peer, TlsConnection
+from kvstore.server.limits import ByteBudget, TimedOut, principal_key
 from kvstore.server.reads import get_parts
 from kvstore.server.regions import Region
 from kvstore.server.requests import (
@@ -50,7 +54,6 @@ from kvstore.server.requests import (
     reuse_hint,
 )
 from kvstore.server.security import Security
-from kvstore.server.service import ByteBudget
 from kvstore.server.store import BlockStore, DiskFull, Scope
 
 log = logging.getLogger(__name__)
@@ -239,7 +242,8 @@ class DataPlaneServer:
                         await self._register(connection, head, regions)
                     elif kind == wire.PUT:
                         self._allow(principal, "write")
-                        await self._puts(connection, parse(pb.PutHead, head), scope)
+                        await self._puts(connection, parse(pb.PutHead, head), scope,
+                                         principal_key(principal, peer.key))
                     else:
                         raise RequestError(f"unexpected frame kind {kind}")
                 except RequestError as exc:
@@ -360,7 +364,7 @@ class DataPlaneServer:
 
     # -- Put ----------------------------------------------------------------------------------------
 
-    async def _puts(self, connection: Connection, first: pb.PutHead, scope: Scope = None) -> None:
+    async def _puts(self, connection: Connection, first: pb.PutHead, scope: Scope = None, who: str = "") -> None:
         """Receive records until PUT_END, then answer with each one's status.
 
         A record is stored as soon as it has arrived and verified; if a later frame breaks the protocol,
@@ -370,7 +374,8 @@ class DataPlaneServer:
         tasks: list[asyncio.Task] = []
         put_head: pb.PutHead | None = first
         while put_head is not None:
-            tasks.append(await self._receive_record(connection, put_head.record_bytes, reuse_hint(put_head), scope))
+            tasks.append(await self._receive_record(connection, put_head.record_bytes, reuse_hint(put_head), scope,
+                                                    who))
             kind, head_len = wire.parse_prefix(await connection.read(wire.PREFIX.size))
             head = await connection.read(head_len)
             if kind == wire.PUT:
@@ -384,25 +389,37 @@ class DataPlaneServer:
         self.metrics.rpc_latency.labels(method="data.Put").observe(time.perf_counter() - started)
 
     async def _receive_record(self, connection: Connection, declared: int, hint: ReuseHint | None,
-                              scope: Scope) -> asyncio.Task:
+                              scope: Scope, who: str) -> asyncio.Task:
+        """Reserve the declared bytes in `who`'s share of the put budget, then receive the record, which must
+        arrive whole within `put_record_timeout_s`: a stalled record gives its reservation back."""
         check_put_head(declared, self.config)
-        await self.put_budget.acquire(declared)
+        await self.put_budget.acquire(declared, who)
         try:
-            fixed = await connection.read(min(FIXED_HEADER_BYTES, declared))
-            header_len = int.from_bytes(fixed[8:12], "little") if len(fixed) == FIXED_HEADER_BYTES else 0
-            if not FIXED_HEADER_BYTES <= header_len <= declared:
-                raise RequestError(f"record header length {header_len} does not fit a {declared}-byte record")
-            header_bytes = fixed + await connection.read(header_len - FIXED_HEADER_BYTES)
-            header = parse_record_header(header_bytes, declared, list(self.config.classes))
-            check_tenant(header, scope)
-            payload, charged_whole = self._payload_buffer(connection, header.payload_len)
-            await connection.read_into(memoryview(payload), charge=not charged_whole)
-            check_payload(header, [payload])
+            async with asyncio.timeout(self.config.put_record_timeout_s):
+                header, header_bytes, payload = await self._record_bytes(connection, declared, scope)
+        except TimeoutError:
+            await self.put_budget.release(declared, who)
+            raise TimedOut(f"a record did not arrive whole within {self.config.put_record_timeout_s:g} s of its "
+                           "PUT frame (put_record_timeout_s)") from None
         except BaseException:
-            await self.put_budget.release(declared)
+            await self.put_budget.release(declared, who)
             raise
         connection.release()  # arrived whole: from here the put budget accounts for it
-        return asyncio.ensure_future(self._store(header, header_bytes, payload, declared, hint))
+        return asyncio.ensure_future(self._store(header, header_bytes, payload, declared, who, hint))
+
+    async def _record_bytes(self, connection: Connection, declared: int, scope: Scope):
+        """The verified header, its bytes and the verified payload of a record being received."""
+        fixed = await connection.read(min(FIXED_HEADER_BYTES, declared))
+        header_len = int.from_bytes(fixed[8:12], "little") if len(fixed) == FIXED_HEADER_BYTES else 0
+        if not FIXED_HEADER_BYTES <= header_len <= declared:
+            raise RequestError(f"record header length {header_len} does not fit a {declared}-byte record")
+        header_bytes = fixed + await connection.read(header_len - FIXED_HEADER_BYTES)
+        header = parse_record_header(header_bytes, declared, list(self.config.classes))
+        check_tenant(header, scope)
+        payload, charged_whole = self._payload_buffer(connection, header.payload_len)
+        await connection.read_into(memoryview(payload), charge=not charged_whole)
+        check_payload(header, [payload])
+        return header, header_bytes, payload
 
     def _payload_buffer(self, connection: Connection, nbytes: int) -> tuple[bytearray | mmap.mmap, bool]:
         """Where a record's payload lands (it becomes the DRAM tier's copy), and whether it is charged to
@@ -422,12 +439,12 @@ class DataPlaneServer:
         connection.hold(nbytes)
         return bytearray(nbytes), True
 
-    async def _store(self, header, header_bytes: bytes, payload: bytearray | mmap.mmap, declared: int,
+    async def _store(self, header, header_bytes: bytes, payload: bytearray | mmap.mmap, declared: int, who: str,
                      hint: ReuseHint | None) -> int:
         try:
             return await self.store.put(header, header_bytes, [payload], hint)
         finally:
-            await self.put_budget.release(declared)
+            await self.put_budget.release(declared, who)
 
     # -- errors -------------------------------------------------------------------------------------
 

@@ -10,10 +10,13 @@ the verbs of their own methods (`method_verbs`), and take their TLS credentials 
 from __future__ import annotations
 
 import contextvars
+import inspect
 import logging
 import time
 from collections.abc import Callable, Mapping
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -98,19 +101,29 @@ def _refusal(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, details: str
 
 def _bound(handler: grpc.RpcMethodHandler, principal: Principal) -> grpc.RpcMethodHandler:
     """`handler` with `principal` set as the current one while it runs (each call runs in its own task)."""
-    if handler.response_streaming:
-        inner = handler.unary_stream or handler.stream_stream
+    @asynccontextmanager
+    async def as_principal(context):
+        _principal.set(principal)
+        yield
 
-        async def streaming(request, context):
-            _principal.set(principal)
-            async for message in inner(request, context):
-                yield message
-        kind, behaviour = ("unary_stream" if handler.unary_stream else "stream_stream"), streaming
-    else:
-        inner = handler.unary_unary or handler.stream_unary
+    return around(handler, as_principal)
 
-        async def unary(request, context):
-            _principal.set(principal)
-            return await inner(request, context)
-        kind, behaviour = ("unary_unary" if handler.unary_unary else "stream_unary"), unary
+
+def around(handler: grpc.RpcMethodHandler,
+           scope: Callable[[Any], AbstractAsyncContextManager]) -> grpc.RpcMethodHandler:
+    """`handler` run inside `scope(context)`, entered when the call starts and left when it ends, whichever
+    kind it is: an async generator (messages yielded) or a coroutine (unary, or messages written)."""
+    kind = next(k for k in ("unary_unary", "unary_stream", "stream_unary", "stream_stream") if getattr(handler, k))
+    inner = getattr(handler, kind)
+    if inspect.isasyncgenfunction(inner):
+        async def behaviour(request, context):
+            async with scope(context):
+                async for message in inner(request, context):
+                    yield message
+    elif inspect.iscoroutinefunction(inner):
+        async def behaviour(request, context):
+            async with scope(context):
+                return await inner(request, context)
+    else:  # a synchronous handler runs on gRPC's thread pool; this daemon registers none
+        return handler
     return handler._replace(**{kind: behaviour})

@@ -6,6 +6,7 @@ import asyncio
 import ctypes
 import logging
 import os
+import resource
 import signal
 import sys
 from collections.abc import Sequence
@@ -18,9 +19,10 @@ from kvstore.proto import SERVICE
 from kvstore.server.config import ServerConfig, load_config
 from kvstore.server.dataplane import DataPlaneServer
 from kvstore.server.index import IndexUnavailable
+from kvstore.server.limits import ByteBudget, CallLimiter
 from kvstore.server.metrics import Metrics
 from kvstore.server.security import Security
-from kvstore.server.service import ByteBudget, KVStoreService
+from kvstore.server.service import KVStoreService
 from kvstore.server.store import BlockStore, DataDirInUse
 
 log = logging.getLogger("kvstore.server")
@@ -39,6 +41,7 @@ async def serve(config: ServerConfig, stop: asyncio.Event | None = None) -> None
         security = Security.from_config(config)
     except ValueError as exc:  # AuthConfigError included
         raise StartupError(str(exc)) from None
+    connections = grpc_connection_limit(config)  # first: raises the descriptor limit the store opens files under
     metrics = Metrics()
     store = BlockStore(config, metrics)
     try:
@@ -46,19 +49,13 @@ async def serve(config: ServerConfig, stop: asyncio.Event | None = None) -> None
     except (DataDirInUse, IndexUnavailable) as exc:
         raise StartupError(str(exc)) from None
     server = grpc.aio.server(
-        options=[
-            ("grpc.max_receive_message_length", config.max_message_bytes),
-            ("grpc.max_send_message_length", config.max_block_bytes + 2**20),
-            ("grpc.so_reuseport", 0),
-            ("grpc.keepalive_time_ms", 30_000),
-            ("grpc.http2.max_pings_without_data", 0),
-            # One connection cannot take every call slot (max_concurrent_rpcs is the daemon's in all).
-            ("grpc.max_concurrent_streams", max(1, config.max_concurrent_rpcs // 4)),
-        ],
-        maximum_concurrent_rpcs=config.max_concurrent_rpcs,
-        interceptors=security.interceptors,
+        options=grpc_options(config, connections),
+        # Calls are counted by CallLimiter instead of gRPC's own limit, which would count the health check too.
+        maximum_concurrent_rpcs=None,
+        interceptors=[*security.interceptors, CallLimiter(config)],  # tokens first: the limiter needs the principal
     )
-    put_budget = ByteBudget(config.max_inflight_put_bytes)
+    put_budget = ByteBudget(config.max_inflight_put_bytes, config.max_inflight_put_bytes_per_principal,
+                            settings="max_inflight_put_bytes, max_inflight_put_bytes_per_principal")
     data_plane = DataPlaneServer(store, config, put_budget, security)
     try:
         data_port = 0 if config.data_port is None else await data_plane.start(config.host, config.data_port)
@@ -124,6 +121,53 @@ async def serve(config: ServerConfig, stop: asyncio.Event | None = None) -> None
             raise ShutdownError(f"stopped, but {config.data_dir} was not closed cleanly ({exc}); "
                                 f"check it with `kvstore fsck {config.data_dir}` before the next start") from None
         log.info("stopped cleanly")
+
+
+def grpc_options(config: ServerConfig, connections: int) -> list[tuple[str, int]]:
+    """gRPC core settings: message sizes, and what one connection or an idle client may hold."""
+    return [
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.max_send_message_length", config.max_block_bytes + 2**20),
+        ("grpc.so_reuseport", 0),
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.http2.max_pings_without_data", 0),
+        # One connection cannot take every call slot; HTTP/2 refuses streams past this.
+        ("grpc.max_concurrent_streams", config.max_concurrent_rpcs_per_connection),
+        # Connections past this are closed as they are accepted, so sockets never take the descriptors
+        # segment files need; one that sends nothing is closed once the handshake (TLS, then the HTTP/2
+        # preface and settings) is overdue, and one without calls once it has been idle a while.
+        ("grpc.max_allowed_incoming_connections", connections),
+        ("grpc.server_handshake_timeout_ms", round(config.grpc_handshake_timeout_s * 1000)),
+        ("grpc.max_connection_idle_ms", round(config.grpc_connection_idle_s * 1000)),
+    ]
+
+
+def raise_descriptor_limit() -> int:
+    """Raise the soft RLIMIT_NOFILE to the hard limit (the default soft limit, often 1,024, is far below
+    what connections and segment files need); the soft limit now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError) as exc:
+            log.warning("cannot raise the descriptor limit from %d to %d: %s", soft, hard, exc)
+    return soft
+
+
+def grpc_connection_limit(config: ServerConfig) -> int:
+    """The gRPC connections allowed at once: `max_grpc_connections`, or fewer where the descriptor limit
+    would otherwise let connections take what `fd_reserve` and the data channel's connections need."""
+    limit = raise_descriptor_limit()
+    room = limit - config.fd_reserve - config.max_data_connections
+    if room < 1:
+        raise StartupError(f"the descriptor limit (ulimit -n) is {limit}: fd_reserve ({config.fd_reserve}) and "
+                           f"max_data_connections ({config.max_data_connections}) leave none for gRPC "
+                           "connections; raise the limit or lower those settings")
+    if room < config.max_grpc_connections:
+        log.warning("the descriptor limit (ulimit -n) is %d: at most %d gRPC connections at once, not "
+                    "max_grpc_connections = %d", limit, room, config.max_grpc_connections)
+    return min(room, config.max_grpc_connections)
 
 
 def tune_allocator() -> None:

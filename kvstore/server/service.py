@@ -7,6 +7,7 @@ multi-MiB payload is handed from the page cache or the DRAM tier to gRPC without
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -18,6 +19,7 @@ from kvstore.hostid import host_id
 from kvstore.proto import SERVICE, pb
 from kvstore.server.config import ServerConfig
 from kvstore.server.grpc_auth import current_principal
+from kvstore.server.limits import ByteBudget, TimedOut, grpc_caller
 from kvstore.server.reads import get_parts
 from kvstore.server.requests import (
     PermissionDenied,
@@ -34,27 +36,8 @@ from kvstore.server.requests import (
 from kvstore.server.store import BlockStore, DiskFull, Scope
 
 
-class ByteBudget:
-    """Bounds the bytes of Put records held in memory at once."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.used = 0
-        self._changed = asyncio.Condition()
-
-    async def acquire(self, nbytes: int, timeout_s: float = 5.0) -> None:
-        async with self._changed:
-            try:
-                await asyncio.wait_for(self._changed.wait_for(lambda: self.used + nbytes <= self.limit), timeout_s)
-            except TimeoutError:
-                raise RequestError("too many bytes of puts in flight on this daemon; retry later",
-                                   exhausted=True) from None
-            self.used += nbytes
-
-    async def release(self, nbytes: int) -> None:
-        async with self._changed:
-            self.used -= nbytes
-            self._changed.notify_all()
+class StalledReader(Exception):
+    """The client of a Get took no message for `rpc_stream_timeout_s`."""
 
 
 class KVStoreService:
@@ -64,6 +47,10 @@ class KVStoreService:
         self.config = config
         self.metrics = store.metrics
         self.put_budget = put_budget
+        # Get payloads handed to gRPC that the client has not taken yet; gRPC holds each in memory until then.
+        self.send_budget = ByteBudget(config.max_grpc_send_bytes, config.max_grpc_send_bytes_per_principal,
+                                      "bytes of gRPC Gets not yet taken by their clients",
+                                      "max_grpc_send_bytes, max_grpc_send_bytes_per_principal")
         self.data_port = data_port
         self.data_socket = data_socket  # the data channel's Unix socket, for clients on this host
 
@@ -115,14 +102,34 @@ class KVStoreService:
 
     # -- Get: server-streamed: per part a GetPartHead, then the payload if the part is OK -------------
 
-    async def get(self, request: pb.GetRequest, context) -> AsyncIterator[bytes]:
+    async def get(self, request: pb.GetRequest, context) -> None:
         check_get(request, self.config)
         if request.region_id:
             raise RequestError("shared-memory regions are only served on the data channel")
+        who = grpc_caller(context)
         async for head, payload in get_parts(self.store, request, scope=self.caller_scope()):
-            yield head.SerializeToString()
+            await self._send(context, head.SerializeToString())
             if payload is not None:
-                yield payload if isinstance(payload, bytes) else bytes(payload)
+                await self._send_payload(context, payload, who)
+
+    async def _send_payload(self, context, payload: bytes | bytearray | memoryview, who: str) -> None:
+        """Send one payload, holding its memory against the send budget until the client has taken it.
+
+        Until then gRPC holds it twice: the bytes object its API takes and its core's own copy. A payload
+        larger than a principal's share takes the whole share."""
+        charge = min(2 * len(payload), self.send_budget.per_principal)
+        await self.send_budget.acquire(charge, who, self.config.rpc_stream_timeout_s)
+        try:
+            await self._send(context, payload if isinstance(payload, bytes) else bytes(payload))
+        finally:
+            await self.send_budget.release(charge, who)
+
+    async def _send(self, context, message: bytes) -> None:
+        """Hand `message` to gRPC; StalledReader if the client takes nothing for `rpc_stream_timeout_s`."""
+        try:
+            await asyncio.wait_for(context.write(message), self.config.rpc_stream_timeout_s)
+        except TimeoutError:
+            raise StalledReader() from None
 
     # -- Put: client-streamed: per record a PutHead, the header, then payload chunks ----------------
 
@@ -131,25 +138,35 @@ class KVStoreService:
         held = 0
         messages = request_iterator.__aiter__()
         scope = self.caller_scope()
+        who = grpc_caller(context)
+        loop = asyncio.get_running_loop()
+        record_deadline = math.inf  # while a record is arriving: when it must have arrived whole
 
-        async def next_message(what: str, received: int = 0, expected: int = 0) -> bytes:
+        async def next_message(what: str = "", received: int = 0, expected: int = 0) -> bytes | None:
+            """The next message; None where the stream ends between records (`what` empty)."""
+            wait_s = min(self.config.rpc_stream_timeout_s, record_deadline - loop.time())
             try:
-                return await messages.__anext__()
+                return await asyncio.wait_for(messages.__anext__(), max(wait_s, 0))
             except StopAsyncIteration:
+                if not what:
+                    return None
                 raise RequestError(f"stream ended before {what}" + (
                     f": {received} of {expected} payload bytes received" if expected else "")) from None
+            except TimeoutError:
+                if loop.time() >= record_deadline:
+                    raise TimedOut(f"a record did not arrive whole within {self.config.put_record_timeout_s:g} s "
+                                   "of its PutHead (put_record_timeout_s)") from None
+                raise TimedOut(f"the client sent nothing for {self.config.rpc_stream_timeout_s:g} s "
+                               "(rpc_stream_timeout_s)") from None
 
         try:
-            while True:
-                try:
-                    raw = await messages.__anext__()
-                except StopAsyncIteration:
-                    break
+            while (raw := await next_message()) is not None:
                 put_head = parse(pb.PutHead, raw)
                 declared = put_head.record_bytes
                 check_put_head(declared, self.config)
-                await self.put_budget.acquire(declared)
+                await self.put_budget.acquire(declared, who)
                 held += declared
+                record_deadline = loop.time() + self.config.put_record_timeout_s
                 header_bytes = await next_message("the record header")
                 header = parse_record_header(header_bytes, declared, list(self.config.classes))
                 check_tenant(header, scope)
@@ -162,9 +179,10 @@ class KVStoreService:
                         raise RequestError(f"payload longer than declared ({header.payload_len} bytes)")
                     chunks.append(chunk)
                 check_payload(header, chunks)
-                tasks.append(asyncio.ensure_future(self._store_one(header, header_bytes, chunks, declared,
+                tasks.append(asyncio.ensure_future(self._store_one(header, header_bytes, chunks, declared, who,
                                                                    reuse_hint(put_head))))
                 held -= declared  # now owned by the task
+                record_deadline = math.inf
             results = await asyncio.gather(*tasks)
         except RequestError as exc:
             await self._reject(context, "Put", exc)
@@ -175,15 +193,15 @@ class KVStoreService:
         finally:
             # Records already verified are stored even if the stream broke later (see the data channel).
             if held:
-                await self.put_budget.release(held)
+                await self.put_budget.release(held, who)
         return pb.PutResponse(results=results)
 
-    async def _store_one(self, header, header_bytes: bytes, chunks: list[bytes], declared: int,
+    async def _store_one(self, header, header_bytes: bytes, chunks: list[bytes], declared: int, who: str,
                          hint: ReuseHint | None) -> int:
         try:
             return await self.store.put(header, header_bytes, chunks, hint)
         finally:
-            await self.put_budget.release(declared)
+            await self.put_budget.release(declared, who)
 
     # -- wiring -----------------------------------------------------------------------------------
 
@@ -201,13 +219,17 @@ class KVStoreService:
                     self.metrics.rpc_latency.labels(method=method).observe(time.perf_counter() - started)
             return grpc.unary_unary_rpc_method_handler(call, None, None)
 
-        async def get(raw: bytes, context):
+        async def get(raw: bytes, context) -> None:  # writes its messages, so that each write can time out
             started = time.perf_counter()
             try:
-                async for message in self.get(parse(pb.GetRequest, raw), context):
-                    yield message
+                await self.get(parse(pb.GetRequest, raw), context)
             except RequestError as exc:
                 await self._reject(context, "Get", exc)
+            except StalledReader:
+                # A status would queue behind the message the client does not take; ending the handler
+                # as cancelled makes gRPC cancel the call, which frees that message.
+                self.metrics.rpc_errors.labels(method="Get", code="DEADLINE_EXCEEDED").inc()
+                raise asyncio.CancelledError() from None
             finally:
                 self.metrics.rpc_latency.labels(method="Get").observe(time.perf_counter() - started)
 
