@@ -69,6 +69,7 @@ def _load(folder: str, server_pid: int) -> None:
     import transformers
 
     _tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    _encode([{"role": "user", "content": "x"}])  # the content tokenizer is made on first use: not on a request's time
 
 
 def _exit_with(server_pid: int) -> None:

@@ -3,10 +3,15 @@
 A tokenizer turns the text `<start_of_turn>` into its control token wherever it appears, so a user who
 writes it into a message (or a tool result, or a system prompt) could forge turns. Here the template is
 rendered with each message's content replaced by a sentinel, the template's own text between sentinels
-is encoded with special tokens recognised, and each content with them split into plain text
-(`split_special_tokens`). Each piece is encoded alone, so a conversation's next prompt extends its last
-one token for token (what the store's prefix cache needs), and for text without control strings the ids
-are what `apply_chat_template(tokenize=True)` gives (tested on the real model's tokenizer).
+is encoded with special tokens recognised, and each content with every control token split into plain
+text. A control token is any added token whose text the vocabulary would not yield on its own, whatever its
+`special` flag: Gemma 3's `<start_of_image>`, `<end_of_image>` and `[multimodal]` are not flagged special, and
+`split_special_tokens` would leave them whole (its HTML tags such as `<b>` count as control too; its added
+runs of whitespace are ordinary text, which the vocabulary yields anyway). Each piece is encoded alone, so a
+conversation's next prompt extends its last one token for token (what the store's prefix cache needs), and for
+text without control strings the ids are what `apply_chat_template(tokenize=True)` gives (tested on the real
+model's tokenizer). The copy of the tokenizer that content is encoded with is made on first use (seconds for a
+262k vocabulary): `encode_chat` once at start-up keeps that off the first request.
 
     ids = encode_chat(tokenizer, [{"role": "system", "content": ...}, {"role": "user", "content": ...}])
 """
@@ -14,12 +19,14 @@ are what `apply_chat_template(tokenize=True)` gives (tested on the real model's 
 from __future__ import annotations
 
 import re
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 _SENTINEL = "\ue000{}\ue001"  # Unicode private-use characters: no template writes them
 _SENTINELS = re.compile("\ue000(\\d+)\ue001")
 ROLES = ("system", "user", "assistant")
+_TEXT_TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> its copy for content
 
 
 class ChatPromptError(ValueError):
@@ -45,7 +52,7 @@ def encode_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]], add_gener
             ids += _encode(tokenizer, piece, split_special=False)  # the template's: its control tokens
         else:
             content = contents[int(piece)]
-            ids += _encode(tokenizer, content.strip() if trim else content, split_special=True)
+            ids += _encode_text(tokenizer, content.strip() if trim else content)
     return ids
 
 
@@ -76,3 +83,38 @@ def _encode(tokenizer: Any, text: str, split_special: bool) -> list[int]:
     if not text:
         return []
     return list(tokenizer(text, add_special_tokens=False, split_special_tokens=split_special)["input_ids"])
+
+
+def _encode_text(tokenizer: Any, text: str) -> list[int]:
+    """A message's content as plain text: no control token, flagged special or not."""
+    backend = _text_tokenizer(tokenizer)
+    if backend is None:  # no fast tokenizer underneath: its special tokens are all it can tell apart
+        return _encode(tokenizer, text, split_special=True)
+    return backend.encode(text, add_special_tokens=False).ids if text else []
+
+
+def _text_tokenizer(tokenizer: Any) -> Any:
+    """A copy of the tokenizer's backend in which every control token is special and split, made once."""
+    if tokenizer in _TEXT_TOKENIZERS:
+        return _TEXT_TOKENIZERS[tokenizer]
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    copy = None
+    if backend is not None:
+        from tokenizers import AddedToken, Tokenizer
+
+        copy = Tokenizer.from_str(backend.to_str())
+        control = [t for i, t in tokenizer.added_tokens_decoder.items() if not _is_text(backend, i, t.content)]
+        copy.add_special_tokens([AddedToken(t.content, single_word=t.single_word, lstrip=t.lstrip, rstrip=t.rstrip,
+                                            normalized=t.normalized, special=True) for t in control])
+        copy.encode_special_tokens = True  # special tokens in the text are split into plain text
+    _TEXT_TOKENIZERS[tokenizer] = copy
+    return copy
+
+
+def _is_text(backend: Any, token_id: int, content: str) -> bool:
+    """Whether the vocabulary alone yields this added token from its text (Gemma's runs of newlines and spaces):
+    then the match as an added token changes nothing a client could not write anyway."""
+    normalized = backend.normalizer.normalize_str(content) if backend.normalizer is not None else content
+    pieces = backend.pre_tokenizer.pre_tokenize_str(normalized) if backend.pre_tokenizer is not None else \
+        [(normalized, None)]
+    return [t.id for piece, _ in pieces for t in backend.model.tokenize(piece)] == [token_id]
