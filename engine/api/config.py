@@ -33,6 +33,9 @@ class ApiConfig:
     max_body_bytes: int = 4 << 20  # a request body past it is refused (413) before it is read whole
     max_in_flight: int = 128  # requests admitted and not done; past it, 429 (Anthropic: 529)
     max_in_flight_per_tenant: int = 64  # so one tenant cannot take every slot
+    # Engine slots (of max_running) one tenant can never take, kept for the others (engine/api/fair.py);
+    # None: an eighth of max_running when the API keys name several tenants, else 0
+    fair_reserve: int | None = None
     # How long a conversation of each class may idle before the store is advised that it ended: 600 s is
     # about the 95th percentile of the gap between a conversation's turns in the shared trace (chat only;
     # nothing there tells agent gaps apart), so about 4% of such advice is wrong (bench/api_advice.py)
@@ -43,6 +46,13 @@ class ApiConfig:
     max_connections_per_client: int = 256  # from one client address
     header_timeout_s: float = 10.0  # a request head must arrive whole within this
     write_timeout_s: float = 30.0  # a response its client does not take for this long ends its connection
+
+    @property
+    def reserve(self) -> int:
+        """The fair share's reserve in force (see fair_reserve)."""
+        if self.fair_reserve is not None:
+            return self.fair_reserve
+        return self.max_running // 8 if len(set(self.api_keys.values())) > 1 else 0
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -61,6 +71,8 @@ class ApiConfig:
                                             or not self.chunk_cost[0] + self.chunk_cost[1] > 0):
             raise ValueError(f"ApiConfig: chunk_cost is three seconds-coefficients a, b, c >= 0 with a + b > 0, "
                              f"got {self.chunk_cost}")
+        if self.fair_reserve is not None and not 0 <= self.fair_reserve < self.max_running:
+            raise ValueError(f"ApiConfig: fair_reserve must lie in [0, max_running), got {self.fair_reserve}")
         if not 1 <= self.max_connections_per_client <= self.max_connections:
             raise ValueError("ApiConfig: need 1 <= max_connections_per_client <= max_connections")
         if not (self.header_timeout_s > 0 and self.write_timeout_s > 0):

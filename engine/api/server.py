@@ -26,9 +26,9 @@ import json
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -39,9 +39,11 @@ from engine.api import anthropic_messages, openai_chat, openai_responses
 from engine.api.config import TRAFFIC_CLASSES, ApiConfig
 from engine.api.conversation import Message, Prompt, Reply
 from engine.api.errors import ApiError
+from engine.api.fair import FairGate
 from engine.api.service import Service
 
-DISCONNECT_POLL_S = 1.0  # how often a non-streamed request checks that its client is still there
+DISCONNECT_POLL_S = 1.0  # how often a request not yet streaming checks that its client is still there
+T = TypeVar("T")
 APIS = ("chat", "responses", "messages", "models")
 
 
@@ -146,26 +148,31 @@ async def _answer(service: Service, request: Request, prompt: Prompt, tenant: st
     first token is an error status; a client that goes away cancels the generation."""
     events = service.generate(prompt, tenant, _traffic(request, prompt),
                               overloaded=529 if _api(request.url.path) == "messages" else 429)
-    ids = await anext(events)  # ApiError here (a refused prompt, too many in flight) is an error status
+    # ApiError here (a refused prompt, too many in flight) is an error status
+    ids = await _while_connected(anext(events), request)
     if not prompt.stream:
-        reply = await _until_reply(events, request)
+        reply = await _while_connected(_until_reply(events), request)
         return JSONResponse(render(reply, ids))
-    first = await anext(events)  # ApiError here is still an error status, not a broken stream
+    # queued, waiting for a fair share, prefilling: a client gone meanwhile cancels it now, not at the
+    # first token; ApiError here is still an error status, not a broken stream
+    first = await _while_connected(anext(events), request)
     return StreamingResponse(_events(first, events, stream, render, ids), media_type="text/event-stream")
 
 
-async def _until_reply(events: AsyncIterator[str | Reply], request: Request) -> Reply:
-    """The reply, checking every DISCONNECT_POLL_S that its client is still there (and if not, cancelling)."""
-    async def consume() -> Reply:
-        async for item in events:
-            if isinstance(item, Reply):
-                return item
-        raise AssertionError("a generation ends with its Reply")
+async def _until_reply(events: AsyncIterator[str | Reply]) -> Reply:
+    async for item in events:
+        if isinstance(item, Reply):
+            return item
+    raise AssertionError("a generation ends with its Reply")
 
-    task = asyncio.ensure_future(consume())
+
+async def _while_connected(step: Awaitable[T], request: Request) -> T:
+    """`step`'s result, checking every DISCONNECT_POLL_S that the client is still there; if it is not, `step`
+    is cancelled (and with it the generation, by the generator's clean-up) and the answer is 499."""
+    task = asyncio.ensure_future(step)
     while not (await asyncio.wait([task], timeout=DISCONNECT_POLL_S))[0]:
         if await request.is_disconnected():
-            task.cancel()  # the generator's cleanup cancels the generation
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
             raise ApiError(499, "the client went away")
@@ -305,7 +312,7 @@ def build(config: ApiConfig) -> Service:
                                                               detokenize=tokenizer.decode))
     encoder = PromptEncoder(folder, config.tokenize_workers)
     return Service(runner, tokenizer, encoder, sorted(stop_token_ids(tokenizer)), advisor, config.max_in_flight,
-                   config.max_in_flight_per_tenant)
+                   config.max_in_flight_per_tenant, FairGate(config.max_running, config.reserve))
 
 
 def parse_args(argv: Sequence[str] | None = None, prog: str = "kvstore-api") -> ApiConfig:

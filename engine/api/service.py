@@ -27,6 +27,7 @@ from engine.api.conversation import (
     split_tool_calls,
 )
 from engine.api.errors import ApiError
+from engine.api.fair import FairGate
 from engine.api.metrics import ApiMetrics
 from engine.api.reply_text import ReplyText
 from engine.api.tokenize import PromptEncoder
@@ -40,8 +41,11 @@ from kvstore.block import Block
 
 class Service:
     def __init__(self, runner: ServingLoop, tokenizer: Any, encoder: PromptEncoder, stop_token_ids: Sequence[int],
-                 advisor: Advisor | None = None, max_in_flight: int = 128, max_in_flight_per_tenant: int = 64) -> None:
+                 advisor: Advisor | None = None, max_in_flight: int = 128, max_in_flight_per_tenant: int = 64,
+                 gate: FairGate | None = None) -> None:
         self.runner, self.tokenizer, self.encoder, self.advisor = runner, tokenizer, encoder, advisor
+        # requests in the engines at once, shared fairly between tenants (engine/api/fair.py)
+        self.gate = gate or FairGate(runner.engine.config.max_running, 0)
         self.stop_token_ids = tuple(stop_token_ids)
         self.max_in_flight, self.max_in_flight_per_tenant = max_in_flight, max_in_flight_per_tenant
         self.in_flight: Counter[str] = Counter()  # requests admitted and not yet done, by tenant
@@ -61,10 +65,20 @@ class Service:
             raise ApiError(overloaded, "too many requests in flight; retry later",
                            kind="overloaded_error" if overloaded == 529 else "rate_limit_error")
         self.in_flight[tenant] += 1
-        ticket = None
         try:
             ids = await self._encode(prompt)
             yield ids
+            async with self.gate.slot(tenant):  # waits while the tenant holds its share of the engines
+                async for item in self._generated(prompt, ids, tenant, traffic_class):
+                    yield item
+        finally:
+            self.in_flight[tenant] -= 1
+
+    async def _generated(self, prompt: Prompt, ids: list[int], tenant: str, traffic_class: str
+                         ) -> AsyncIterator[str | Reply]:
+        """The text, then the Reply, of a prompt in the engines; cancels the generation if left early."""
+        ticket = None
+        try:
             started, loop = time.monotonic(), asyncio.get_running_loop()
             events: asyncio.Queue = asyncio.Queue()
             # the tenant's salt comes from its API key, never from the request body
@@ -111,7 +125,6 @@ class Service:
                 yield reply
                 return
         finally:
-            self.in_flight[tenant] -= 1
             if ticket is not None:
                 self.runner.cancel(ticket)
                 self.metrics.cancelled.inc()
