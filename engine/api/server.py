@@ -338,6 +338,9 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = "kvstore-api") -> 
                         help="sequences decoded at once")
     parser.add_argument("--tokenize-workers", type=int, default=defaults.tokenize_workers,
                         help="processes that encode prompts off the event loop")
+    parser.add_argument("--fair-reserve", type=int, default=None, metavar="SLOTS",
+                        help="engine slots no single tenant may take, kept for the others; default: an eighth of "
+                             "--max-running when the API keys name several tenants, else 0")
     parser.add_argument("--chunk-cost", default=None, metavar="A,B,C",
                         help="the prefill's chunk cost model (engine.prefill.cost.ChunkCost), from an earlier fit on "
                              "this machine, as the start-up line prints it; default: fit it at start-up (about 20 s)")
@@ -354,7 +357,7 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = "kvstore-api") -> 
             raise ValueError(f"--chunk-cost takes three numbers A,B,C, got {args.chunk_cost!r}")
         return ApiConfig(args.model, args.model_name, tuple(s for s in args.servers.split(",") if s), args.host,
                          args.port, keys, args.kv_pages, args.block_tokens, args.max_running, chunk_cost=cost,
-                         tokenize_workers=args.tokenize_workers)
+                         tokenize_workers=args.tokenize_workers, fair_reserve=args.fair_reserve)
     except ValueError as exc:
         parser.error(str(exc))
 
