@@ -9,8 +9,9 @@ One store daemon and one `kvstore-api` (the real Gemma 3 270M) with two API keys
                tokens each): its time to first token with the server otherwise idle
     flooded    the same, while the flood tenant keeps --flood streams of --flood-tokens tokens in flight
                (closed loop, started before the questions and running until they are done)
-    unfair     as flooded, on a second server started with --fair-reserve 0: what first come, first served
-               admission gives (the server as it was before the fair gate), measured in the same run
+    unfair     as flooded, on a second server started with --fair-reserve 0: the flood may hold every engine
+               slot, so a question waits for one of its replies to end (still first in line then: before
+               the fair gate it also queued behind the rest of the flood), measured in the same run
 
 Reported: the interactive tenant's TTFT p50 and p99 per phase, medians (min..max) over repeats, and the
 ratios flooded / alone (aim <= 2) and unfair / alone.
