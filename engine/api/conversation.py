@@ -31,12 +31,15 @@ from typing import Any
 
 import xxhash
 
+from engine.api import body
 from engine.decode import SamplingParams
 
 CALL_FENCE = "```tool_call\n"
 OUTPUT_FENCE = "```tool_output\n"
 _CALLS = re.compile(r"```tool_call\n(.*?)\n```", re.DOTALL)
 STOP, LENGTH, TOOL_CALLS = "stop", "length", "tool_calls"  # a reply's end, in the OpenAI API's words
+# a model's tool call deeper or longer than a request body may be is text: it is rendered back into prompts
+CALL_MAX_DEPTH, CALL_MAX_ITEMS = 64, 4096
 
 
 @dataclass(frozen=True)
@@ -113,18 +116,18 @@ def chat_messages(prompt: Prompt) -> list[dict[str, str]]:
             messages[0] = Message("system", messages[0].content + "\n\n" + described)
         else:
             messages.insert(0, Message("system", described))
-    out: list[dict[str, str]] = []
+    turns: list[tuple[str, list[str]]] = []  # role, its contents: joined once, so merging is linear
     for message in messages:
         role, content = message.role, message.content
         if message.role == "assistant" and message.tool_calls:
             content = "\n".join([content] * bool(content) + [_call_text(call) for call in message.tool_calls])
         elif message.role == "tool":
             role, content = "user", f"{OUTPUT_FENCE}{content}\n```"
-        if out and out[-1]["role"] == role and role == "user":  # tool results, then perhaps the user: one turn
-            out[-1]["content"] += "\n\n" + content
+        if turns and turns[-1][0] == role and role == "user":  # tool results, then perhaps the user: one turn
+            turns[-1][1].append(content)
         else:
-            out.append({"role": role, "content": content})
-    return out
+            turns.append((role, [content]))
+    return [{"role": role, "content": "\n\n".join(contents)} for role, contents in turns]
 
 
 def describe_tools(tools: Sequence[Tool]) -> str:
@@ -141,15 +144,18 @@ def _call_text(call: ToolCall) -> str:
 
 def split_tool_calls(text: str, tools: Sequence[Tool]) -> tuple[str, list[ToolCall]]:
     """A reply's text and the tool calls in it: fenced blocks naming a declared tool with an object of
-    arguments. Without one such block the whole reply is text."""
+    arguments. Without one such block the whole reply is text; so is a block whose name is not a string, whose
+arguments hold NaN or an infinite number, or nest deeper than CALL_MAX_DEPTH."""
     names = {tool.name for tool in tools}
     calls = []
     for block in _CALLS.finditer(text):
         try:
-            call = json.loads(block.group(1))
-        except ValueError:
+            call = body.loads(block.group(1))  # NaN, Infinity and 1e999 are not JSON a client could read back
+        except (ValueError, RecursionError):
             continue
-        if (isinstance(call, dict) and call.get("name") in names and isinstance(call.get("arguments", {}), dict)):
+        # the model writes anything: a name that is a list, arguments nested past what renders safely
+        if isinstance(call, dict) and isinstance(call.get("name"), str) and call["name"] in names and \
+                isinstance(call.get("arguments", {}), dict) and body.within(call, CALL_MAX_DEPTH, CALL_MAX_ITEMS):
             calls.append(ToolCall.new(call["name"], call.get("arguments", {})))
     if not calls:
         return text, []

@@ -13,7 +13,8 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from engine.api.conversation import Message, Prompt, Reply, Tool, ToolCall
+from engine.api import body
+from engine.api.conversation import CALL_MAX_DEPTH, CALL_MAX_ITEMS, Message, Prompt, Reply, Tool, ToolCall
 from engine.api.errors import ApiError
 from engine.decode import DecodeError, SamplingParams
 
@@ -77,12 +78,14 @@ def _messages(messages: Any) -> list[Message]:
 def _call(call: Any, i: int) -> ToolCall:
     try:
         function = call["function"]
-        arguments = json.loads(function["arguments"])
+        arguments = body.loads(function["arguments"])
         assert call.get("type", "function") == "function" and isinstance(arguments, dict)
+        assert body.within(arguments, CALL_MAX_DEPTH, CALL_MAX_ITEMS)  # they are rendered back into the prompt
         return ToolCall(str(call["id"]), str(function["name"]), arguments)
-    except (KeyError, TypeError, ValueError, AssertionError):
+    except (KeyError, TypeError, ValueError, AssertionError, RecursionError):
         raise ApiError(400, f"messages[{i}].tool_calls: each must be a function call with an id, a name and "
-                            "JSON object arguments", "messages") from None
+                            f"JSON object arguments (finite numbers, at most {CALL_MAX_DEPTH} levels deep)",
+                       "messages") from None
 
 
 def _text(content: Any, i: int) -> str:

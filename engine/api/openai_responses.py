@@ -19,7 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from engine.api.conversation import LENGTH, Message, Prompt, Reply, Tool, ToolCall
+from engine.api import body
+from engine.api.conversation import CALL_MAX_DEPTH, CALL_MAX_ITEMS, LENGTH, Message, Prompt, Reply, Tool, ToolCall
 from engine.api.errors import ApiError
 from engine.decode import DecodeError, SamplingParams
 
@@ -104,27 +105,39 @@ def _input(value: Any) -> list[Message]:
         return [Message("user", value)]
     _check(not isinstance(value, list) or not value, "input must be a string or a non-empty array of items", "input")
     messages: list[Message] = []
+    calls: list[ToolCall] = []  # consecutive function_call items: one assistant message's, made once (linear)
     for i, item in enumerate(value):
         where = f"input[{i}]"
         _check(not isinstance(item, dict), f"{where} must be an object", where)
         kind = item.get("type", "message")
         _check(kind not in ITEMS, f"{where}.type {kind!r} is not supported ({', '.join(ITEMS)})", f"{where}.type")
         _fields(item, ITEMS[kind], where)
+        if kind == "function_call":
+            calls.append(ToolCall(_string(item, "call_id", where), _string(item, "name", where),
+                                  _arguments(item, where)))
+            continue
+        _with_calls(messages, calls)
         if kind == "message":
             role = {"developer": "system"}.get(item.get("role"), item.get("role"))
             _check(role not in ("system", "user", "assistant"),
                    f"{where}.role must be user, assistant, system or developer", f"{where}.role")
             messages.append(Message(role, _content(item.get("content"), where)))
-        elif kind == "function_call":
-            call = ToolCall(_string(item, "call_id", where), _string(item, "name", where), _arguments(item, where))
-            if messages and messages[-1].role == "assistant":  # the calls of the assistant message before
-                messages[-1] = replace(messages[-1], tool_calls=messages[-1].tool_calls + (call,))
-            else:
-                messages.append(Message("assistant", tool_calls=(call,)))
         else:
             call_id = _string(item, "call_id", where)
             messages.append(Message("tool", _string(item, "output", where), tool_call_id=call_id))
+    _with_calls(messages, calls)
     return messages
+
+
+def _with_calls(messages: list[Message], calls: list[ToolCall]) -> None:
+    """Consecutive function_call items: the calls of the assistant message before them, or of a new one."""
+    if not calls:
+        return
+    if messages and messages[-1].role == "assistant":
+        messages[-1] = replace(messages[-1], tool_calls=messages[-1].tool_calls + tuple(calls))
+    else:
+        messages.append(Message("assistant", tool_calls=tuple(calls)))
+    calls.clear()
 
 
 def _content(content: Any, where: str) -> str:
@@ -145,11 +158,12 @@ def _content(content: Any, where: str) -> str:
 
 def _arguments(item: dict, where: str) -> dict:
     try:
-        arguments = json.loads(_string(item, "arguments", where))
-    except ValueError:
+        arguments = body.loads(_string(item, "arguments", where))
+    except (ValueError, RecursionError):
         arguments = None
-    _check(not isinstance(arguments, dict), f"{where}.arguments must be a JSON object in a string",
-           f"{where}.arguments")
+    _check(not isinstance(arguments, dict) or not body.within(arguments, CALL_MAX_DEPTH, CALL_MAX_ITEMS),
+           f"{where}.arguments must be a JSON object in a string (finite numbers, at most {CALL_MAX_DEPTH} levels "
+           "deep)", f"{where}.arguments")
     return arguments
 
 
