@@ -2,7 +2,8 @@
 and short enough that everything done with it afterwards (rendering the tools into the prompt, the template,
 the response) stays far inside Python's recursion limit and linear time.
 
-    value = decode(raw, max_depth=64, max_items=4096, dotted=False)  # a request body, or ApiError(400)
+    value = decode(raw)  # a request body, or ApiError(400)
+    check_shape(value, max_depth=64, max_items=4096)  # or ApiError(400) naming the field
     value = loads(text)  # a model's tool call: ValueError for NaN, Infinity, 1e999
 """
 
@@ -32,23 +33,22 @@ def _finite(text: str) -> float:
     return value
 
 
-def decode(raw: bytes, max_depth: int, max_items: int, dotted: bool) -> Any:
-    """A request body: valid JSON, finite numbers, no lone surrogate, arrays and objects nested at most
-    `max_depth` deep and holding at most `max_items` each; else ApiError(400) naming the field (`dotted`:
-    Anthropic's `messages.0.content`, else OpenAI's `messages[0].content`)."""
+def decode(raw: bytes) -> Any:
+    """A request body: valid JSON, finite numbers, no lone surrogate; else ApiError(400). Its shape is
+    `check_shape`'s to check."""
     try:
         value = loads(raw)
         json.dumps(value, ensure_ascii=False).encode()  # a lone surrogate (\ud800) cannot be text
     except (ValueError, RecursionError, UnicodeEncodeError):
         raise ApiError(400, "the request body is not valid JSON (or holds NaN, Infinity, a number too large, a "
                             "lone surrogate or nesting too deep)") from None
-    check_shape(value, max_depth, max_items, dotted)
     return value
 
 
 def check_shape(value: Any, max_depth: int, max_items: int, dotted: bool = False) -> None:
-    """ApiError(400) for an array or object past `max_items` entries or nested past `max_depth`; iterative, so
-    no depth can overflow the stack, and once over each container."""
+    """ApiError(400) for an array or object past `max_items` entries or nested past `max_depth`, naming the field
+    (`dotted`: Anthropic's `messages.0.content`, else OpenAI's `messages[0].content`); iterative, so no depth
+    can overflow the stack, and once over each container."""
     stack: list[tuple[Any, tuple]] = [(value, ())] if isinstance(value, (dict, list)) else []
     while stack:
         item, path = stack.pop()

@@ -31,6 +31,11 @@ class ApiConfig:
     max_stored_responses: int = 10_000
     max_stored_bytes: int = 256 << 20
     max_body_bytes: int = 4 << 20  # a request body past it is refused (413) before it is read whole
+    # A request body's arrays and objects: nested at most max_json_depth deep (far inside Python's recursion
+    # limit, leaving headroom for rendering tools and templates) and each holding at most max_array_items
+    # entries (messages, input items, content blocks, tools...), so a body's parse stays short; past them, 400
+    max_json_depth: int = 64
+    max_array_items: int = 4096
     max_in_flight: int = 128  # requests admitted and not done; past it, 429 (Anthropic: 529)
     max_in_flight_per_tenant: int = 64  # so one tenant cannot take every slot
     # Engine slots (of max_running) one tenant can never take, kept for the others (engine/api/fair.py);
@@ -63,6 +68,8 @@ class ApiConfig:
                      "max_stored_bytes", "max_body_bytes", "max_in_flight", "max_in_flight_per_tenant"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ApiConfig: {name} must be >= 1")
+        if not 8 <= self.max_json_depth <= 256 or self.max_array_items < 1:
+            raise ValueError("ApiConfig: max_json_depth must lie in [8, 256] and max_array_items be >= 1")
         if any(not key or not tenant for key, tenant in self.api_keys.items()):
             raise ValueError("ApiConfig: api_keys maps non-empty keys to non-empty tenant names")
         if set(self.idle_s) - set(TRAFFIC_CLASSES) or any(not v > 0 for v in self.idle_s.values()):

@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import json
 import signal
 import sys
 import time
@@ -93,7 +92,7 @@ def create_app(service: Service, config: ApiConfig) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        tenant, body = await _read(request, config)
+        tenant, body = await _read(request, config, service)
         prompt = _served(_parsed(openai_chat.parse, body, stop_ids), config)
         rid = openai_chat.completion_id()
         return await _answer(service, request, prompt, tenant,
@@ -102,7 +101,7 @@ def create_app(service: Service, config: ApiConfig) -> FastAPI:
 
     @app.post("/v1/messages")
     async def messages(request: Request):
-        tenant, body = await _read(request, config)
+        tenant, body = await _read(request, config, service)
         prompt = _served(_parsed(anthropic_messages.parse, body, stop_ids), config)
         rid = anthropic_messages.message_id()
         return await _answer(service, request, prompt, tenant,
@@ -111,7 +110,7 @@ def create_app(service: Service, config: ApiConfig) -> FastAPI:
 
     @app.post("/v1/responses")
     async def responses(request: Request):
-        tenant, body = await _read(request, config)
+        tenant, body = await _read(request, config, service)
         asked = _parsed(openai_responses.parse, body, stop_ids)
         conversation = stored.conversation(tenant, asked.previous_response_id, _served(asked.prompt, config))
         prompt = dataclasses.replace(asked.prompt, messages=conversation)
@@ -209,28 +208,35 @@ def _api(path: str) -> str:
     return api if api in APIS else "other"
 
 
-async def _read(request: Request, config: ApiConfig) -> tuple[str, Any]:
-    """The tenant, and the body as JSON: at most config.max_body_bytes, no NaN or Infinity, no lone surrogate."""
+async def _read(request: Request, config: ApiConfig, service: Service) -> tuple[str, Any]:
+    """The tenant, and the body as JSON: at most config.max_body_bytes, finite numbers, no lone surrogate,
+    nested at most config.max_json_depth deep, no array or object of more than config.max_array_items.
+    What costs nothing is checked first, so a request bound to fail costs little: the key, the size, the
+    tenant's and the server's requests in flight (before the body is read), then the model (before the
+    body's shape is checked and long before it is parsed)."""
+    from engine.api.body import check_shape, decode
+
     tenant = _tenant(request, config)
     too_big = ApiError(413, f"the request body passes {config.max_body_bytes} bytes")
     if int(request.headers.get("content-length") or 0) > config.max_body_bytes:
         raise too_big
+    messages = _api(request.url.path) == "messages"
+    full = sum(service.in_flight.values()) >= service.max_in_flight
+    if full or service.in_flight[tenant] >= service.max_in_flight_per_tenant:  # generate checks again, to hold it
+        raise ApiError(529 if messages else 429, "too many requests in flight; retry later",
+                       kind="overloaded_error" if messages else "rate_limit_error")
     body = bytearray()
     async for part in request.stream():
         body += part
         if len(body) > config.max_body_bytes:
             raise too_big
-    try:
-        value = json.loads(body, parse_constant=_no_constant)
-        json.dumps(value, ensure_ascii=False).encode()  # a lone surrogate (\ud800) cannot be text
-    except (ValueError, RecursionError, UnicodeEncodeError):
-        raise ApiError(400, "the request body is not valid JSON (or holds NaN, Infinity, a lone surrogate or "
-                            "nesting too deep)") from None
+    # in a thread: a 4 MiB body takes a while to decode and walk, and the loop goes on serving meanwhile
+    value = await asyncio.to_thread(decode, bytes(body))
+    if isinstance(value, dict) and isinstance(value.get("model"), str) and value["model"] != config.model_name:
+        raise ApiError(404, f"the model {value['model'][:200]!r} does not exist; this server serves "
+                            f"{config.model_name!r}", "model", "not_found_error")
+    await asyncio.to_thread(check_shape, value, config.max_json_depth, config.max_array_items, messages)
     return tenant, value
-
-
-def _no_constant(name: str) -> None:
-    raise ValueError(f"{name} is not JSON")
 
 
 def _parsed(parse: Callable[[Any, Sequence[int]], Any], body: Any, stop_ids: Sequence[int]) -> Any:

@@ -9,7 +9,7 @@ from collections import Counter
 from collections.abc import AsyncIterator
 
 from engine.api.config import ApiConfig
-from engine.api.conversation import CALL_FENCE, STOP, TOOL_CALLS, Prompt, Reply, split_tool_calls
+from engine.api.conversation import CALL_FENCE, STOP, TOOL_CALLS, Prompt, Reply, chat_messages, split_tool_calls
 from engine.api.metrics import ApiMetrics
 
 MODEL = "gemma-3-270m"
@@ -32,6 +32,7 @@ class ScriptedService:
     async def generate(self, prompt: Prompt, tenant: str, traffic_class: str, overloaded: int = 429
                        ) -> AsyncIterator[list[int] | str | Reply]:
         self.prompts.append(prompt)
+        chat_messages(prompt)  # what the real service gives its encoder: tools described, turns merged
         ids = [2] * 8
         yield ids
         self.generated += 1
