@@ -17,6 +17,9 @@ class ApiConfig:
     port: int = 8000
     # API key -> tenant name (hashed into the namespace salt); empty: one open tenant, for loopback use
     api_keys: dict[str, str] = field(default_factory=dict)
+    # Keys that read every tenant's counts at GET /metrics (the operator's, not a tenant's); a tenant's key
+    # reads its own counts and the server's gauges. Without api_keys the one open tenant reads them all
+    metrics_keys: tuple[str, ...] = ()
     kv_pages: int = 1024  # of block_tokens each: 65,536 tokens of KV
     # 64: a chat turn leaves on average half a block of its prompt and of its reply uncached; at 64 tokens the
     # hit rate is 0.987 of a token-granular cache's and TTFT is that of 32-token blocks, at half their records
@@ -70,6 +73,9 @@ class ApiConfig:
                 raise ValueError(f"ApiConfig: {name} must be >= 1")
         if not 8 <= self.max_json_depth <= 256 or self.max_array_items < 1:
             raise ValueError("ApiConfig: max_json_depth must lie in [8, 256] and max_array_items be >= 1")
+        if any(not key or key in self.api_keys for key in self.metrics_keys):
+            raise ValueError("ApiConfig: metrics_keys are non-empty and none of them a tenant's API key")
+        object.__setattr__(self, "metrics_keys", tuple(self.metrics_keys))
         if any(not key or not tenant for key, tenant in self.api_keys.items()):
             raise ValueError("ApiConfig: api_keys maps non-empty keys to non-empty tenant names")
         if set(self.idle_s) - set(TRAFFIC_CLASSES) or any(not v > 0 for v in self.idle_s.values()):

@@ -1,10 +1,23 @@
-"""The API server's Prometheus metrics (GET /metrics), in a registry of its own."""
+"""The API server's Prometheus metrics (GET /metrics), in a registry of its own.
+
+Every count of requests, tokens and replies is the tenant's: labelled with the tenant of the request it is
+counted in (`TENANT`, which the server sets from the API key), so that a tenant's scrape shows its own counts
+and never another's (`exposition(tenant)`); the operator's scrape (`exposition(None)`) shows every tenant's.
+The engines' load, the store's write-behind and the advice are the server's, shown to both.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
+from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
+
+# The tenant a request is counted for: set by the server from the API key, in the request's own context (its
+# task, and the tasks it starts, which copy it)
+TENANT: ContextVar[str] = ContextVar("kvstore_api_tenant", default="")
 
 _SECONDS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -17,23 +30,28 @@ class ApiMetrics:
         all read at each scrape."""
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("kvstore_api_requests", "Requests answered, by API and HTTP status",
-                                ["api", "status"], registry=r)
-        self.prompt_tokens = Counter("kvstore_api_prompt_tokens", "Prompt tokens of finished replies", registry=r)
-        self.cached_tokens = Counter("kvstore_api_cached_prompt_tokens", "Prompt tokens the store held", registry=r)
+        self.requests = _Tenants(Counter("kvstore_api_requests", "Requests answered, by API and HTTP status",
+                                         ["tenant", "api", "status"], registry=r))
+        self.prompt_tokens = _Tenants(Counter("kvstore_api_prompt_tokens", "Prompt tokens of finished replies",
+                                              ["tenant"], registry=r))
+        self.cached_tokens = _Tenants(Counter("kvstore_api_cached_prompt_tokens", "Prompt tokens the store held",
+                                              ["tenant"], registry=r))
         # how each prompt's KV came (engine.prefill.request.PATHS) and, for a hybrid model's cached prompt,
         # where its sliding window came from: this process's window tier ("host") or the store ("store")
-        self.prefill_paths = Counter("kvstore_api_prefill_paths", "Prompts by prefill path and window source",
-                                     ["path", "window"], registry=r)
-        self.completion_tokens = Counter("kvstore_api_completion_tokens", "Tokens generated", registry=r)
-        self.finished = Counter("kvstore_api_replies", "Replies, by how they ended", ["reason"], registry=r)
-        self.cancelled = Counter("kvstore_api_cancelled", "Replies cancelled because the client went away", registry=r)
-        self.ttft = Histogram("kvstore_api_time_to_first_token_seconds", "Request received to first token",
-                              buckets=_SECONDS, registry=r)
-        self.duration = Histogram("kvstore_api_reply_seconds", "Request received to the reply's end",
-                                  buckets=_SECONDS, registry=r)
-        self.encode = Histogram("kvstore_api_prompt_encode_seconds", "Chat template and tokenizer, per prompt",
-                                buckets=_SECONDS, registry=r)
+        self.prefill_paths = _Tenants(Counter("kvstore_api_prefill_paths", "Prompts by prefill path and window source",
+                                              ["tenant", "path", "window"], registry=r))
+        self.completion_tokens = _Tenants(Counter("kvstore_api_completion_tokens", "Tokens generated", ["tenant"],
+                                                  registry=r))
+        self.finished = _Tenants(Counter("kvstore_api_replies", "Replies, by how they ended", ["tenant", "reason"],
+                                         registry=r))
+        self.cancelled = _Tenants(Counter("kvstore_api_cancelled", "Replies cancelled because the client went away",
+                                          ["tenant"], registry=r))
+        self.ttft = _Tenants(Histogram("kvstore_api_time_to_first_token_seconds", "Request received to first token",
+                                       ["tenant"], buckets=_SECONDS, registry=r))
+        self.duration = _Tenants(Histogram("kvstore_api_reply_seconds", "Request received to the reply's end",
+                                           ["tenant"], buckets=_SECONDS, registry=r))
+        self.encode = _Tenants(Histogram("kvstore_api_prompt_encode_seconds", "Chat template and tokenizer, per "
+                                         "prompt", ["tenant"], buckets=_SECONDS, registry=r))
         advice = Gauge("kvstore_api_advised_conversations", "Conversations the store was advised of, by why",
                        ["why"], registry=r)
         for why in ("goes_on", "ended", "idle"):
@@ -45,3 +63,44 @@ class ApiMetrics:
                        ["what"], registry=r)
         for what in ("pending_bytes", "queued", "stored", "existed", "failed", "dropped"):
             writes.labels(what).set_function(lambda what=what: store_writes().get(what, 0))
+
+    def exposition(self, tenant: str | None) -> bytes:
+        """The text format of a scrape: the tenant's own counts (without the tenant label) and the server's
+        gauges; None: every tenant's counts, labelled."""
+        return generate_latest(self.registry if tenant is None else _Scoped(self.registry, tenant))
+
+
+class _Tenants:
+    """A metric whose first label is the tenant, filled in from TENANT: `labels`, `inc` and `observe` take the
+    metric's other labels, as on a metric without it."""
+
+    def __init__(self, metric: Any) -> None:
+        self.metric = metric
+
+    def labels(self, *values: str) -> Any:
+        return self.metric.labels(TENANT.get(), *values)
+
+    def inc(self, amount: float = 1) -> None:
+        self.metric.labels(TENANT.get()).inc(amount)
+
+    def observe(self, value: float) -> None:
+        self.metric.labels(TENANT.get()).observe(value)
+
+
+class _Scoped:
+    """A registry's metrics as one tenant may see them: the gauges, and of each count its samples only."""
+
+    def __init__(self, registry: CollectorRegistry, tenant: str) -> None:
+        self.registry, self.tenant = registry, tenant
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.registry.collect():
+            if family.type == "gauge":  # the server's: every count and histogram here is a tenant's
+                yield family
+                continue
+            scoped = Metric(family.name, family.documentation, family.type, family.unit)
+            for sample in family.samples:
+                if sample.labels.get("tenant") == self.tenant:
+                    labels = {k: v for k, v in sample.labels.items() if k != "tenant"}
+                    scoped.add_sample(sample.name, labels, sample.value, sample.timestamp, sample.exemplar)
+            yield scoped

@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.api import anthropic_messages, openai_chat, openai_responses
@@ -39,6 +39,7 @@ from engine.api.config import TRAFFIC_CLASSES, ApiConfig
 from engine.api.conversation import Message, Prompt, Reply
 from engine.api.errors import ApiError
 from engine.api.fair import FairGate
+from engine.api.metrics import TENANT
 from engine.api.service import Service
 
 DISCONNECT_POLL_S = 1.0  # how often a request not yet streaming checks that its client is still there
@@ -80,8 +81,10 @@ def create_app(service: Service, config: ApiConfig) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
-        _tenant(request, config)  # the load and token counts of every tenant: for key holders only
-        return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        # every tenant's counts for the operator's keys; a tenant's own (and the server's gauges) for its key
+        operator = not config.api_keys or _key(request) in config.metrics_keys
+        tenant = None if operator else _tenant(request, config)
+        return Response(service.metrics.exposition(tenant), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
@@ -281,15 +284,20 @@ def _traffic(request: Request, prompt: Prompt) -> str:
 
 
 def _tenant(request: Request, config: ApiConfig) -> str:
-    """The tenant of the request's API key (its namespace salt); the one open tenant when none are set."""
+    """The tenant of the request's API key (its namespace salt); the one open tenant when none are set. The
+    request's metrics are counted for it from here on (metrics.TENANT)."""
     if not config.api_keys:
         return ""
-    scheme, _, key = request.headers.get("authorization", "").partition(" ")
-    key = key if scheme.lower() == "bearer" else request.headers.get("x-api-key", "")
-    tenant = config.api_keys.get(key)
+    tenant = config.api_keys.get(_key(request))
     if tenant is None:
         raise ApiError(401, "invalid API key", kind="authentication_error")
+    TENANT.set(tenant)
     return tenant
+
+
+def _key(request: Request) -> str:
+    scheme, _, key = request.headers.get("authorization", "").partition(" ")
+    return key if scheme.lower() == "bearer" else request.headers.get("x-api-key", "")
 
 
 def build(config: ApiConfig) -> Service:

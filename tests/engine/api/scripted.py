@@ -46,7 +46,11 @@ class ScriptedService:
         content, calls = split_tool_calls(text, prompt.tools) if prompt.tools else (text, [])
         if not calls and shown != text:
             yield text[len(shown):]
-        yield Reply(content, calls, TOOL_CALLS if calls else STOP, len(ids), len(text.split()), 0, None, [3] * 4)
+        reply = Reply(content, calls, TOOL_CALLS if calls else STOP, len(ids), len(text.split()), 0, None, [3] * 4)
+        self.metrics.prompt_tokens.inc(reply.prompt_tokens)  # as the real service counts a finished reply
+        self.metrics.completion_tokens.inc(reply.completion_tokens)
+        self.metrics.finished.labels(reply.finish_reason).inc()
+        yield reply
 
     def close_conversation(self, tenant: str, tokens) -> None:
         pass
