@@ -105,9 +105,28 @@ class AsyncKVClient:
         return in_host + await self._lookup_daemons(blocks[in_host:])
 
     async def present(self, blocks: Sequence[Block]) -> list[bool]:
-        """Whether each block is stored, each on its own rather than as a prefix (one round: a Lookup per
-        block, all at once). For state kept only at some blocks of a prefix, such as a sliding window's."""
-        return [hits == 1 for hits in await asyncio.gather(*(self.lookup([block]) for block in blocks))]
+        """Whether each block is stored, each on its own rather than as a prefix (one round: a Lookup to
+        every daemon involved, at once). For state kept only at some blocks of a prefix, such as a sliding
+        window's. A daemon that fails answers absent for its blocks."""
+        same_namespace(blocks)
+        out = [False] * len(blocks)
+        in_host = self.host.present([b.key for b in blocks]) if self.host is not None else out
+
+        async def ask(shard: Shard | None, positions: list[int]) -> None:
+            wanted = [i for i in positions if not in_host[i]]
+            if shard is None or not wanted:
+                return
+            try:
+                found = await shard.present([blocks[i].key for i in wanted])
+            except grpc.RpcError as exc:
+                self._failed(shard, exc)
+                return
+            shard.succeeded()
+            for i, stored in zip(wanted, found, strict=True):
+                out[i] = stored
+
+        await asyncio.gather(*(ask(shard, positions) for shard, positions in self._group(blocks).items()))
+        return [held or stored for held, stored in zip(in_host, out, strict=True)]
 
     async def _lookup_daemons(self, blocks: Sequence[Block]) -> int:
         groups = self._group(blocks)

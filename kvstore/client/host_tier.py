@@ -54,6 +54,11 @@ class HostTier:
                     return i
             return len(keys)
 
+    def present(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each key is held here."""
+        with self._lock:
+            return [key in self._blocks for key in keys]
+
     def slot_view(self, slot: int, nbytes: int) -> memoryview:
         start = slot * self.slot_bytes
         return self._view[start : start + nbytes]

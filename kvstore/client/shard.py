@@ -123,6 +123,15 @@ class Shard:
                                       metadata=self.metadata)
         return response.hits
 
+    async def present(self, keys: list[bytes]) -> list[bool]:
+        """Whether each key is stored, each on its own (a daemon that predates the question answers for the
+        leading run only, which is then all it is taken to say)."""
+        response = await self._lookup(pb.LookupRequest(keys=keys, each=True), timeout=self.config.lookup_timeout_s,
+                                      metadata=self.metadata)
+        if len(response.present) == len(keys):
+            return [bool(b) for b in response.present]
+        return [i < response.hits for i in range(len(keys))]
+
     def get(self, request: pb.GetRequest) -> AsyncIterator[bytes]:
         return self._get(request, timeout=self.config.timeout_s, metadata=self.metadata)
 

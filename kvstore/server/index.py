@@ -208,6 +208,19 @@ class Index:
                     return i
         return len(keys)
 
+    def live_each(self, keys: Sequence[bytes], now_ms: int, extended: dict[bytes, tuple[int, int, int]],
+                  tenants: frozenset[int] | None = None) -> bytes:
+        """For every key on its own, 1 if it exists and is live (as `live_prefix` judges each), else 0."""
+        expiry = _EXPIRY.unpack_from
+        out = bytearray(len(keys))
+        with self._read_lock, self._env.begin(db=self._blocks, buffers=True) as txn:
+            for i, key in enumerate(keys):
+                raw = txn.get(key)
+                if raw is None or (tenants is not None and tenant_id_of(raw) not in tenants):
+                    continue
+                out[i] = expiry(raw, _EXPIRY_AT)[0] > now_ms or extended.get(key, (0, 0))[1] > now_ms
+        return bytes(out)
+
     def items(self) -> Iterator[tuple[bytes, Entry]]:
         """Every entry, in key order (start-up and tools; holds a read transaction while iterating)."""
         with self._read_lock, self._env.begin(db=self._blocks, buffers=False) as txn:

@@ -73,7 +73,10 @@ class KVStoreService:
 
     async def lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
         check_keys(request.keys, self.config)
-        return pb.LookupResponse(hits=self.store.lookup(request.keys, self.caller_scope()))
+        scope = self.caller_scope()
+        hits = self.store.lookup(request.keys, scope)
+        present = self.store.present(request.keys, scope) if request.each else b""
+        return pb.LookupResponse(hits=hits, present=present)
 
     async def touch(self, request: pb.KeysRequest, context) -> pb.CountResponse:
         check_keys(request.keys, self.config)

@@ -257,6 +257,10 @@ class BlockStore:
 
     # -- reads ------------------------------------------------------------------------------------
 
+    def present(self, keys: Sequence[bytes], scope: Scope = None) -> bytes:
+        """For each key on its own, 1 if it exists, has not expired and belongs to a tenant in `scope`."""
+        return self.index.live_each(keys, self.now_ms(), self._dirty, self.tenant_ids(scope))
+
     def lookup(self, keys: Sequence[bytes], scope: Scope = None) -> int:
         """How many leading keys exist, have not expired, and belong to a tenant in `scope`."""
         now_ms = self.now_ms()

@@ -69,5 +69,7 @@ def test_another_tenants_key_answers_as_an_absent_one_and_is_left_alone(daemon):
         for name, request in requests(key).items():
             assert call(daemon, name, request, TOKENS["alice"]) == 0, name
         assert call(daemon, "Delete", pb.KeysRequest(keys=[key] * COPIES), TOKENS["alice"]) == 0
+    with KVClient(ClientConfig((daemon.address,), token=TOKENS["alice"], transport="grpc")) as client:
+        assert client.present([bobs, never]) == [False, False], "another tenant's block is absent, one by one too"
     with KVClient(ClientConfig((daemon.address,), token=TOKENS["bob"], transport="grpc")) as client:
-        assert client.lookup([bobs]) == 1
+        assert client.lookup([bobs]) == 1 and client.present([never, bobs]) == [False, True]
