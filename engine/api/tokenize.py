@@ -4,6 +4,12 @@ A chat template and a tokenizer hold the GIL for as long as they run (tens of mi
 character prompt), so in a thread they would still pause every stream the loop is sending. The workers
 are spawned, not forked (the server's process runs torch threads), and import no more than the tokenizer.
 
+What the workers cannot do is refused before they see it: a prompt of more characters than the model's
+context times the longest token of the vocabulary (in characters) cannot fit, whatever it encodes to. The
+rest waits for a worker in a fair queue: no more jobs go to the pool than it has workers, and a free worker
+takes the waiting job of the tenant that has had the fewest characters encoded (start-time fair queueing on
+characters), so one tenant's many huge prompts delay another's prompt by about one job, not by all of them.
+
 A worker ends with the server however the server ends: `close` stops the pool, and each worker watches its
 parent and exits once it is gone (SIGKILL, a crash), rather than live on, reparented, holding its tokenizer.
 """
@@ -11,6 +17,9 @@ parent and exits once it is gone (SIGKILL, a crash), rather than live on, repare
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
+import json
 import multiprocessing
 import os
 import threading
@@ -32,7 +41,13 @@ class PromptEncoder:
         self.folder, self.workers = str(tokenizer_folder), workers
         self.pool = self._start()
         self.restarts = 0
+        self.jobs = 0  # prompts sent to the workers
         self._restarting = asyncio.Lock()
+        self.queue = FairQueue(workers)
+        # characters past which a prompt cannot fit the context, whatever its tokens (None: no context known)
+        context = _context(Path(self.folder))
+        self.max_chars = None if context is None else context * self.pool.submit(_longest_token).result()
+        self.context = context
 
     def _start(self) -> ProcessPoolExecutor:
         pool = ProcessPoolExecutor(self.workers, multiprocessing.get_context("spawn"), initializer=_load,
@@ -41,9 +56,30 @@ class PromptEncoder:
             future.result()  # each worker has loaded the tokenizer: the first request does not wait for it
         return pool
 
-    async def encode(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        """The prompt's ids; ChatPromptError for messages the template refuses. A worker that died (the OOM
-        killer, a crash) breaks the whole pool: it is started again once, and the request retried."""
+    async def encode(self, messages: Sequence[dict[str, str]], tenant: str | None = None) -> list[int]:
+        """The prompt's ids; ChatPromptError for messages the template refuses or too long to fit the context.
+        `tenant` (default: the request's, engine.api.metrics.TENANT) waits its fair turn for a worker."""
+        from engine.api.metrics import TENANT
+        from engine.text.chat_prompt import ChatPromptError
+
+        chars = sum(len(m.get("content") or "") for m in messages)
+        if self.max_chars is not None and chars > self.max_chars:  # refused without a worker's time
+            raise ChatPromptError(f"a prompt of {chars} characters is longer than the model's context of "
+                                  f"{self.context} tokens can hold (at most {self.max_chars} characters)")
+        await self.queue.acquire(TENANT.get() if tenant is None else tenant, chars + 1)
+        self.jobs += 1
+        job = asyncio.ensure_future(self._encode(messages))
+        job.add_done_callback(self._done)  # a worker is free when its job ends, not when its client leaves
+        return await asyncio.shield(job)
+
+    def _done(self, job: asyncio.Future) -> None:
+        self.queue.release()
+        if not job.cancelled():
+            job.exception()  # a job whose client left: its error is nobody's to raise
+
+    async def _encode(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        """A worker that died (the OOM killer, a crash) breaks the whole pool: it is started again once, and
+        the request retried."""
         loop = asyncio.get_running_loop()
         pool = self.pool
         try:
@@ -61,6 +97,61 @@ class PromptEncoder:
 
     def worker_pids(self) -> list[int]:
         return [p.pid for p in self.pool._processes.values()]  # the executor exposes no public list
+
+
+class FairQueue:
+    """`slots` at once, given out by start-time fair queueing: a job's start tag is where its tenant's jobs
+    before it end (or the tag now being served, if later), it ends `cost` later, and the waiting job with the
+    smallest start tag goes next. Used from one asyncio loop."""
+
+    def __init__(self, slots: int) -> None:
+        self.free = slots
+        self.now = 0.0  # the start tag of the job last let in
+        self.ends: dict[str, float] = {}  # tenant -> where its last job queued ends
+        self.waiting: list[tuple[float, int, asyncio.Future]] = []  # (start tag, order, its future)
+        self._order = itertools.count()
+
+    async def acquire(self, tenant: str, cost: float) -> None:
+        """Wait for the job's turn; `release` once it is done."""
+        start = max(self.now, self.ends.get(tenant, 0.0))
+        self.ends[tenant] = start + cost
+        if self.free > 0 and not self.waiting:
+            self.free -= 1
+            self.now = start
+            return
+        future = asyncio.get_running_loop().create_future()
+        heapq.heappush(self.waiting, (start, next(self._order), future))
+        try:
+            await future
+        except asyncio.CancelledError:
+            if future.done() and not future.cancelled():  # let in as it was cancelled: the turn passes on
+                self.release()
+            raise
+
+    def release(self) -> None:
+        while self.waiting:
+            start, _, future = heapq.heappop(self.waiting)
+            if not future.done():  # a waiter whose client left is skipped
+                self.now = start
+                future.set_result(None)
+                return
+        self.free += 1
+        self.ends = {t: end for t, end in self.ends.items() if end > self.now}  # idle tenants start afresh
+
+
+def _context(folder: Path) -> int | None:
+    """The model's context in tokens, from its config.json (None if it names none)."""
+    try:
+        return int(json.loads((folder / "config.json").read_text())["max_position_embeddings"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _longest_token() -> int:
+    """The most characters one token of the vocabulary can stand for: its longest piece (a piece has at least
+    one character per character of text it decodes to: SentencePiece's ▁ is one space, a byte-level piece
+    one character per byte)."""
+    return max(len(piece) for piece in _tokenizer.get_vocab())
 
 
 def _load(folder: str, server_pid: int) -> None:
