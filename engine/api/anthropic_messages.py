@@ -55,7 +55,14 @@ def parse(body: Any, stop_token_ids: Sequence[int]) -> Prompt:
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages: a non-empty list is required", "messages")
     turns = [turn for i, message in enumerate(messages) for turn in _message(message, f"messages.{i}")]
-    return Prompt(model, system + turns, _sampling(body, stop_token_ids), stream, _tools(body.get("tools", [])))
+    # a last assistant message is a prefill: the reply continues it (and, as in the API, the reply's text is
+    # only what follows it)
+    prefill = turns[-1].role == "assistant"
+    if prefill and turns[-1].content != turns[-1].content.rstrip():
+        at = f"messages.{len(messages) - 1}.content"
+        raise ApiError(400, f"{at}: final assistant content cannot end with trailing whitespace", at)
+    return Prompt(model, system + turns, _sampling(body, stop_token_ids), stream, _tools(body.get("tools", [])),
+                  prefill=prefill)
 
 
 def _object(value: Any, where: str) -> dict:

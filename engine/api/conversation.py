@@ -78,6 +78,7 @@ class Prompt:
     stream: bool = False
     tools: list[Tool] = field(default_factory=list)
     stream_usage: bool = False  # Chat Completions: usage as a last chunk of the stream (the others always send it)
+    prefill: bool = False  # the last message is the assistant's start of the reply, which the reply continues
 
 
 @dataclass
@@ -107,8 +108,9 @@ def conversation_id(prompt: Prompt) -> str:
     return "conversation-" + xxhash.xxh3_128_hexdigest(json.dumps(opening).encode())
 
 
-def chat_messages(prompt: Prompt) -> list[dict[str, str]]:
-    """The prompt as the chat template's {role, content} messages, tools and tool traffic written as text."""
+def chat_messages(prompt: Prompt) -> list[dict[str, Any]]:
+    """The prompt as the chat template's {role, content} messages, tools and tool traffic written as text; a
+    prefill's last message is marked to be continued."""
     messages = list(prompt.messages)
     if prompt.tools:
         described = describe_tools(prompt.tools)
@@ -123,11 +125,16 @@ def chat_messages(prompt: Prompt) -> list[dict[str, str]]:
             content = "\n".join([content] * bool(content) + [_call_text(call) for call in message.tool_calls])
         elif message.role == "tool":
             role, content = "user", f"{OUTPUT_FENCE}{content}\n```"
-        if turns and turns[-1][0] == role and role == "user":  # tool results, then perhaps the user: one turn
+        # tool results, then perhaps the user: one turn; and system texts one after another (instructions and
+        # developer messages) one system text
+        if turns and turns[-1][0] == role and role in ("user", "system"):
             turns[-1][1].append(content)
         else:
             turns.append((role, [content]))
-    return [{"role": role, "content": "\n\n".join(contents)} for role, contents in turns]
+    out = [{"role": role, "content": "\n\n".join(contents)} for role, contents in turns]
+    if prompt.prefill and out[-1]["role"] == "assistant":
+        out[-1]["continue"] = True  # engine.text.chat_prompt leaves its turn open
+    return out
 
 
 def describe_tools(tools: Sequence[Tool]) -> str:

@@ -29,6 +29,7 @@ def parse(body: Any, stop_token_ids: Sequence[int]) -> Prompt:
     """The request, or ApiError(400) naming the field at fault."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    body = {name: value for name, value in body.items() if value is not None}  # null is the default, as in the API
     for name in body:
         if name not in HONOURED and name not in NEUTRAL:
             raise ApiError(400, f"unknown or unsupported field {name!r}", name)
@@ -45,6 +46,8 @@ def parse(body: Any, stop_token_ids: Sequence[int]) -> Prompt:
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError(400, "stream must be a boolean", "stream")
+    if not isinstance(body.get("user", ""), str):  # kept nowhere, but a string in the API
+        raise ApiError(400, "user must be a string", "user")
     options = body.get("stream_options") or {}
     if not isinstance(options, dict) or set(options) - {"include_usage"}:
         raise ApiError(400, "stream_options may hold include_usage only", "stream_options")
@@ -60,6 +63,9 @@ def _messages(messages: Any) -> list[Message]:
         if not isinstance(message, dict):
             raise ApiError(400, f"messages[{i}] must be an object", "messages")
         role = {"developer": "system"}.get(message.get("role"), message.get("role"))
+        if message.get("name") is not None:  # the template has no participants' names to give the model
+            raise ApiError(400, f"messages[{i}].name is not supported: this server's template cannot tell "
+                                "participants apart", f"messages[{i}].name")
         allowed = {"role", "content", "name"} | {"assistant": {"tool_calls"}, "tool": {"tool_call_id"}}.get(role, set())
         if role not in ("system", "user", "assistant", "tool"):
             raise ApiError(400, f"messages[{i}].role {message.get('role')!r} is not supported (system, developer, "

@@ -253,6 +253,7 @@ class ResponseStream:
     def __init__(self, rid: str, model: str, prompt: Prompt, previous_response_id: str | None) -> None:
         self.rid, self.model, self.prompt, self.previous = rid, model, prompt, previous_response_id
         self.created_at, self.sequence, self.sent, self.opened = int(time.time()), 0, "", False
+        self.final: dict | None = None  # the finished response object, when made (and stored) before `finish`
 
     def _event(self, kind: str, **fields: Any) -> bytes:
         event = {"type": kind, "sequence_number": self.sequence, **fields}
@@ -302,11 +303,20 @@ class ResponseStream:
             out += self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                                name=call.name, arguments=item["arguments"])
             out += self._event("response.output_item.done", output_index=index, item=item)
-        body = response(reply, self.rid, self.model, self.prompt, self.previous, self.created_at, self.opened)
+        body = self.final or response(reply, self.rid, self.model, self.prompt, self.previous, self.created_at,
+                                      self.opened)
         return out + self._event(f"response.{body['status']}", response=body)
 
     def error(self, error: ApiError) -> bytes:
         return self._event("error", code=error.kind, message=error.message, param=error.param)
+
+
+def engine_error(error: ApiError) -> ApiError:
+    """An engine's refusal of the request's max_tokens (the prompt leaves too little of the context), in this
+    API's words: max_output_tokens."""
+    if error.status == 400 and error.param is None and error.message.startswith("max_tokens "):
+        return ApiError(400, "max_output_tokens " + error.message.removeprefix("max_tokens "), "max_output_tokens")
+    return error
 
 
 def deleted(rid: str) -> dict:

@@ -120,16 +120,23 @@ def create_app(service: Service, config: ApiConfig) -> FastAPI:
         rid = openai_responses.response_id()
         traffic = _traffic(request, prompt)
 
+        stream = openai_responses.ResponseStream(rid, prompt.model, asked.prompt, asked.previous_response_id)
+
         def finished(reply: Reply, ids: list[int]) -> dict:
-            out = openai_responses.response(reply, rid, prompt.model, asked.prompt, asked.previous_response_id)
+            # one object for the stream's end, the answer and GET: the same created_at and completed_at
+            out = openai_responses.response(reply, rid, prompt.model, asked.prompt, asked.previous_response_id,
+                                            stream.created_at, True if stream.opened else None)
+            stream.final = out
             if asked.store:
                 said = Message("assistant", reply.text, tuple(reply.tool_calls))
                 stored.put(tenant, rid, openai_responses.StoredResponse([*prompt.messages, said], out,
                                                                         ids + reply.tokens, traffic))
             return out
 
-        stream = openai_responses.ResponseStream(rid, prompt.model, asked.prompt, asked.previous_response_id)
-        return await _answer(service, request, prompt, tenant, finished, stream)
+        try:
+            return await _answer(service, request, prompt, tenant, finished, stream)
+        except ApiError as exc:  # the engine's words for a field: this API's
+            raise openai_responses.engine_error(exc) from None
 
     @app.get("/v1/responses/{rid}")
     async def get_response(rid: str, request: Request) -> dict:

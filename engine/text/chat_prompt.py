@@ -34,15 +34,21 @@ class ChatPromptError(ValueError):
 
 
 def encode_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-    """The prompt's token ids: the template's special tokens, every message's text as plain text."""
+    """The prompt's token ids: the template's special tokens, every message's text as plain text. A last
+    message `{"role": "assistant", "content": ..., "continue": True}` is a prefill: the reply continues it, so
+    its turn is left open (no generation prompt, nothing of the template after its content)."""
     contents = _checked(messages)
-    trim = _template_trims(tokenizer)
+    prefill = messages[-1].get("continue") is True
+    trims = _template_trims(tokenizer)
     stand_ins = [{"role": m["role"], "content": _SENTINEL.format(i)} for i, m in enumerate(messages)]
     try:
-        rendered = tokenizer.apply_chat_template(stand_ins, tokenize=False, add_generation_prompt=add_generation_prompt)
+        rendered = tokenizer.apply_chat_template(stand_ins, tokenize=False,
+                                                 add_generation_prompt=add_generation_prompt and not prefill)
     except Exception as exc:  # the template's own refusals (e.g. roles that do not alternate) raise from Jinja
         raise ChatPromptError(f"the chat template refuses these messages: {exc}") from None
     pieces = _SENTINELS.split(rendered)  # template text, index, template text, index, ...
+    if prefill:
+        pieces = pieces[:-1]  # what closes the last turn (Gemma's <end_of_turn>): the reply goes on from its text
     order = [int(i) for i in pieces[1::2]]
     if order != list(range(len(messages))):
         raise ChatPromptError(f"the chat template placed the messages' contents as {order}, not once each in order")
@@ -52,7 +58,7 @@ def encode_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]], add_gener
             ids += _encode(tokenizer, piece, split_special=False)  # the template's: its control tokens
         else:
             content = contents[int(piece)]
-            ids += _encode_text(tokenizer, content.strip() if trim else content)
+            ids += _encode_text(tokenizer, content.strip() if trims[messages[int(piece)]["role"]] else content)
     return ids
 
 
@@ -61,8 +67,11 @@ def _checked(messages: Sequence[Mapping[str, Any]]) -> list[str]:
         raise ChatPromptError("messages must be a non-empty list of {role, content} objects")
     contents = []
     for i, message in enumerate(messages):
-        if not isinstance(message, Mapping) or set(message) != {"role", "content"}:
-            raise ChatPromptError(f"message {i} must have exactly the fields role and content")
+        last_assistant = i == len(messages) - 1 and isinstance(message, Mapping) and message.get("role") == "assistant"
+        if not isinstance(message, Mapping) or not {"role", "content"} <= set(message) <= \
+                {"role", "content", *["continue"] * last_assistant}:
+            raise ChatPromptError(f"message {i} must have exactly the fields role and content (and a last "
+                                  "assistant message, continue)")
         if message["role"] not in ROLES:
             raise ChatPromptError(f"message {i}: role must be one of {ROLES}, got {message['role']!r}")
         if not isinstance(message["content"], str):
@@ -71,12 +80,19 @@ def _checked(messages: Sequence[Mapping[str, Any]]) -> list[str]:
     return contents
 
 
-def _template_trims(tokenizer: Any) -> bool:
-    """Whether the template strips a message's surrounding whitespace (Gemma's `| trim`): the same must be
-    done to the content encoded in its place."""
-    probe = tokenizer.apply_chat_template([{"role": "user", "content": " " + _SENTINEL.format(0) + " "}],
-                                          tokenize=False, add_generation_prompt=False)
-    return " " + _SENTINEL.format(0) + " " not in probe
+def _template_trims(tokenizer: Any) -> dict[str, bool]:
+    """By role, whether the template strips a message's surrounding whitespace (Gemma trims user and model
+    turns, not the system text it puts before the first user turn): the same must be done to the content
+    encoded in its place."""
+    roles = list(ROLES)
+    probe = [{"role": role, "content": " " + _SENTINEL.format(i) + " "} for i, role in enumerate(roles)]
+    try:
+        rendered = tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=False)
+    except Exception:  # a template without a system role
+        roles, probe = roles[1:], [{**m, "content": " " + _SENTINEL.format(i) + " "} for i, m in enumerate(probe[1:])]
+        rendered = tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=False)
+    trims = {role: " " + _SENTINEL.format(i) + " " not in rendered for i, role in enumerate(roles)}
+    return {"system": trims.get("system", trims["user"]), **trims}
 
 
 def _encode(tokenizer: Any, text: str, split_special: bool) -> list[int]:

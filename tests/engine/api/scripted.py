@@ -18,9 +18,11 @@ HEADERS = {"Authorization": "Bearer key-alice"}
 
 
 class ScriptedService:
-    def __init__(self, reply: str = "Hello there.", fault: Exception | None = None) -> None:
+    def __init__(self, reply: str = "Hello there.", fault: Exception | None = None,
+                 refusal: Exception | None = None) -> None:
         self.reply = reply  # what the model says next
         self.fault = fault  # raised after the reply's first text, as a bug in the service would be
+        self.refusal = refusal  # raised after the prompt's ids, as the engine's refusal of a request is
         self.metrics = ApiMetrics(dict, dict)
         self.stop_token_ids = (1, 106)
         self.advisor = None
@@ -35,6 +37,8 @@ class ScriptedService:
         chat_messages(prompt)  # what the real service gives its encoder: tools described, turns merged
         ids = [2] * 8
         yield ids
+        if self.refusal is not None:
+            raise self.refusal
         self.generated += 1
         text = self.reply
         fence = text.find(CALL_FENCE) if prompt.tools else -1
