@@ -17,9 +17,6 @@ class ApiConfig:
     port: int = 8000
     # API key -> tenant name (hashed into the namespace salt); empty: one open tenant, for loopback use
     api_keys: dict[str, str] = field(default_factory=dict)
-    # Keys that read every tenant's counts at GET /metrics (the operator's, not a tenant's); a tenant's key
-    # reads its own counts and the server's gauges. Without api_keys the one open tenant reads them all
-    metrics_keys: tuple[str, ...] = ()
     kv_pages: int = 1024  # of block_tokens each: 65,536 tokens of KV
     # 64: a chat turn leaves on average half a block of its prompt and of its reply uncached; at 64 tokens the
     # hit rate is 0.987 of a token-granular cache's and TTFT is that of 32-token blocks, at half their records
@@ -39,6 +36,9 @@ class ApiConfig:
     # entries (messages, input items, content blocks, tools...), so a body's parse stays short; past them, 400
     max_json_depth: int = 64
     max_array_items: int = 4096
+    # Keys that read every tenant's counts at GET /metrics (the operator's, not a tenant's); a tenant's key
+    # reads its own counts and the server's gauges. Without api_keys the one open tenant reads them all
+    metrics_keys: tuple[str, ...] = ()
     max_in_flight: int = 128  # requests admitted and not done; past it, 429 (Anthropic: 529)
     max_in_flight_per_tenant: int = 64  # so one tenant cannot take every slot
     # Engine slots (of max_running) one tenant can never take, kept for the others (engine/api/fair.py);
