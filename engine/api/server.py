@@ -202,6 +202,8 @@ async def _events(first: str | Reply, events: AsyncIterator[str | Reply], stream
             item = await anext(events)
     except ApiError as exc:  # after the stream began: the API's error event
         yield stream.error(ApiError(500, exc.message, kind="server_error"))
+    except Exception as exc:  # a bug after the stream began: still the API's error event, not a cut stream
+        yield stream.error(ApiError(500, f"internal error: {type(exc).__name__}", kind="server_error"))
 
 
 async def _sweep(service: Service, interval_s: float) -> None:
@@ -359,6 +361,9 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = "kvstore-api") -> 
                         help="sequences decoded at once")
     parser.add_argument("--tokenize-workers", type=int, default=defaults.tokenize_workers,
                         help="processes that encode prompts off the event loop")
+    parser.add_argument("--metrics-key", action="append", default=[], metavar="KEY",
+                        help="a key (repeatable, the operator's, not a tenant's) that reads every tenant's counts "
+                             "at /metrics; a tenant's key reads its own")
     parser.add_argument("--fair-reserve", type=int, default=None, metavar="SLOTS",
                         help="engine slots no single tenant may take, kept for the others; default: an eighth of "
                              "--max-running when the API keys name several tenants, else 0")
@@ -378,7 +383,8 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = "kvstore-api") -> 
             raise ValueError(f"--chunk-cost takes three numbers A,B,C, got {args.chunk_cost!r}")
         return ApiConfig(args.model, args.model_name, tuple(s for s in args.servers.split(",") if s), args.host,
                          args.port, keys, args.kv_pages, args.block_tokens, args.max_running, chunk_cost=cost,
-                         tokenize_workers=args.tokenize_workers, fair_reserve=args.fair_reserve)
+                         tokenize_workers=args.tokenize_workers, fair_reserve=args.fair_reserve,
+                         metrics_keys=tuple(args.metrics_key))
     except ValueError as exc:
         parser.error(str(exc))
 

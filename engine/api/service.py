@@ -109,7 +109,7 @@ class Service:
                 result, error = value
                 ticket = None  # done: nothing to cancel
                 if isinstance(error, DecodeError):  # the engine refused the request
-                    raise ApiError(400, str(error))
+                    raise ApiError(400, str(error), "max_tokens" if str(error).startswith("max_tokens") else None)
                 if error is not None:  # the engine failed
                     raise ApiError(500, str(error), kind="server_error")
                 held = text.finish()

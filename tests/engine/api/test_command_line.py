@@ -32,10 +32,12 @@ def test_every_option_has_help_text(capsys):
 
 def test_options_reach_the_config():
     config = parse_args(["--servers", "127.0.0.1:1,127.0.0.1:2", "--api-key", "k1=alice", "--block-tokens", "32",
-                         "--max-running", "4", "--kv-pages", "9", "--tokenize-workers", "1", "--chunk-cost", "1,2,0"])
+                         "--max-running", "4", "--kv-pages", "9", "--tokenize-workers", "1", "--chunk-cost", "1,2,0",
+                         "--metrics-key", "ops", "--fair-reserve", "1"])
     assert config.servers == ("127.0.0.1:1", "127.0.0.1:2") and config.api_keys == {"k1": "alice"}
     assert (config.block_tokens, config.max_running, config.kv_pages, config.tokenize_workers) == (32, 4, 9, 1)
     assert config.chunk_cost == (1.0, 2.0, 0.0)
+    assert config.metrics_keys == ("ops",) and config.reserve == 1
 
 
 @pytest.mark.parametrize("args, message", [
@@ -43,6 +45,7 @@ def test_options_reach_the_config():
     (["--chunk-cost", "1,2"], "three numbers"),
     (["--max-running", "0"], "max_running must be >= 1"),
     (["--port", "70000"], "port must lie in"),
+    (["--max-running", "4", "--fair-reserve", "4"], "fair_reserve must lie in"),
 ])
 def test_bad_values_are_refused_by_name(args, message, capsys):
     with pytest.raises(SystemExit) as exit_:

@@ -99,8 +99,6 @@ def test_every_api_answers_a_malformed_call_as_text(call):
             assert events[-1]["type"] in ("response.completed", "message_stop"), (path, events[-1])
 
 
-@pytest.mark.xfail(strict=True, reason="needs server._events to turn any exception into the error event "
-                                       "(finding 7; _events belongs to the fairness change)")
 def test_a_stream_that_fails_after_it_began_ends_with_the_apis_error_event():
     api = client(ScriptedService("Some text first.", fault=RuntimeError("a bug")))
     for path, body in _requests(stream=True):
