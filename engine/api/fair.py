@@ -75,6 +75,8 @@ class FairGate:
             _, future = self._waiting[tenant].popleft()
             if not self._waiting[tenant]:
                 del self._waiting[tenant]
+            if future.done():  # its task was cancelled and has not yet run its clean-up: skip it
+                continue
             self.held[tenant] += 1
             future.set_result(None)
 

@@ -78,6 +78,27 @@ def test_a_request_cancelled_while_waiting_gives_up_its_place():
     asyncio.run(run())
 
 
+def test_a_waiter_cancelled_as_a_slot_frees_is_skipped():
+    """Both at once, as at a shutdown: the slot goes to the next waiter, never to the cancelled one."""
+    async def run() -> None:
+        gate, entered, release = FairGate(slots=1, reserve=0), [], asyncio.Event()
+        first = asyncio.ensure_future(hold(gate, "a", entered, release))
+        await settle()
+        doomed = asyncio.ensure_future(hold(gate, "b", entered, release))
+        after = asyncio.ensure_future(hold(gate, "c", entered, release))
+        await settle()
+        first.cancel()  # first's clean-up frees the slot on its next turn, before ...
+        doomed.cancel()  # ... b's runs, though b's future is cancelled at once
+        for task in (first, doomed):
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        release.set()
+        await after
+        assert entered == ["a", "c"] and not gate.held and gate.waiting == 0
+
+    asyncio.run(run())
+
+
 def test_the_reserve_must_leave_a_slot():
     with pytest.raises(ValueError, match="reserve"):
         FairGate(slots=4, reserve=4)
