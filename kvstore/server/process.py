@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+BIND_ATTEMPTS = 10  # starts tried when the daemon's port turns out taken
+
 
 class DaemonProcess:
-    """A kvstore-server subprocess on 127.0.0.1; the OS picks its port on the first start and it keeps it."""
+    """A kvstore-server subprocess on 127.0.0.1, on a port it keeps across restarts.
+
+    The port is picked below the OS's ephemeral range: a port the OS picked (port 0) is one that any
+    outgoing connection may take as its source port while the daemon is down, and the restart would then
+    find it in use."""
 
     def __init__(self, data_dir: Path, log_dir: Path, args: list[str] | None = None,
                  env: dict[str, str] | None = None) -> None:
@@ -29,6 +37,19 @@ class DaemonProcess:
         return f"127.0.0.1:{self.port}"
 
     def start(self, extra_env: dict[str, str] | None = None, timeout_s: float = 30.0) -> DaemonProcess:
+        first = self.port == 0
+        for attempt in range(BIND_ATTEMPTS):
+            if first:
+                self.port = _unused_port()
+            try:
+                return self._start(extra_env, timeout_s)
+            except RuntimeError as exc:
+                if "Address already in use" not in str(exc) or attempt == BIND_ATTEMPTS - 1:
+                    raise
+                time.sleep(0.0 if first else 0.5)  # another process took it: a new port, or a moment
+        raise AssertionError("unreachable")
+
+    def _start(self, extra_env: dict[str, str] | None, timeout_s: float) -> DaemonProcess:
         port_file = self.data_dir.with_suffix(".port")
         port_file.unlink(missing_ok=True)
         with open(self.log_path, "ab") as log:
@@ -75,3 +96,20 @@ class DaemonProcess:
                 if line.startswith("VmRSS:"):
                     return int(line.split()[1]) * 1024
         return 0
+
+
+def _unused_port() -> int:
+    """A free TCP port on 127.0.0.1 below the ephemeral range (another process may still take it: the
+    start retries)."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    while True:
+        port = random.randrange(10000, max(10001, low))
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
