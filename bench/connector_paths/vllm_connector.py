@@ -5,16 +5,11 @@ pages, until `get_block_ids_with_load_errors` says nothing failed."""
 
 from __future__ import annotations
 
-import os
 import time
 from types import SimpleNamespace
 
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # before vLLM picks a platform
-
-import torch  # noqa: E402
-
-PAGE_BYTES = 4 * 2**20
-LAYERS, BLOCK, HEADS, HEAD_DIM = 8, 128, 8, 128  # a float16 page of a layer: 512 KiB; a block: 4 MiB
+import torch
+from connector_paths.vllm_shape import BLOCK, HEAD_DIM, HEADS, LAYERS, PAGE_BYTES
 
 
 class Path:

@@ -4,16 +4,11 @@ the CPU tier's slots, likewise."""
 
 from __future__ import annotations
 
-import os
 import time
 import uuid
 
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # before vLLM picks a platform
-
-import torch  # noqa: E402
-
-PAGE_BYTES = 4 * 2**20
-LAYERS, BLOCK, HEADS, HEAD_DIM = 8, 128, 8, 128  # a float16 page of a layer: 512 KiB; a block: 4 MiB
+import torch
+from connector_paths.vllm_shape import BLOCK, PAGE_BYTES
 
 
 class Path:
