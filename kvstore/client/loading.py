@@ -146,21 +146,21 @@ class LoadHandle:
                 worker.join()
 
 
-class BufferDestination:
-    """Host buffers, one per block, each layer-major: (num_layers, layer_bytes) bytes."""
+class LayerViews:
+    """Host memory for every (layer, block), anywhere: views[block][layer], each `layer_bytes` long (the
+    pieces of an engine's page, say, each written in place)."""
 
     host_resident = True  # its views hold the bytes for good: the host tier may copy them from there
 
-    def __init__(self, buffers: Sequence[bytearray | memoryview], num_layers: int, layer_bytes: int) -> None:
+    def __init__(self, views: Sequence[Sequence[memoryview]], num_layers: int, layer_bytes: int) -> None:
         self.num_layers, self.layer_bytes = num_layers, layer_bytes
-        self._views = [memoryview(b).cast("B") for b in buffers]
-        for i, view in enumerate(self._views):
-            if len(view) < num_layers * layer_bytes:
-                raise ValueError(f"buffer {i} has {len(view)} bytes; a block needs {num_layers * layer_bytes}")
+        self._views = [list(block) for block in views]
+        for i, block in enumerate(self._views):
+            if len(block) != num_layers or any(len(view) != layer_bytes for view in block):
+                raise ValueError(f"block {i} needs {num_layers} views of {layer_bytes} bytes")
 
     def layer_view(self, layer: int, block: int) -> memoryview:
-        start = layer * self.layer_bytes
-        return self._views[block][start : start + self.layer_bytes]
+        return self._views[block][layer]
 
     def layer_written(self, layer: int, block: int) -> None:
         pass
@@ -170,3 +170,15 @@ class BufferDestination:
 
     def wait_layer(self, layer: int) -> None:
         pass
+
+
+class BufferDestination(LayerViews):
+    """Host buffers, one per block, each layer-major: (num_layers, layer_bytes) bytes."""
+
+    def __init__(self, buffers: Sequence[bytearray | memoryview], num_layers: int, layer_bytes: int) -> None:
+        views = [memoryview(b).cast("B") for b in buffers]
+        for i, view in enumerate(views):
+            if len(view) < num_layers * layer_bytes:
+                raise ValueError(f"buffer {i} has {len(view)} bytes; a block needs {num_layers * layer_bytes}")
+        super().__init__([[view[n * layer_bytes : (n + 1) * layer_bytes] for n in range(num_layers)]
+                          for view in views], num_layers, layer_bytes)

@@ -53,6 +53,7 @@ from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
 from kvstore.block import Block
 from kvstore.client import KVClient
+from kvstore.client.loading import LayerViews
 from kvstore.connectors.identity import KEY_TOKENS, EngineIdentity
 from kvstore.connectors.store import SETTINGS, LazyClient, client_config
 
@@ -86,7 +87,7 @@ class HostPages:
                  else [_bytes_of(host_pool.get_dummy_flat_data_page())])
         if len({len(piece) for piece in first}) != 1:
             raise ValueError(f"SGLang's {self.name} host pool has pieces of unequal sizes; pass it as flat pages")
-        self.pieces_per_page = len(first)
+        self.pieces_per_page, self.piece_bytes = len(first), len(first[0])
         self.page_bytes = sum(len(piece) for piece in first)
 
     def _first_page(self) -> torch.Tensor:
@@ -115,30 +116,6 @@ class HostPages:
 
     def page_offsets(self, host_indices: torch.Tensor, pages: int) -> list[int]:
         return [int(host_indices[i * self.page_size]) for i in range(pages)]
-
-
-class PiecesDestination:
-    """The client's load destination (kvstore.client.loading.KVDestination): record layer l of block b
-    lands in piece l of page b, in SGLang's host memory."""
-
-    host_resident = True
-
-    def __init__(self, pages: list[list[memoryview]]) -> None:
-        self.pages = pages
-        self.num_layers = len(pages[0])
-        self.layer_bytes = len(pages[0][0])
-
-    def layer_view(self, layer: int, block: int) -> memoryview:
-        return self.pages[block][layer]
-
-    def layer_written(self, layer: int, block: int) -> None:
-        pass
-
-    def layer_complete(self, layer: int) -> None:
-        pass
-
-    def wait_layer(self, layer: int) -> None:
-        pass
 
 
 class KVStoreHiCache(HiCacheStorage):
@@ -202,8 +179,9 @@ class KVStoreHiCache(HiCacheStorage):
         if not pool.zero_copy:
             return self._load_flat(pool, keys, host_indices)
         try:
-            handle = self.client.load(pool.blocks(keys), PiecesDestination(pool.pieces(host_indices)),
-                                      hit_blocks=len(keys))
+            # record layer l of block b lands in piece l of page b, in SGLang's host memory
+            pieces = LayerViews(pool.pieces(host_indices), pool.pieces_per_page, pool.piece_bytes)
+            handle = self.client.load(pool.blocks(keys), pieces, hit_blocks=len(keys))
         except Exception as exc:  # noqa: BLE001
             log.warning("kvstore load failed: %s", exc)
             return [False] * len(keys)

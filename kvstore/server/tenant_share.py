@@ -19,7 +19,7 @@ class TenantShare:
         self._recency: dict[int, OrderedDict[bytes, int]] = {}  # tenant id -> key -> record bytes, oldest first
 
     def added(self, tenant_id: int, key: bytes, nbytes: int) -> None:
-        if self.enabled:  # a block moved (compaction copies it forward) keeps its place in the order
+        if self.enabled:  # a key added again without a removal between keeps its place in the order
             blocks = self._recency.setdefault(tenant_id, OrderedDict())
             self._bytes[tenant_id] = self._bytes.get(tenant_id, 0) + nbytes - blocks.get(key, 0)
             blocks[key] = nbytes
