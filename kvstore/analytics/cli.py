@@ -27,7 +27,7 @@ from kvstore.analytics.simulate import replay, reuse_statistics
 from kvstore.analytics.trace import read_trace
 from kvstore.client.config import add_security_flags, security_settings
 from kvstore.eviction import POLICIES
-from kvstore.server.config import parse_duration, parse_size
+from kvstore.units import parse_duration, parse_size
 
 
 def add_parser(subparsers) -> None:

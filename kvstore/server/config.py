@@ -1,7 +1,8 @@
 """The daemon's one config: defaults < TOML file < KVSTORE_* environment < command-line flags.
 
 Every field is validated in `__post_init__` with a message that says what to change. Sizes accept
-"64MiB"/"1GB"/plain bytes, durations "3d"/"12h"/"90s"/plain seconds.
+"64MiB"/"1GB"/plain bytes, durations "3d"/"12h"/"90s"/plain seconds (kvstore/units.py, the one parser of both).
+deploy/kvstore.toml lists every field; kvstore/server/config_example.py writes it.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import dataclasses
 import logging
 import math
 import os
-import re
 import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -20,39 +20,7 @@ from typing import Any
 
 from kvstore.eviction import POLICIES
 from kvstore.record import CLASS_NAME_BYTES
-
-_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_TIME_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
-
-
-def parse_size(value: Any) -> int:
-    if isinstance(value, int):
-        return value
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
-    if not match or match.group(2).lower() not in _SIZE_UNITS:
-        raise ValueError(f"{value!r} is not a size; write bytes or e.g. '512MiB', '2GiB', '1TB'")
-    number = float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()]
-    if not math.isfinite(number):  # "9" * 400 reads as inf
-        raise ValueError(f"{value!r} is too large a size")
-    return int(number)
-
-
-def parse_duration(value: Any) -> float:
-    if isinstance(value, (int, float)):
-        try:
-            seconds = float(value)
-        except OverflowError:  # an int too large for a float
-            seconds = math.inf
-    else:
-        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
-        if not match or match.group(2).lower() not in _TIME_UNITS:
-            raise ValueError(f"{value!r} is not a duration; write seconds or e.g. '90s', '12h', '3d'")
-        seconds = float(match.group(1)) * _TIME_UNITS[match.group(2).lower()]
-    if not math.isfinite(seconds):  # expiry and TTL arithmetic need a number of seconds
-        raise ValueError(f"{value!r} is not a finite duration")
-    return seconds
-
+from kvstore.units import parse_duration, parse_size  # kvstore.server.config.parse_size and parse_duration stay
 
 UNIX_PATH_MAX = 107  # sun_path is 108 bytes, NUL included
 

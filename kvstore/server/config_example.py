@@ -1,0 +1,220 @@
+"""Writes deploy/kvstore.toml, the example config that lists every `ServerConfig` field.
+
+    python -m kvstore.server.config_example deploy/kvstore.toml     # rewrite it after changing ServerConfig
+    python -m kvstore.server.config_example --check deploy/kvstore.toml
+
+Each setting is written with its default, except the few `DEPLOYMENT` sets as a deployment would (their
+default is noted beside them), above a comment taken from the field's own comment in kvstore/server/config.py,
+or from `DESCRIPTIONS` for a field that has none there. A new field without either stops the generator;
+tests/kvstore/server/test_config_example.py fails while the committed file differs from what this writes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import io
+import json
+import re
+import sys
+import textwrap
+import tokenize
+from pathlib import Path
+from typing import Any
+
+from kvstore.server.config import _SIZE_FIELDS, _TIME_FIELDS, DEFAULT_CLASSES, ServerConfig
+from kvstore.units import format_duration, format_size
+
+# What the example sets otherwise than the defaults: a daemon on a storage host, reachable by its engines.
+DEPLOYMENT: dict[str, Any] = {
+    "data_dir": Path("/data"),
+    "host": "0.0.0.0",
+    "metrics_port": 9100,
+    "metrics_host": "0.0.0.0",
+    "capacity_bytes": 2**40,
+    "hot_tier_bytes": 8 * 2**30,
+}
+
+# One line for each field whose definition in ServerConfig has no comment of its own.
+DESCRIPTIONS = {
+    "data_dir": "segment files, the LMDB index and the LOCK file (docs/operations.md, \"On disk\")",
+    "host": "the address gRPC and the TCP data channel listen on",
+    "capacity_bytes": "budget for segment files on disk; eviction starts at high_watermark of it",
+    "high_watermark": "eviction starts when live blocks fill this share of capacity_bytes",
+    "low_watermark": "... and frees blocks until they are back under this share",
+    "segment_bytes": "an open segment file is sealed at this size and a new one started",
+    "hot_tier_bytes": "DRAM tier in front of the segment files; 0: off",
+    "default_class": "the traffic class of a put that names none (one of [classes])",
+    "sweep_interval_s": "the background pass (expire, evict, compact) runs at least this often",
+    "access_flush_interval_s": "last-access times are written to the index at most this often",
+    "lmdb_map_bytes": "the index's LMDB map to begin with; it doubles as it fills",
+    "lmdb_max_map_bytes": "... up to this, past which puts fail with the index full",
+    "max_block_bytes": "the largest record (one block's header and payload) a put may store",
+    "max_message_bytes": "the largest gRPC message the daemon receives",
+    "max_inflight_put_bytes": "bytes of records being put, daemon-wide; a put past it waits a little, then is refused",
+    "max_keys_per_request": "the most keys one request may name",
+    "max_concurrent_rpcs": "gRPC calls open at once, daemon-wide (not the health check); one more is refused",
+    "io_threads": "threads doing the blocking disk and index work",
+    "grace_s": "on SIGTERM or SIGINT, how long open calls get to finish",
+    "log_level": "DEBUG, INFO, WARNING, ERROR or CRITICAL",
+    "tls_key": "the PEM private key of tls_cert",
+}
+
+# Values of an optional setting, shown beside it (the file sets them "off": each must name a readable file).
+EXAMPLES = {
+    "port_file": "/run/kvstore/port",
+    "access_log": "/data/access.log",
+    "auth_tokens": "/etc/kvstore/tokens.toml",
+    "tls_cert": "/etc/kvstore/daemon.pem",
+    "tls_key": "/etc/kvstore/daemon.key",
+    "tls_client_ca": "/etc/kvstore/clients-ca.pem",
+}
+
+CLASS_NOTES = {
+    "handoff": "prefill -> decode continuation records (engine/prefill/handoff.py): read once, soon",
+    "window": "a session's latest sliding-window state (engine/swa_replay/record.py): while it is active",
+}
+
+HEADER = """\
+# An example kvstore-server config: every setting, with its default unless noted (kvstore-server --config
+# deploy/kvstore.toml). Written by `python -m kvstore.server.config_example deploy/kvstore.toml` from ServerConfig
+# (kvstore/server/config.py): do not edit it by hand; tests/kvstore/server/test_config_example.py checks it.
+# Every setting can also come from KVSTORE_<NAME> in the environment or --<name> on the command line;
+# the command line wins over the environment, which wins over this file. "off" unsets an optional setting.
+# Sizes are bytes or e.g. "512MiB", "1.5GB"; durations seconds or e.g. "90s", "10m", "12h", "3d" (kvstore/units.py).\
+"""
+
+
+def source_comments(cls: type = ServerConfig) -> dict[str, list[str]]:
+    """Each field's comment lines in the class's source: the comment lines right above it, then its own."""
+    source = textwrap.dedent(inspect.getsource(cls))
+    lines = source.splitlines()
+    comments: dict[int, str] = {}  # row -> comment text
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.COMMENT:
+            comments[token.start[0]] = token.string.lstrip("#").strip()
+
+    def full_line(row: int) -> bool:
+        return row in comments and lines[row - 1].lstrip().startswith("#")
+
+    found: dict[str, list[str]] = {}
+    (classdef,) = ast.parse(source).body
+    for node in classdef.body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            above, row = [], node.lineno - 1
+            while full_line(row):
+                above.insert(0, comments[row])
+                row -= 1
+            own = [comments[r] for r in range(node.lineno, (node.end_lineno or node.lineno) + 1)
+                   if r in comments and not full_line(r)]
+            if above or own:
+                found[node.target.id] = above + own
+    return found
+
+
+def descriptions() -> dict[str, list[str]]:
+    """Comment lines for every field; a ValueError names the fields that have none."""
+    fields = [f.name for f in dataclasses.fields(ServerConfig)]
+    from_source = source_comments()
+    problems = [f"{name}: give it a comment in ServerConfig or a line in DESCRIPTIONS"
+                for name in fields if name not in from_source and name not in DESCRIPTIONS]
+    problems += [f"DESCRIPTIONS[{name!r}]: ServerConfig has no such field" for name in DESCRIPTIONS
+                 if name not in fields]
+    problems += [f"DESCRIPTIONS[{name!r}]: the field's comment in ServerConfig is used; drop this line"
+                 for name in DESCRIPTIONS if name in from_source]
+    problems += [f"{table}[{name!r}]: ServerConfig has no such field" for table, names in
+                 (("DEPLOYMENT", DEPLOYMENT), ("EXAMPLES", EXAMPLES)) for name in names if name not in fields]
+    problems += [f"CLASS_NOTES[{name!r}]: no such default class" for name in CLASS_NOTES if name not in DEFAULT_CLASSES]
+    if problems:
+        raise ValueError("cannot describe every setting:\n  " + "\n  ".join(problems))
+    return {name: from_source.get(name) or [DESCRIPTIONS[name]] for name in fields}
+
+
+def toml_value(name: str, value: Any) -> str:
+    """`value` as the TOML the daemon's loader reads back to it."""
+    if value is None:
+        return '"off"'
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if name in _SIZE_FIELDS:
+        text = format_size(value)
+        return text if text.isdigit() else json.dumps(text)
+    if name in _TIME_FIELDS:
+        return json.dumps(format_duration(value))
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, (str, Path)):
+        return json.dumps(str(value))
+    raise TypeError(f"{name}: no TOML spelling for {value!r}")
+
+
+def default(field: dataclasses.Field) -> Any:
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return field.default
+
+
+def settings() -> dict[str, Any]:
+    """The values the example sets: the defaults, with DEPLOYMENT's in their place."""
+    return {f.name: DEPLOYMENT.get(f.name, default(f)) for f in dataclasses.fields(ServerConfig)}
+
+
+def render() -> str:
+    comments = descriptions()
+    out, tables = [HEADER], []
+    for field in dataclasses.fields(ServerConfig):
+        value = settings()[field.name]
+        if isinstance(value, dict):  # a TOML table must follow every plain key
+            tables.append(field)
+            continue
+        out.append("")
+        out.extend(f"# {line}" for line in comments[field.name])
+        line = f"{field.name} = {toml_value(field.name, value)}"
+        notes = []
+        if field.name in DEPLOYMENT:
+            notes.append(f"default: {toml_value(field.name, default(field))}")
+        if field.name in EXAMPLES:
+            notes.append(f"e.g. {json.dumps(EXAMPLES[field.name])}")
+        out.append(line + ("  # " + "; ".join(notes) if notes else ""))
+    for field in tables:
+        out.append("")
+        out.extend(f"# {line}" for line in comments[field.name])
+        out.append(f"[{field.name}]")
+        for key, value in settings()[field.name].items():
+            # the classes are TTLs; any other table is written as its values are
+            text = json.dumps(format_duration(value)) if field.name == "classes" else toml_value(field.name, value)
+            note = f"  # {CLASS_NOTES[key]}" if field.name == "classes" and key in CLASS_NOTES else ""
+            out.append(f"{key if re.fullmatch(r'[A-Za-z0-9_-]+', key) else json.dumps(key)} = {text}{note}")
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvstore.server.config_example", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("path", type=Path, nargs="?", help="write it here (default: standard output)")
+    parser.add_argument("--check", action="store_true", help="exit 1 if PATH differs from what would be written")
+    args = parser.parse_args(argv)
+    try:
+        text = render()
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    if args.check:
+        if args.path is None:
+            parser.error("--check needs the PATH to compare")
+        if not args.path.is_file() or args.path.read_text() != text:
+            print(f"{args.path} is not what `python -m kvstore.server.config_example {args.path}` writes; "
+                  "run that", file=sys.stderr)
+            return 1
+        return 0
+    if args.path is None:
+        sys.stdout.write(text)
+    else:
+        args.path.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
