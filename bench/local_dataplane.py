@@ -101,7 +101,7 @@ def main() -> None:
                     rates[name].append(total / (time.perf_counter() - started) / 1e9)
             assert all(bytes(b) == payload for b in buffers)
             del buffers[:]
-            region_bytes = shm_client.server_stats()[daemon.address].get("kvstore_region_read_bytes_total", 0)
+            region_bytes = shm_client.server_stats()[daemon.address].value("kvstore_region_read_bytes_total")
             assert region_bytes >= total, "the shared-memory path was not used"
             for fd in files.values():
                 os.close(fd)

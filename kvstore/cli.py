@@ -120,12 +120,13 @@ def cmd_stats(args: argparse.Namespace) -> int:
                           **security_settings(args))
     with KVClient(config) as c:
         stats = c.server_stats()
-    if args.json:
-        print(json.dumps(stats, indent=2, sort_keys=True))
+    if args.json:  # {address: [{"name", "labels", "value"}, ...] or null}
+        print(json.dumps({a: s.to_json() if s is not None else None for a, s in stats.items()}, indent=2,
+                         sort_keys=True))
     else:
-        for address, values in stats.items():
-            print(f"== {address}" + ("  (unreachable)" if values is None else ""))
-            for name, value in sorted((values or {}).items()):
+        for address, samples in stats.items():
+            print(f"== {address}" + ("  (unreachable)" if samples is None else ""))
+            for name, value in sorted((s.text(), s.value) for s in samples or ()):
                 if args.grep in name:
                     print(f"  {name:60s} {value:>16,.0f}" if value == int(value) else f"  {name:60s} {value:>16.4f}")
     return 1 if any(v is None for v in stats.values()) else 0

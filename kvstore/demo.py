@@ -25,6 +25,7 @@ from kvstore.block import KVLayout, Namespace
 from kvstore.client import ClientConfig, KVClient
 from kvstore.client.loading import BufferDestination
 from kvstore.server.process import DaemonProcess
+from kvstore.stats import Stats
 
 # A Qwen2.5-0.5B-like KV layout: 24 layers x 2 KV heads x 64 dims in bf16, 256-token blocks = 3 MiB.
 LAYOUT = KVLayout(num_layers=24, kv_heads=2, head_dim=64, dtype="bfloat16")
@@ -104,12 +105,12 @@ def run(sessions: int, turns: int, workdir: Path) -> None:
               f"{totals['ideal'] / totals['prompt']:.1%}), every loaded byte verified; "
               f"saves dropped: {client.write_behind.counters['dropped']}")
         for address, stats in client.server_stats().items():
-            stats = stats or {}
-            blocks_held = sum(v for k, v in stats.items() if k.startswith("kvstore_blocks{"))
-            disk_mib = stats.get('kvstore_disk_bytes', 0) / 2**20
+            stats = stats or Stats()
+            blocks_held = stats.value("kvstore_blocks")
+            disk_mib = stats.value("kvstore_disk_bytes") / 2**20
             print(f"  {address}: {blocks_held:.0f} blocks, {disk_mib:.0f} MiB on disk, "
-                  f"{stats.get('kvstore_segments', 0):.0f} segments, "
-                  f"{stats.get('kvstore_region_read_bytes_total', 0) / 2**20:.0f} MiB written straight into the "
+                  f"{stats.value('kvstore_segments'):.0f} segments, "
+                  f"{stats.value('kvstore_region_read_bytes_total') / 2**20:.0f} MiB written straight into the "
                   f"client's shared memory")
     finally:
         client.close()
@@ -130,8 +131,8 @@ def tier_hits(client: KVClient) -> dict[str, float]:
     """Blocks served so far: by the client's host tier, and by the daemons' DRAM and SSD."""
     out = {"host": float(client.stats.tier_hits["host"]), "daemon DRAM": 0.0, "daemon SSD": 0.0}
     for stats in client.server_stats().values():
-        out["daemon DRAM"] += (stats or {}).get("kvstore_hits_total{tier=dram}", 0)
-        out["daemon SSD"] += (stats or {}).get("kvstore_hits_total{tier=ssd}", 0)
+        out["daemon DRAM"] += (stats or Stats()).value("kvstore_hits_total", tier="dram")
+        out["daemon SSD"] += (stats or Stats()).value("kvstore_hits_total", tier="ssd")
     return out
 
 

@@ -45,5 +45,5 @@ def replay_through_daemons(requests: Sequence[Request], servers: str, payload_by
                 client.advise(blocks, signals[number])
             if progress is not None:
                 progress(number + 1)
-        result.evictions = int(sum((s or {}).get("kvstore_evictions_total", 0) for s in client.server_stats().values()))
+        result.evictions = int(sum(s.value("kvstore_evictions_total") for s in client.server_stats().values() if s))
     return result

@@ -2,60 +2,45 @@
 
 from __future__ import annotations
 
-import re
 import sys
 import time
 
 from kvstore.client import ClientConfig, KVClient
+from kvstore.stats import Stats
 
 
-def _labelled(stats: dict[str, float], name: str) -> dict[str, float]:
-    """{label value: number} of `name{label=value}` samples."""
-    out = {}
-    for key, value in stats.items():
-        match = re.fullmatch(re.escape(name) + r"\{\w+=([^}]*)\}", key)
-        if match:
-            out[match.group(1)] = value
-    return out
-
-
-def render(all_stats: dict[str, dict | None]) -> str:
+def render(all_stats: dict[str, Stats | None]) -> str:
     lines = [time.strftime("%H:%M:%S") + f"  {len(all_stats)} daemons"]
-    total: dict[str, float] = {}
     for address, stats in all_stats.items():
-        if stats is None:
-            lines.append(f"  {address}: unreachable")
-            continue
-        for key, value in stats.items():
-            total[key] = total.get(key, 0) + value
-        lines.append("  " + _line(address, stats))
-    if len([s for s in all_stats.values() if s]) > 1:
+        lines.append(f"  {address}: unreachable" if stats is None else "  " + _line(address, stats))
+    reachable = [s for s in all_stats.values() if s]
+    total = Stats.sum(reachable)
+    if len(reachable) > 1:
         lines.append("  " + _line("cluster", total))
     if total:
-        tiers = _labelled(total, "kvstore_hits_total")
-        classes = _labelled(total, "kvstore_class_hits_total")
-        causes = _labelled(total, "kvstore_misses_total")
+        tiers = total.by("kvstore_hits_total", "tier")
+        classes = total.by("kvstore_class_hits_total", "traffic_class")
+        causes = total.by("kvstore_misses_total", "cause")
         lines.append("  hits by tier:    " + ", ".join(f"{t} {n:,.0f}" for t, n in sorted(tiers.items())))
         lines.append("  hits by class:   " + ", ".join(f"{c} {n:,.0f}" for c, n in sorted(classes.items())))
         by_count = sorted(causes.items(), key=lambda kv: -kv[1])
         lines.append("  misses by cause: " + ", ".join(f"{c} {n:,.0f}" for c, n in by_count))
-        blocks = _labelled(total, "kvstore_blocks")
+        blocks = total.by("kvstore_blocks", "traffic_class")
         lines.append("  blocks by class: " + ", ".join(f"{c} {n:,.0f}" for c, n in sorted(blocks.items())))
-        advised = _labelled(total, "kvstore_advised_blocks_total")
+        advised = total.by("kvstore_advised_blocks_total", "continues")
         if advised:
             lines.append("  advised blocks:  " + ", ".join(f"{'going on' if c == 'true' else 'ended'} {n:,.0f}"
                                                           for c, n in sorted(advised.items(), reverse=True)))
     return "\n".join(lines)
 
 
-def _line(name: str, stats: dict[str, float]) -> str:
-    hits = sum(_labelled(stats, "kvstore_hits_total").values())
-    misses = sum(_labelled(stats, "kvstore_misses_total").values())
+def _line(name: str, stats: Stats) -> str:
+    hits, misses = stats.value("kvstore_hits_total"), stats.value("kvstore_misses_total")
     rate = hits / (hits + misses) if hits + misses else 0.0
-    used, capacity = stats.get("kvstore_disk_bytes", 0), stats.get("kvstore_capacity_bytes", 0)
+    used, capacity = stats.value("kvstore_disk_bytes"), stats.value("kvstore_capacity_bytes")
     return (f"{name:<22} hit {rate:>7.2%} of {hits + misses:>10,.0f} reads   disk {used / 2**30:8.2f} of "
-            f"{capacity / 2**30:8.2f} GiB   evictions {stats.get('kvstore_evictions_total', 0):>9,.0f}   "
-            f"expiries {stats.get('kvstore_expiries_total', 0):>9,.0f}")
+            f"{capacity / 2**30:8.2f} GiB   evictions {stats.value('kvstore_evictions_total'):>9,.0f}   "
+            f"expiries {stats.value('kvstore_expiries_total'):>9,.0f}")
 
 
 def run_live(servers: str, interval_s: float, rounds: int | None, security: dict | None = None) -> int:

@@ -26,6 +26,7 @@ from kvstore.client.shard import Shard
 from kvstore.eviction import ReuseHint
 from kvstore.proto import pb
 from kvstore.record import CorruptRecord, build_record, decode_header
+from kvstore.stats import Stats
 
 # A Get the data channel could not serve, before any part arrived, is repeated over gRPC with these codes.
 _RETRY_GET_CODES = frozenset({"RESOURCE_EXHAUSTED", "UNAVAILABLE"})
@@ -418,9 +419,9 @@ class AsyncKVClient:
         """The last error of each daemon that has failed a call."""
         return {address: shard.last_error for address, shard in self.shards.items() if shard.last_error}
 
-    async def server_stats(self) -> dict[str, dict[str, float] | None]:
-        """Each daemon's Stats; None for a daemon that did not answer."""
-        async def one(shard: Shard) -> dict[str, float] | None:
+    async def server_stats(self) -> dict[str, Stats | None]:
+        """Each daemon's Stats (its samples, kvstore.stats); None for a daemon that did not answer."""
+        async def one(shard: Shard) -> Stats | None:
             try:
                 return await shard.stats()
             except grpc.RpcError as exc:

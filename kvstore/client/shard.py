@@ -23,6 +23,7 @@ from kvstore.client.config import ClientConfig
 from kvstore.client.dataplane import DataChannel, TransportError
 from kvstore.hostid import host_id
 from kvstore.proto import method, pb
+from kvstore.stats import Stats
 
 log = logging.getLogger(__name__)
 
@@ -153,9 +154,9 @@ class Shard:
         request = pb.AdviseRequest(keys=keys, continues=continues)
         return (await self._advise(request, timeout=self.config.lookup_timeout_s, metadata=self.metadata)).count
 
-    async def stats(self) -> dict[str, float]:
+    async def stats(self) -> Stats:
         response = await self._stats(pb.StatsRequest(), timeout=self.config.lookup_timeout_s, metadata=self.metadata)
-        return dict(response.values)
+        return Stats.from_pb(response)
 
     async def close(self) -> None:
         self._forget_data_channel()

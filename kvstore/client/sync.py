@@ -20,6 +20,7 @@ from kvstore.client.loading import KVDestination, LoadHandle
 from kvstore.client.write_behind import WriteBehind
 from kvstore.eviction import ReuseHint
 from kvstore.record import CorruptRecord
+from kvstore.stats import Stats
 
 T = TypeVar("T")
 
@@ -143,7 +144,7 @@ class KVClient:
         """See AsyncKVClient.shared_buffer: memory same-host daemons write into directly."""
         return self._run(self._async.shared_buffer(nbytes))
 
-    def server_stats(self) -> dict[str, dict[str, float] | None]:
+    def server_stats(self) -> dict[str, Stats | None]:
         return self._run(self._async.server_stats())
 
     def last_errors(self) -> dict[str, str]:

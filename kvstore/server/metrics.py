@@ -1,8 +1,11 @@
-"""The daemon's metrics: one Prometheus registry, served on /metrics and flattened for the Stats RPC."""
+"""The daemon's metrics: one Prometheus registry, served on /metrics and as samples over the Stats RPC."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from kvstore.proto import pb
+from kvstore.stats import Sample
 
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 
@@ -45,13 +48,23 @@ class Metrics:
         self.rpc_errors = Counter("kvstore_rpc_errors", "RPCs ended with an error status", ["method", "code"],
                                   registry=r)
 
-    def flatten(self) -> dict[str, float]:
-        """Every sample as `name{label=value,...}` -> value (histogram buckets left out)."""
-        out: dict[str, float] = {}
-        for family in self.registry.collect():
-            for sample in family.samples:
-                if sample.name.endswith(("_bucket", "_created")):
-                    continue
-                labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
-                out[f"{sample.name}{{{labels}}}" if labels else sample.name] = float(sample.value)
-        return out
+    def samples(self) -> list[Sample]:
+        """Every sample, labels as they are (histogram buckets and creation times left out)."""
+        return [Sample(s.name, dict(sorted(s.labels.items())), float(s.value))
+                for family in self.registry.collect() for s in family.samples
+                if not s.name.endswith(("_bucket", "_created"))]
+
+    def stats_response(self) -> pb.StatsResponse:
+        """The Stats RPC's answer: the samples, and for one release the old flat `values` beside them."""
+        samples = self.samples()
+        return pb.StatsResponse(samples=[pb.Sample(name=s.name, labels=s.labels, value=s.value) for s in samples],
+                                values=flatten(samples))
+
+
+def flatten(samples: list[Sample]) -> dict[str, float]:
+    """The old `name{label=value,...}` -> value form (deprecated: clients older than StatsResponse.samples)."""
+    out: dict[str, float] = {}
+    for s in samples:
+        labels = ",".join(f"{k}={v}" for k, v in s.labels.items())
+        out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out

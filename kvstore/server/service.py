@@ -94,7 +94,7 @@ class KVStoreService:
 
     async def stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
         self.store.refresh_gauges()
-        return pb.StatsResponse(values=self.metrics.flatten())
+        return self.metrics.stats_response()
 
     async def info(self, request: pb.InfoRequest, context) -> pb.InfoResponse:
         return pb.InfoResponse(data_port=self.data_port, max_block_bytes=self.config.max_block_bytes,

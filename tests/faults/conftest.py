@@ -17,6 +17,7 @@ from kvstore.block import Block, KVLayout, Namespace
 from kvstore.client import ClientConfig, KVClient
 from kvstore.proto import method, pb
 from kvstore.server.process import DaemonProcess
+from kvstore.stats import Stats
 
 NS = Namespace("fault-campaign", KVLayout(num_layers=4, kv_heads=2, head_dim=32, dtype="float16"), block_tokens=16)
 Item = tuple[Block, bytes]  # a block and its layer-major payload, (layers, 2, block_tokens, kv_heads, head_dim)
@@ -69,15 +70,15 @@ def wrong_blocks(address: str, expected: dict[bytes, bytes]) -> list[str]:
             if got.status == pb.OK and got.payload != expected[key]]
 
 
-def stats(address: str) -> dict[str, float]:
+def stats(address: str) -> Stats:
     with grpc.insecure_channel(address) as channel:
         call = channel.unary_unary(method("Stats"), pb.StatsRequest.SerializeToString, pb.StatsResponse.FromString)
-        return dict(call(pb.StatsRequest(), timeout=10).values)
+        return Stats.from_pb(call(pb.StatsRequest(), timeout=10))
 
 
 def misses_counted(address: str) -> int:
     """Every block the daemon has refused to serve since it started, whatever the cause."""
-    return int(sum(value for name, value in stats(address).items() if name.startswith("kvstore_misses_total")))
+    return int(stats(address).value("kvstore_misses_total"))
 
 
 def read_frame(sock: socket.socket) -> tuple[int, bytes]:

@@ -47,7 +47,7 @@ def error_code(sock: socket.socket) -> str:
 
 def data_gets(address: str) -> float:
     with KVClient(ClientConfig((address,), transport="grpc")) as client:
-        return client.server_stats()[address].get("kvstore_rpc_seconds_count{method=data.Get}", 0)
+        return client.server_stats()[address].value("kvstore_rpc_seconds_count", method="data.Get")
 
 
 def served_over_the_data_channel(daemon, source: str = "127.0.0.3") -> None:

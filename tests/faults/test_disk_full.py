@@ -22,6 +22,7 @@ from kvstore.proto import method, pb
 from kvstore.record import build_record
 from kvstore.server.process import DaemonProcess
 from kvstore.server.reserve import SpaceReserve
+from kvstore.stats import Stats
 
 pytestmark = pytest.mark.crash
 
@@ -224,8 +225,8 @@ def test_fault7_reserve_gives_back_exactly_its_room(small_fs, ballast):
 def capacity(daemon: DaemonProcess) -> float:
     with grpc.insecure_channel(daemon.address) as channel:
         call = channel.unary_unary(method("Stats"), pb.StatsRequest.SerializeToString, pb.StatsResponse.FromString)
-        values = dict(call(pb.StatsRequest(), timeout=10).values)
-    return values["kvstore_capacity_bytes"], values.get("kvstore_evictions_total", 0.0)
+        stats = Stats.from_pb(call(pb.StatsRequest(), timeout=10))
+    return stats.value("kvstore_capacity_bytes"), stats.value("kvstore_evictions_total")
 
 
 def test_capacity_comes_back_when_another_writer_frees_the_disk(tmp_path, small_fs, ballast):

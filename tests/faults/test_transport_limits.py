@@ -222,9 +222,7 @@ GET_RSS_BOUND = 512 * MiB  # the daemon's send budget (256 MiB) and its own slac
 
 def get_errors(daemon) -> float:
     with client(daemon) as probe:
-        values = probe.server_stats()[daemon.address]
-    return sum(value for name, value in values.items()
-               if name.startswith("kvstore_rpc_errors_total") and "method=Get}" in name)
+        return probe.server_stats()[daemon.address].value("kvstore_rpc_errors_total", method="Get")
 
 
 def test_finding8_gets_never_read_hold_bounded_memory_and_are_ended(daemons):

@@ -35,8 +35,8 @@ def turn(store: KVClient, conversation: int, blocks: int) -> list:
 def advised(store: KVClient) -> tuple[int, int]:
     """Blocks the daemon was advised on: (going on, ended)."""
     stats, = store.server_stats().values()
-    return (int(stats.get("kvstore_advised_blocks_total{continues=true}", 0)),
-            int(stats.get("kvstore_advised_blocks_total{continues=false}", 0)))
+    return (int(stats.value("kvstore_advised_blocks_total", continues="true")),
+            int(stats.value("kvstore_advised_blocks_total", continues="false")))
 
 
 def test_a_reply_ending_in_a_tool_call_is_advised_going_on_at_once(store):

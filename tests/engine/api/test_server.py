@@ -21,7 +21,7 @@ WEATHER = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 
 
-def _stats(served) -> dict[str, float]:
+def _stats(served):
     from kvstore.client import KVClient
 
     with KVClient([served.daemon.address]) as client:
@@ -48,9 +48,9 @@ def test_responses_keep_the_conversation_and_its_prefix_stays_cached(served):
     streamed = list(client.responses.create(model=MODEL, previous_response_id=first.id, instructions=system_prompt(),
                                             input="And for a dict?", max_output_tokens=6, temperature=0, stream=True))
     assert streamed[-1].response.output_text == second.output_text
-    ended = _stats(served).get("kvstore_advised_blocks_total{continues=false}", 0)
+    ended = _stats(served).value("kvstore_advised_blocks_total", continues="false")
     client.responses.delete(second.id)
-    assert _wait(lambda: _stats(served).get("kvstore_advised_blocks_total{continues=false}", 0) > ended), \
+    assert _wait(lambda: _stats(served).value("kvstore_advised_blocks_total", continues="false") > ended), \
         "a deleted conversation is advised as ended"
     import openai
 
@@ -107,7 +107,7 @@ def _few_shot(city: str) -> list[dict]:
 
 def test_a_tool_call_turn_then_its_result(served):
     client = served.openai("key-bob")
-    going_on = _stats(served).get("kvstore_advised_blocks_total{continues=true}", 0)
+    going_on = _stats(served).value("kvstore_advised_blocks_total", continues="true")
     messages = _few_shot("Oslo")
     reply = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], temperature=0,
                                            max_tokens=60)
@@ -116,9 +116,9 @@ def test_a_tool_call_turn_then_its_result(served):
     (call,) = choice.message.tool_calls
     assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Oslo"})
     assert reply.usage.completion_tokens < 60, "the reply ends at the end of the call"
-    assert _wait(lambda: _stats(served).get("kvstore_advised_blocks_total{continues=true}", 0) > going_on), \
+    assert _wait(lambda: _stats(served).value("kvstore_advised_blocks_total", continues="true") > going_on), \
         "a tool call is advised as going on"
-    assert _stats(served).get("kvstore_blocks{traffic_class=agent}", 0) > 0, "a request with tools is agent traffic"
+    assert _stats(served).value("kvstore_blocks", traffic_class="agent") > 0, "a request with tools is agent traffic"
     _flush(served)
     messages += [choice.message.model_dump(exclude_none=True),
                  {"role": "tool", "tool_call_id": call.id, "content": "3 C and snowing"}]

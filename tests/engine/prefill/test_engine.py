@@ -84,7 +84,7 @@ def test_warm_from_a_restarted_daemons_ssd(tiny, daemons):
         assert result.path == CACHED and result.sources == {"daemon": TURNS[1] // BLOCK}
         _check(tiny, result, conversation)
         stats = client.server_stats()[daemon.address]
-        assert stats["kvstore_hits_total{tier=ssd}"] >= TURNS[1] // BLOCK
+        assert stats.value("kvstore_hits_total", tier="ssd") >= TURNS[1] // BLOCK
 
 
 def test_missing_window_state_recomputes_exactly(tiny, daemons):

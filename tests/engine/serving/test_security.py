@@ -87,4 +87,4 @@ def test_a_token_generates_only_in_its_tenants_namespaces_on_a_store_that_checks
         assert instances.stop() == [0]  # its saves are flushed as it goes
     with KVClient(ClientConfig((daemon.address,), token=store_tokens["ops"])) as ops:
         stats = ops.server_stats()[daemon.address]
-    assert stats["kvstore_blocks{traffic_class=chat}"] >= 3  # the prompt's blocks, stored with its store token
+    assert stats.value("kvstore_blocks", traffic_class="chat") >= 3  # the prompt's blocks, stored with its store token

@@ -28,7 +28,7 @@ def test_blocks_spread_over_all_daemons(daemons):
     items = conversation(30, seed=1)
     with KVClient(fast_config(cluster)) as client:
         assert client.put(items, NS.num_layers).stored == 30
-        stored = {d.address: s["kvstore_puts_total{result=stored}"] for d, s in
+        stored = {d.address: s.value("kvstore_puts_total", result="stored") for d, s in
                   zip(cluster, client.server_stats().values())}
         assert all(count > 0 for count in stored.values()) and sum(stored.values()) == 30
         assert client.lookup([b for b, _ in items]) == 30

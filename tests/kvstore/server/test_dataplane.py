@@ -30,7 +30,7 @@ def prompt(n_blocks: int, start: int = 0):
 
 
 def data_calls(client: KVClient, address: str, method: str) -> float:
-    return client.server_stats()[address].get(f"kvstore_rpc_seconds_count{{method={method}}}", 0)
+    return client.server_stats()[address].value("kvstore_rpc_seconds_count", method=method)
 
 
 @pytest.mark.parametrize("transport, shared_memory, channel", [("auto", "auto", "unix"), ("auto", "off", "tcp"),
@@ -130,11 +130,11 @@ def test_hostile_frames_get_an_error_frame_and_the_daemon_keeps_serving(daemon, 
     assert kind == wire.ERROR
     assert pb.DataError.FromString(head).code == code
     with KVClient([daemon.address]) as client:
-        stored_before = client.server_stats()[daemon.address].get("kvstore_puts_total{result=stored}", 0)
+        stored_before = client.server_stats()[daemon.address].value("kvstore_puts_total", result="stored")
         items = prompt(2, start=900)
         assert client.put(items, NS.num_layers).stored == 2
         assert len(client.get([b for b, _ in items])) == 2
-        assert client.server_stats()[daemon.address].get("kvstore_puts_total{result=stored}") == stored_before + 2
+        assert client.server_stats()[daemon.address].value("kvstore_puts_total", result="stored") == stored_before + 2
 
 
 def test_a_client_stalled_inside_a_frame_is_dropped(daemon):

@@ -16,6 +16,7 @@ from kvstore.client.dataplane import TransportError, read_frame
 from kvstore.proto import method, pb
 from kvstore.record import build_record
 from kvstore.server.auth import new_token, token_entry
+from kvstore.stats import Stats
 from tests.pki import make_pki
 
 pytestmark = pytest.mark.integration
@@ -70,7 +71,7 @@ def test_every_call_needs_a_known_token_and_the_verb_it_uses(daemons, token_file
         == grpc.StatusCode.PERMISSION_DENIED
     assert code_of(lambda: call(daemon, "Stats", pb.StatsRequest(), TOKENS["alice"], pb.StatsResponse)) \
         == grpc.StatusCode.PERMISSION_DENIED
-    assert call(daemon, "Stats", pb.StatsRequest(), TOKENS["ops"], pb.StatsResponse).values
+    assert call(daemon, "Stats", pb.StatsRequest(), TOKENS["ops"], pb.StatsResponse).samples
     with client(daemon, TOKENS["reader"]) as reader:  # a read-only token's puts are refused
         assert reader.put(items(ALICE), LAYOUT.num_layers).stored == 0
     with grpc.insecure_channel(daemon.address) as channel:  # probes need no token; streams that stay open do
@@ -185,8 +186,8 @@ def test_logs_carry_no_key_a_reader_could_use(daemons, tmp_path):
 
 def data_calls(daemon, token) -> float:
     """How many Gets the daemon served on its data channel (TCP or Unix socket)."""
-    stats = call(daemon, "Stats", pb.StatsRequest(), token, pb.StatsResponse).values
-    return stats.get("kvstore_rpc_seconds_count{method=data.Get}", 0)
+    stats = Stats.from_pb(call(daemon, "Stats", pb.StatsRequest(), token, pb.StatsResponse))
+    return stats.value("kvstore_rpc_seconds_count", method="data.Get")
 
 
 def data_frames(daemon, frames, tls_context=None):

@@ -64,11 +64,11 @@ def test_put_lookup_get_touch_delete_advise_stats(daemon):
         assert client.lookup(blocks) == 3
         assert len(client.get(blocks)) == 3, "a get stops at the first missing block"
         stats = client.server_stats()[daemon.address]
-    assert stats["kvstore_puts_total{result=stored}"] == 6
-    assert stats["kvstore_hits_total{tier=dram}"] >= 6
-    assert stats["kvstore_misses_total{cause=missing}"] >= 1
-    assert stats["kvstore_blocks{traffic_class=chat}"] == 5
-    assert stats["kvstore_advised_blocks_total{continues=false}"] == 5
+    assert stats.value("kvstore_puts_total", result="stored") == 6
+    assert stats.value("kvstore_hits_total", tier="dram") >= 6
+    assert stats.value("kvstore_misses_total", cause="missing") >= 1
+    assert stats.value("kvstore_blocks", traffic_class="chat") == 5
+    assert stats.value("kvstore_advised_blocks_total", continues="false") == 5
 
 
 def test_get_streams_layer_major_in_layer_order(channel, daemon):
@@ -176,7 +176,7 @@ def test_malformed_puts_get_precise_codes_and_store_nothing(channel, daemon, cas
         raw_put(channel, messages)
     assert info.value.code() == code, info.value.details()
     with KVClient([daemon.address]) as client:
-        assert client.server_stats()[daemon.address].get("kvstore_puts_total{result=stored}", 0) == 0
+        assert client.server_stats()[daemon.address].value("kvstore_puts_total", result="stored") == 0
         items = prompt(2, start=9000)
         assert client.put(items, NS.num_layers).stored == 2, "the daemon keeps serving"
         assert len(client.get([b for b, _ in items])) == 2

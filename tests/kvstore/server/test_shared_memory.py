@@ -29,7 +29,7 @@ def prompt(n: int, seed: int = 0):
 
 
 def region_bytes(client: KVClient, address: str) -> float:
-    return client.server_stats()[address].get("kvstore_region_read_bytes_total", 0)
+    return client.server_stats()[address].value("kvstore_region_read_bytes_total")
 
 
 @pytest.mark.parametrize("mode, used", [("auto", True), ("off", False)])
