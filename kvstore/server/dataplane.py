@@ -40,6 +40,7 @@ from kvstore.server.auth import Principal
 from kvstore.server.config import ServerConfig
 from kvstore.server.data_connection import READ_STEP, Closed, Connection, FrameBudget, Peer, TlsConnection
 from kvstore.server.limits import ByteBudget, TimedOut, principal_key
+from kvstore.server.protocol_map import put_response
 from kvstore.server.reads import get_parts
 from kvstore.server.regions import Region
 from kvstore.server.requests import (
@@ -385,7 +386,7 @@ class DataPlaneServer:
             else:
                 raise RequestError(f"expected PUT or PUT_END, got frame kind {kind}")
         results = await asyncio.gather(*tasks)
-        await connection.send(wire.frame(wire.PUT_RESULT, pb.PutResponse(results=results).SerializeToString()))
+        await connection.send(wire.frame(wire.PUT_RESULT, put_response(results).SerializeToString()))
         self.metrics.rpc_latency.labels(method="data.Put").observe(time.perf_counter() - started)
 
     async def _receive_record(self, connection: Connection, declared: int, hint: ReuseHint | None,

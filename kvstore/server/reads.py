@@ -4,7 +4,7 @@ Each part is (GetPartHead, payload or None). With a `target`, payloads are read 
 buffer it names for each part (a client's shared-memory region) instead of a buffer of their own.
 Block-major sends all requested layers of a block as one part; layer-major sends every block's header
 first, then layer l of every block before layer l+1 of any, so that a loader can start on layer 0 while
-later layers are in flight.
+later layers are in flight. The store's misses become the protocol's part statuses here (protocol_map.py).
 """
 
 from __future__ import annotations
@@ -15,7 +15,10 @@ from collections.abc import AsyncIterator, Callable
 
 from kvstore.proto import pb
 from kvstore.record import CorruptRecord
-from kvstore.server.store import BlockStore, Miss, OpenBlock, Scope
+from kvstore.server.block_reader import OpenBlock
+from kvstore.server.outcomes import Miss, MissStatus
+from kvstore.server.protocol_map import part_status
+from kvstore.server.store import BlockStore, Scope
 
 READ_AHEAD = 3  # blocks of a block-major Get read ahead of the one being sent
 Part = tuple[pb.GetPartHead, "bytes | bytearray | memoryview | None"]
@@ -99,7 +102,7 @@ async def _open(store: BlockStore, request: pb.GetRequest, index: int,
                 key: bytes, scope: Scope) -> tuple[int, OpenBlock, int, int] | pb.GetPartHead:
     found = await store.open_block(key, scope)
     if isinstance(found, Miss):
-        return head(index, found.status, 0, 0, b"", 0, found.cause)
+        return head(index, part_status(found.status), 0, 0, b"", 0, found.cause)
     n_layers = found.header.n_layers
     begin, end = request.layer_begin, request.layer_end or n_layers
     if not begin < end <= n_layers:  # a request's shape is never a reason to read, let alone drop, a block
@@ -115,11 +118,11 @@ async def _read(store: BlockStore, block: OpenBlock, begin: int, end: int, index
         into = target(index, begin, (end - begin) * block.header.layer_bytes) if target else None
         data = await store.read_layers(block, begin, end, into)
     except CorruptRecord as exc:
-        store.miss(pb.CORRUPT, exc.cause, block.key, block.entry)
-        return head(index, pb.CORRUPT, begin, end, header_bytes, 0, exc.cause), None
+        miss = store.miss(MissStatus.CORRUPT, exc.cause, block.key, block.entry)
+        return head(index, part_status(miss.status), begin, end, header_bytes, 0, miss.cause), None
     except OSError:
-        store.miss(pb.UNAVAILABLE, "io_error", block.key, block.entry)
-        return head(index, pb.UNAVAILABLE, begin, end, header_bytes, 0, "io_error"), None
+        miss = store.miss(MissStatus.UNAVAILABLE, "io_error", block.key, block.entry)
+        return head(index, part_status(miss.status), begin, end, header_bytes, 0, miss.cause), None
     return head(index, pb.OK, begin, end, header_bytes, len(data)), data
 
 

@@ -21,6 +21,7 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -96,6 +97,46 @@ def set_aside(index_dir: Path, why: str, cause: Exception | None = None) -> Path
             f"{cause or 'the index must be rebuilt'}, and it could not be moved aside to {target} ({exc}). Move "
             f"{index_dir} out of the way yourself, then run `kvstore fsck --rebuild {index_dir.parent}`") from None
     return target
+
+
+# -- a daemon's start-up ------------------------------------------------------------------------------
+
+def reconcile(index: Index, segments: SegmentSet, rebuild_reason: str,
+              replace: Callable[[IndexDamaged], tuple[Index, Path]], now_ms: int
+              ) -> tuple[Index, list[tuple[bytes, Entry]], int]:
+    """Cut torn tails, then make the index agree with the segments: rebuilt from them when it is new or
+    damaged (`rebuild_reason`), else every entry checked against the record header at its place, the stale
+    ones dropped and their keys' own records, if verified ones are found, indexed again.
+
+    `replace(damage)` sets aside an index found damaged while it is read, and returns a fresh one and
+    where the damaged one went. Segments left without a live entry are deleted. Returns the index in use,
+    its live entries, and how many were stale."""
+    started = time.perf_counter()
+    scanned = {seg.id: dict(segments.recover(seg)) for seg in segments.open_existing()}
+    stale: dict[bytes, tuple[str, Entry]] = {}
+    try:
+        live, stale = ([], {}) if rebuild_reason else verify_entries(index, segments, scanned)
+    except IndexDamaged as exc:  # a page deeper than the meta pages, found while reading
+        index, aside = replace(exc)
+        live, rebuild_reason = [], f"the index was damaged and moved aside to {aside}"
+    if rebuild_reason and segments.disk_bytes:
+        log.warning("rebuilding the index from the segments (%.1f GiB): %s", segments.disk_bytes / 2**30,
+                    rebuild_reason)
+        live, stats = rebuild_index(index, segments, now_ms=now_ms)
+        log.warning("index rebuilt in %.1f s: %s", time.perf_counter() - started, stats)
+    elif stale:
+        drop_stale(index, stale)
+        found, _ = rebuild_index(index, segments, only=set(stale), now_ms=now_ms)
+        if found:
+            log.warning("re-indexed %d of the dropped keys from verified records found in the segments", len(found))
+        live += found
+    # After a rebuild every verifiable record has an entry, so a segment without one holds only superseded
+    # copies or damage; with a trusted index, a record it lacks was deleted, evicted or expired
+    # (docs/operations.md).
+    held = {entry.segment for _, entry in live}
+    for segment in [s for s in segments.segments.values() if s.id not in held]:
+        segments.delete(segment)
+    return index, live, len(stale)
 
 
 # -- reconcile ---------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from kvstore.proto import SERVICE, pb
 from kvstore.server.config import ServerConfig
 from kvstore.server.grpc_auth import current_principal
 from kvstore.server.limits import ByteBudget, TimedOut, grpc_caller
+from kvstore.server.protocol_map import put_response
 from kvstore.server.reads import get_parts
 from kvstore.server.requests import (
     PermissionDenied,
@@ -197,7 +198,7 @@ class KVStoreService:
             # Records already verified are stored even if the stream broke later (see the data channel).
             if held:
                 await self.put_budget.release(held, who)
-        return pb.PutResponse(results=results)
+        return put_response(results)
 
     async def _store_one(self, header, header_bytes: bytes, chunks: list[bytes], declared: int, who: str,
                          hint: ReuseHint | None) -> int:

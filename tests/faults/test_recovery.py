@@ -21,12 +21,12 @@ import lmdb
 import pytest
 
 from kvstore.block import Block, KVLayout, Namespace, chain_hash
-from kvstore.proto import pb
 from kvstore.record import build_record, decode_header
 from kvstore.server.config import ServerConfig
 from kvstore.server.fsck import check
 from kvstore.server.index import Entry
-from kvstore.server.store import BlockStore, Miss
+from kvstore.server.outcomes import Miss, PutResult
+from kvstore.server.store import BlockStore
 from tests.kvstore.server.conftest import Clock, put_all, read_all, records
 
 from .conftest import NS, Item, client_for, raw_get
@@ -230,7 +230,7 @@ async def test_a_rebuilt_entry_has_its_class_parent_tenant_and_the_bucket_end_as
         assert new_tenants.get(new.tenant_id, bytes(16)) == tenants.get(old.tenant_id, bytes(16)) == header.tenant
         assert new.expires_ms == store.segments.segments[new.segment].bucket_end * 1000 >= old.expires_ms
         assert await read_all(store, block.key) == payload
-    assert store.live_bytes == sum(len(r[1]) + len(r[3]) for r in recs)
+    assert store.accounting.live_bytes == sum(len(r[1]) + len(r[3]) for r in recs)
 
 
 async def test_the_newest_copy_of_a_key_wins_a_rebuild(store_at, tmp_path):
@@ -242,13 +242,13 @@ async def test_the_newest_copy_of_a_key_wins_a_rebuild(store_at, tmp_path):
     await store.delete([block.key])
     second = os.urandom(NS_SMALL.block_bytes)
     header_bytes, second = build_record(block, second, NS_SMALL.num_layers, "chat")
-    assert await store.put(decode_header(header_bytes), header_bytes, [second]) == pb.STORED
+    assert await store.put(decode_header(header_bytes), header_bytes, [second]) == PutResult.STORED
     await store.close()
     shutil.rmtree(tmp_path / "data" / "index")
 
     store = await store_at(clock)
     assert await read_all(store, block.key) == second
-    assert store.live_bytes == (len(header_bytes) + len(second)) * 4
+    assert store.accounting.live_bytes == (len(header_bytes) + len(second)) * 4
 
 
 async def test_a_rebuild_skips_damaged_records_and_finds_the_whole_ones_after_them(store_at, tmp_path):

@@ -7,6 +7,7 @@ import pytest
 from kvstore.block import KVLayout, Namespace
 from kvstore.record import build_record, decode_header
 from kvstore.server.config import ServerConfig
+from kvstore.server.outcomes import PutResult
 from kvstore.server.store import BlockStore
 
 NS = Namespace("store-test", KVLayout(num_layers=4, kv_heads=1, head_dim=16, dtype="float16"), block_tokens=8)
@@ -56,7 +57,7 @@ async def open_store(tmp_path, clock):
             await store.close()
 
 
-async def put_all(store: BlockStore, recs) -> list[int]:
+async def put_all(store: BlockStore, recs) -> list[PutResult]:
     return [await store.put(header, header_bytes, [payload]) for _, header_bytes, header, payload in recs]
 
 

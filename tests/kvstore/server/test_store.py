@@ -5,10 +5,11 @@ import os
 import pytest
 
 from kvstore.eviction import ReuseHint
-from kvstore.proto import pb
 from kvstore.record import CorruptRecord
+from kvstore.server.access_times import POLICY_STATE
 from kvstore.server.index import Index
-from kvstore.server.store import POLICY_STATE, DataDirInUse, Miss
+from kvstore.server.outcomes import Miss, MissStatus, PutResult
+from kvstore.server.store import DataDirInUse
 
 from .conftest import NS, put_all, read_all, records
 
@@ -17,20 +18,19 @@ DAY = 86400.0
 
 
 async def test_put_lookup_get_roundtrip(open_store):
-    store = await open_store()
+    store = await open_store(hot_tier_bytes=0)  # every read from the segment files
     recs = records(5)
-    assert await put_all(store, recs) == [pb.STORED] * 5
-    assert await put_all(store, recs[:2]) == [pb.EXISTS] * 2
+    assert await put_all(store, recs) == [PutResult.STORED] * 5
+    assert await put_all(store, recs[:2]) == [PutResult.EXISTS] * 2
     keys = [r[0].key for r in recs]
     assert store.lookup(keys) == 5
     assert store.lookup(keys[:2] + [os.urandom(16)] + keys[2:]) == 2
     assert store.lookup([]) == 0
-    store.hot = type(store.hot)(0)  # force reads from the segment files
     for block, _, _, payload in recs:
         assert await read_all(store, block.key) == payload
         assert await read_all(store, block.key, 1, 3) == payload[NS.layer_bytes : 3 * NS.layer_bytes]
     missing = await read_all(store, os.urandom(16))
-    assert isinstance(missing, Miss) and missing.status == pb.MISSING
+    assert isinstance(missing, Miss) and missing.status == MissStatus.MISSING
 
 
 async def test_data_survives_reopen_and_dir_is_exclusive(open_store, tmp_path):
@@ -43,7 +43,7 @@ async def test_data_survives_reopen_and_dir_is_exclusive(open_store, tmp_path):
     reopened = await open_store()
     assert reopened.lookup([r[0].key for r in recs]) == 3
     assert await read_all(reopened, recs[2][0].key) == recs[2][3]
-    assert reopened.live_bytes == sum(len(r[1]) + len(r[3]) for r in recs)
+    assert reopened.accounting.live_bytes == sum(len(r[1]) + len(r[3]) for r in recs)
 
 
 async def test_ttl_per_class_and_extension_on_access(open_store, clock):
@@ -56,7 +56,7 @@ async def test_ttl_per_class_and_extension_on_access(open_store, clock):
     clock.advance(120)
     assert store.lookup([agent_key]) == 0 and store.lookup([chat_key]) == 1
     expired = await store.open_block(agent_key)
-    assert isinstance(expired, Miss) and expired.status == pb.EXPIRED
+    assert isinstance(expired, Miss) and expired.status == MissStatus.EXPIRED
     clock.advance(3 * DAY)  # day 6: reading the chat block extends it by its 7-day TTL
     found = await store.open_block(chat_key)
     store.record_hits([found], 0)
@@ -93,7 +93,7 @@ async def test_expired_segments_are_deleted_and_hot_blocks_copied_forward(open_s
     assert [isinstance(await store.open_block(r[0].key), Miss) for r in recs[1:]] == [True] * 5
     assert files_before.isdisjoint(os.listdir(store.segments.directory)), "the old bucket's file is gone"
     assert store.metrics.expiries._value.get() == 5
-    assert store.live_bytes == len(recs[0][1]) + len(recs[0][3])
+    assert store.accounting.live_bytes == len(recs[0][1]) + len(recs[0][3])
 
 
 async def test_capacity_evicts_lru_down_to_the_low_watermark_at_the_put_that_crosses_the_high_one(open_store):
@@ -106,7 +106,7 @@ async def test_capacity_evicts_lru_down_to_the_low_watermark_at_the_put_that_cro
     await store.touch([recs[0][0].key])  # recently used: must survive
     for rec in recs[18:]:
         await put_all(store, [rec])
-        assert store.live_bytes <= 0.9 * 20 * record_bytes, "the budget holds at every put"
+        assert store.accounting.live_bytes <= 0.9 * 20 * record_bytes, "the budget holds at every put"
     # The 19th put went over: the 9 least recently used went, down to the low watermark (10 records).
     assert store.metrics.evictions._value.get() == 9
     assert [store.lookup([r[0].key]) for r in recs[:11]] == [1] + [0] * 9 + [1]
@@ -155,7 +155,7 @@ async def test_flipped_header_byte_on_disk_is_a_counted_miss(open_store):
     segment = store.segments.segments[entry.segment]
     os.pwrite(segment.fd, b"\xff", entry.offset + 60)
     miss = await store.open_block(recs[0][0].key)
-    assert isinstance(miss, Miss) and miss.status == pb.CORRUPT and miss.cause == "checksum"
+    assert isinstance(miss, Miss) and miss.status == MissStatus.CORRUPT and miss.cause == "checksum"
     assert store.metrics.misses.labels(cause="checksum")._value.get() == 1
 
 
@@ -186,7 +186,7 @@ async def test_a_map_that_cannot_grow_evicts_instead_of_crashing(open_store):
     store = await open_store(lmdb_map_bytes=2**20, lmdb_max_map_bytes=2**20, hot_tier_bytes=0)
     recs = records(10000)
     results = await put_all(store, recs)
-    assert results.count(pb.STORED) == 10000
+    assert results.count(PutResult.STORED) == 10000
     assert store.metrics.evictions._value.get() > 0
     assert store.lookup([recs[-1][0].key]) == 1
     assert await read_all(store, recs[-1][0].key) == recs[-1][3]
@@ -232,7 +232,8 @@ async def test_ssd_reads_fill_the_dram_tier_and_count_their_tier(open_store):
     store = await open_store()
     recs = records(2)
     await put_all(store, recs)
-    store.hot = type(store.hot)(10 * 2**20)  # an empty DRAM tier, as after a restart
+    for block, *_ in recs:  # an empty DRAM tier, as after a restart
+        store.hot.discard(block.key)
     found = await store.open_block(recs[0][0].key)
     assert found.tier == "ssd"
     assert bytes(await store.read_layers(found, 0, NS.num_layers)) == recs[0][3]
@@ -278,10 +279,10 @@ async def test_a_put_cancelled_during_its_commit_keeps_index_and_accounting_in_s
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
     gate.set()
-    assert await asyncio.wait_for(put_all(store, recs[1:]), 10) == [pb.STORED] * 2, "the writer is alive"
+    assert await asyncio.wait_for(put_all(store, recs[1:]), 10) == [PutResult.STORED] * 2, "the writer is alive"
     indexed = store.index.get(block.key) is not None
     assert (block.key in store.policy) == indexed
-    assert store.live_bytes == sum(len(r[1]) + len(r[3]) for r in recs[1:]) + (
+    assert store.accounting.live_bytes == sum(len(r[1]) + len(r[3]) for r in recs[1:]) + (
         len(header_bytes) + len(payload) if indexed else 0)
 
 
@@ -334,3 +335,29 @@ async def test_a_damaged_learned_state_is_dropped_and_the_blocks_still_come_back
     assert reopened.lookup([block.key for block, *_ in chain]) == 3
     assert reopened.policy.class_of(chain[0][0].key) == klass != 0
     assert reopened.policy.snapshot()["uses"] == {}, "learning starts afresh"
+
+
+async def test_a_removal_cut_short_by_a_full_disk_accounts_for_the_commits_that_went_through(open_store, monkeypatch):
+    # Regression: the blocks of the commits before the failing one had left the index but not the
+    # accounting, so their segment never looked empty enough to delete.
+    from kvstore.server.index import IndexNoSpace
+    store = await open_store(hot_tier_bytes=0)
+    recs = records(20)
+    await put_all(store, recs)
+    monkeypatch.setattr(store.index, "fill_ratio", lambda: 0.7)  # nearly full: removals go 8 keys a commit
+    commit, commits = store.commit, []
+
+    async def failing_third(op, sync=()):
+        commits.append(op)
+        if len(commits) == 3:
+            raise IndexNoSpace("test")
+        return await commit(op, sync)
+    monkeypatch.setattr(store, "commit", failing_third)
+    with pytest.raises(IndexNoSpace):
+        await store.remove([r[0].key for r in recs])
+    left = [entry for entry in store.index.get_many([r[0].key for r in recs]) if entry is not None]
+    assert len(left) == 4
+    assert store.accounting.live_bytes == sum(entry.record_len for entry in left)
+    assert sum(s.live_bytes for s in store.segments.segments.values()) == store.accounting.live_bytes
+    assert store.accounting.class_blocks[left[0].class_id] == 4
+    assert [r[0].key in store.policy for r in recs] == [False] * 16 + [True] * 4

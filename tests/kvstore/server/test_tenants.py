@@ -6,8 +6,8 @@ import struct
 import xxhash
 
 from kvstore.block import KVLayout, Namespace, chain_hash
-from kvstore.proto import pb
 from kvstore.record import NO_TENANT, build_record, decode_header
+from kvstore.server.outcomes import PutResult
 
 from .conftest import read_all
 
@@ -33,7 +33,7 @@ async def test_a_scope_sees_only_its_tenants_blocks(open_store):
     store = await open_store()
     alices = [record(b) for b in ALICE.blocks(range(24))]
     for header, header_bytes, payload in alices:
-        assert await store.put(header, header_bytes, [payload]) == pb.STORED
+        assert await store.put(header, header_bytes, [payload]) == PutResult.STORED
     keys = [h.key for h, _, _ in alices]
     alice, bob = frozenset({ALICE.tenant}), frozenset({BOB.tenant})
     assert store.lookup(keys, alice) == 3 and store.lookup(keys, bob) == 0 and store.lookup(keys) == 3
@@ -48,12 +48,12 @@ async def test_a_put_under_another_tenants_key_changes_nothing(open_store):
     store = await open_store()
     block = ALICE.blocks(range(8))[0]
     header, header_bytes, payload = record(block)
-    assert await store.put(header, header_bytes, [payload]) == pb.STORED
+    assert await store.put(header, header_bytes, [payload]) == PutResult.STORED
     # What a crafted hash collision would give: Bob's tenant on Alice's key (parse_record_header refuses
     # it before the store sees it, as its key is not H(bob ‖ parent ‖ tokens); the store holds out too).
     forged = type(block)(block.namespace, block.key, block.parent, block.tokens, BOB.tenant)
     f_header, f_bytes, f_payload = record(forged)
-    assert await store.put(f_header, f_bytes, [f_payload]) == pb.STORED  # the answer a new block gets
+    assert await store.put(f_header, f_bytes, [f_payload]) == PutResult.STORED  # the answer a new block gets
     assert store.lookup([block.key], frozenset({BOB.tenant})) == 0
     assert bytes(await read_all(store, block.key)) == payload
     assert store.lookup([block.key], frozenset({ALICE.tenant})) == 1
@@ -67,6 +67,6 @@ async def test_a_record_from_before_tenants_is_read_as_no_tenants(open_store):
     old = decode_header(old_bytes)
     assert old.tenant == NO_TENANT and old.key == header.key and old.layer_sums == header.layer_sums
     old.check_identity()
-    assert await store.put(old, old_bytes, [payload]) == pb.STORED
+    assert await store.put(old, old_bytes, [payload]) == PutResult.STORED
     assert store.lookup([block.key]) == 1 and store.lookup([block.key], frozenset({ALICE.tenant})) == 0
     assert bytes(await read_all(store, block.key)) == payload

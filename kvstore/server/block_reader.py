@@ -1,0 +1,138 @@
+"""Serving the bytes of a block the store found: from the DRAM tier, or verified from its segment file.
+
+Every byte served from a segment file is checked against its record header's checksums first (docs/design.md
+section 10): a header must name the indexed key and lengths, and payload bytes that fail their layer
+checksums drop the block's index entry and are a miss. A reader holds what it serves from until it closes
+the block: the segment (deleting it waits for its last reader) or the DRAM tier entry (eviction never
+recycles a buffer that is being sent).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from kvstore.record import CorruptRecord, RecordHeader, decode_header
+from kvstore.server.hot_tier import HotEntry, HotTier
+from kvstore.server.index import Entry
+from kvstore.server.outcomes import Miss, MissStatus
+from kvstore.server.segments import Segment, SegmentSet
+
+
+@dataclass(slots=True)
+class OpenBlock:
+    """A block being served: its verified header and where its payload comes from."""
+
+    key: bytes
+    entry: Entry
+    header: RecordHeader
+    header_bytes: bytes
+    segment: Segment | None  # held (acquired) while serving from the segment file
+    hot: HotEntry | None  # pinned while serving from the DRAM tier
+    tier: str  # where the hit was found: "dram" or "ssd"
+
+    @property
+    def payload(self) -> bytes | bytearray | None:
+        return self.hot.payload if self.hot is not None else None
+
+
+class BlockReader:
+    def __init__(self, segments: SegmentSet, hot: HotTier, run_io: Callable[..., Awaitable],
+                 drop_corrupt: Callable[[bytes, Entry], Awaitable[None]]) -> None:
+        self._segments = segments
+        self._hot = hot
+        self._run_io = run_io  # on the store's I/O threads
+        self._drop_corrupt = drop_corrupt  # removes a block whose bytes failed verification from the index
+
+    async def open(self, key: bytes, entry: Entry) -> OpenBlock | Miss:
+        """Pin or acquire what the indexed block is served from, and verify its header; a Miss (not yet
+        counted) if it cannot be served. The caller must `close` an OpenBlock."""
+        cached = self._hot.pin(key)
+        if cached is not None:
+            return OpenBlock(key, entry, decode_header(cached.header), cached.header, None, cached, "dram")
+        segment = self._segments.acquire(entry.segment)
+        if segment is None:
+            return Miss(MissStatus.UNAVAILABLE, "segment_gone")
+        try:
+            header_bytes = await self._run_io(SegmentSet.read, segment, entry.offset, entry.header_len)
+            header = decode_header(header_bytes)
+            if header.key != key or header.payload_len != entry.payload_len:
+                raise CorruptRecord("key_mismatch", "record at the indexed place belongs to another key")
+        except CorruptRecord as exc:
+            self._segments.release(segment)
+            await self._drop_corrupt(key, entry)
+            return Miss(MissStatus.CORRUPT, exc.cause)
+        except OSError:
+            self._segments.release(segment)
+            return Miss(MissStatus.UNAVAILABLE, "io_error")
+        except BaseException:  # cancelled (a Get read ahead and stopped at a miss): no caller will close it
+            self._segments.release(segment)
+            raise
+        return OpenBlock(key, entry, header, header_bytes, segment, None, "ssd")
+
+    async def read_layers(self, block: OpenBlock, begin: int, end: int,
+                          into: memoryview | None = None) -> bytes | bytearray | memoryview:
+        """Payload bytes of layers [begin, end), verified; written into `into` when given.
+
+        Raises CorruptRecord or OSError; ValueError for a range outside the block (a caller's bug, never
+        a reason to drop it). `into` may be memory the client can write (its shared region): bytes there
+        that fail their checksums are read again into the daemon's own memory, and the block is dropped
+        only if they fail there too."""
+        header = block.header
+        if not 0 <= begin < end <= header.n_layers:
+            raise ValueError(f"layers [{begin}, {end}) of a block of {header.n_layers}")
+        if block.payload is not None:
+            if into is not None:
+                into[:] = memoryview(block.payload)[begin * header.layer_bytes : end * header.layer_bytes]
+                return into
+            if begin == 0 and end == header.n_layers:
+                return block.payload
+            return block.payload[begin * header.layer_bytes : end * header.layer_bytes]
+        assert block.segment is not None
+        whole = begin == 0 and end == header.n_layers and into is None
+        nbytes = (end - begin) * header.layer_bytes
+        data = into if into is not None else self._hot.buffer(nbytes) if whole else bytearray(nbytes)
+        offset = block.entry.offset + header.layer_offset(begin)
+        try:
+            await self._run_io(SegmentSet.read_into, block.segment, offset, memoryview(data))
+            header.check_layers(data, begin)
+        except CorruptRecord as exc:
+            if into is not None and exc.cause != "truncated":
+                await self._verify_privately(block, offset, nbytes, begin)
+                raise CorruptRecord("changed_in_client_memory",
+                                    "the bytes changed in the client's memory while the daemon checked them") from None
+            await self._drop_corrupt(block.key, block.entry)
+            raise
+        if whole:  # the DRAM tier keeps it; pinned for this reader, as if it had come from there
+            self._hot.put(block.key, block.header_bytes, data)
+            block.hot = self._hot.pin(block.key)
+        return data
+
+    async def _verify_privately(self, block: OpenBlock, offset: int, nbytes: int, begin: int) -> None:
+        """Read the layers again into memory no client can write; drop the block if they are corrupt there."""
+        private = bytearray(nbytes)
+        try:
+            await self._run_io(SegmentSet.read_into, block.segment, offset, memoryview(private))
+            block.header.check_layers(private, begin)
+        except CorruptRecord:
+            await self._drop_corrupt(block.key, block.entry)
+            raise
+
+    async def warm(self, block: OpenBlock) -> None:
+        """Bring a block read from SSD into the DRAM tier (whole), so its layers are served from memory.
+
+        Layer-by-layer reads would otherwise never fill the tier; a failure is left to the reads that
+        follow, which report it as a miss."""
+        if block.payload is None and 0 < block.entry.record_len <= self._hot.capacity_bytes:
+            try:
+                await self.read_layers(block, 0, block.header.n_layers)
+            except (CorruptRecord, OSError):
+                pass
+
+    def close(self, block: OpenBlock) -> None:
+        if block.segment is not None:
+            self._segments.release(block.segment)
+            block.segment = None
+        if block.hot is not None:
+            self._hot.unpin(block.hot)
+            block.hot = None
