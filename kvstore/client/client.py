@@ -8,28 +8,26 @@ mistake (mixed namespaces, a payload that does not fit the layout) raises ValueE
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
 
 from kvstore.block import Block, same_namespace
-from kvstore.client.assembly import BlockData, Buffer, GetAssembly, ShardGet
+from kvstore.client.assembly import BlockData, Buffer
 from kvstore.client.config import ClientConfig
 from kvstore.client.cost import BandwidthMeter
-from kvstore.client.dataplane import DataChannel, SharedBuffer, SharedPlacement, TransportError, put_head
+from kvstore.client.dataplane import SharedBuffer, TransportError, put_head
+from kvstore.client.get_pipeline import GetPipeline
 from kvstore.client.host_tier import HostTier
 from kvstore.client.placement import place
 from kvstore.client.shard import Shard
 from kvstore.eviction import ReuseHint
 from kvstore.proto import pb
-from kvstore.record import CorruptRecord, build_record, decode_header
+from kvstore.record import build_record, decode_header
 from kvstore.stats import Stats
-
-# A Get the data channel could not serve, before any part arrived, is repeated over gRPC with these codes.
-_RETRY_GET_CODES = frozenset({"RESOURCE_EXHAUSTED", "UNAVAILABLE"})
 
 
 @dataclass(slots=True)
@@ -55,21 +53,26 @@ class AsyncKVClient:
     def __init__(self, config: ClientConfig | Sequence[str] | str) -> None:
         self.config = config if isinstance(config, ClientConfig) else ClientConfig(servers=tuple(
             config.split(",") if isinstance(config, str) else config))
-        self.shards = {address: Shard(address, self.config) for address in self.config.servers}
+        # The client's one thread pool: every blocking call (data-channel sockets, load workers, the
+        # write-behind queue) runs on it; KVClient makes it its event loop's default executor too.
+        self.executor = ThreadPoolExecutor(max_workers=self.config.pool_threads, thread_name_prefix="kvstore-worker")
+        self.shards = {address: Shard(address, self.config, self.executor) for address in self.config.servers}
         self.stats = ClientStats()
         self.host = HostTier(self.config.host_tier_bytes, self.config.host_block_bytes,
                              self.config.host_tier_pinned) if self.config.host_tier_bytes else None
         self.bandwidth = BandwidthMeter()
-        self._shared: list[SharedBuffer] = []
         try:  # where gRPC fallbacks of data-channel calls made on worker threads run
-            self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+            loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
-            self._loop = None
+            loop = None
+        self.gets = GetPipeline(self.stats, self.bandwidth, self.host, self.owner, self.executor,
+                                self.config.timeout_s, loop)
 
     async def close(self) -> None:
         await asyncio.gather(*(shard.close() for shard in self.shards.values()))
-        for shared in self._shared:
+        for shared in self.gets.shared_buffers:
             shared.close()
+        self.executor.shutdown(wait=False)  # idle workers exit; nothing here waits on a worker
 
     async def __aenter__(self) -> AsyncKVClient:
         return self
@@ -91,8 +94,7 @@ class AsyncKVClient:
         return groups
 
     def _failed(self, shard: Shard, error: Exception) -> None:
-        shard.failed(error)
-        self.stats.shard_errors[shard.address] += 1
+        self.gets.shard_failed(shard, error)
 
     # -- lookup -----------------------------------------------------------------------------------
 
@@ -155,92 +157,19 @@ class AsyncKVClient:
         With `into`, block i's layers land in into[i] (layer-major, at least (end - begin) * layer_bytes
         long) and BlockData.payload is a view of it; reused, pre-touched buffers avoid page faults.
         """
-        from_host = self._get_from_host(blocks, layer_begin, layer_end, into)
+        from_host = self.gets.from_host(blocks, layer_begin, layer_end, into)
         if len(from_host) == len(blocks):
             return from_host
-        self._loop = asyncio.get_running_loop()
         rest = len(from_host)
-        plans = self._plan_get(blocks[rest:], layer_begin, layer_end, layer_major, into[rest:] if into else None)
-
-        async def run(plan: ShardGet) -> None:
-            started = time.perf_counter()
-            try:
-                channel = await plan.shard.data_channel()
-                if channel is not None:
-                    await asyncio.to_thread(self._get_over_channel, channel, plan)
-                else:
-                    await self._get_grpc(plan.shard, plan.request, plan.assembly)
-            except (grpc.RpcError, TransportError, CorruptRecord) as exc:
-                self._get_failed(plan, exc)
-            else:
-                plan.shard.succeeded()
-                self._measured(plan, time.perf_counter() - started)
-
-        await asyncio.gather(*(run(plan) for plan in plans))
-        return from_host + self._finish_get(plans)
-
-    def _get_from_host(self, blocks: Sequence[Block], layer_begin: int, layer_end: int | None,
-                       into: Sequence[Buffer] | None) -> list[BlockData]:
-        """The leading blocks held in the host tier, copied out (into `into` when given)."""
-        same_namespace(blocks)
-        if self.host is None or not blocks:
-            return []
-        started = time.perf_counter()
-        pinned = self.host.pin([b.key for b in blocks])
-        try:
-            out = []
-            for i, held in enumerate(pinned):
-                header = held.header
-                end = layer_end or header.n_layers
-                if end > header.n_layers:
-                    break
-                source = self.host.slot_view(held.slot, header.payload_len)[
-                    layer_begin * header.layer_bytes : end * header.layer_bytes]
-                if into is not None:
-                    target = memoryview(into[i]).cast("B")[: len(source)]
-                    if len(target) < len(source):
-                        raise ValueError(f"into[{i}] has {len(target)} bytes; the block needs {len(source)}")
-                    target[:] = source
-                    payload: Buffer = target
-                else:
-                    payload = bytes(source)
-                out.append(BlockData(blocks[i], header, layer_begin, end, payload))
-        finally:
-            self.host.unpin(pinned)
-        self.stats.tier_hits["host"] += len(out)
-        self.bandwidth.record("host", sum(len(d.payload) for d in out), time.perf_counter() - started)
-        return out
+        plans = self.gets.plan(blocks[rest:], layer_begin, layer_end, layer_major, into[rest:] if into else None)
+        await asyncio.gather(*(self.gets.fetch(plan) for plan in plans))
+        return from_host + self.gets.finish(plans)
 
     def block_sources(self, blocks: Sequence[Block]) -> list[str]:
         """Where each block would be read from now: "host", or the owning daemon's address."""
         in_host = self.host.leading_hits([b.key for b in blocks]) if self.host is not None else 0
         owners = [self.owner(b.key) for b in blocks[in_host:]]
         return ["host"] * in_host + [owner.address if owner else "none" for owner in owners]
-
-    def _plan_get(self, blocks: Sequence[Block], layer_begin: int, layer_end: int | None, layer_major: bool,
-                  into: Sequence[Buffer] | None) -> list[ShardGet]:
-        same_namespace(blocks)
-        if into is not None and len(into) < len(blocks):
-            raise ValueError(f"`into` has {len(into)} buffers for {len(blocks)} blocks")
-        plans = []
-        for shard, positions in self._group(blocks).items():
-            if shard is None:
-                continue
-            request = pb.GetRequest(keys=[blocks[i].key for i in positions], layer_begin=layer_begin,
-                                    layer_end=layer_end or 0, stop_at_miss=True,
-                                    order=pb.LAYER_MAJOR if layer_major else pb.BLOCK_MAJOR)
-            plans.append(ShardGet(shard, request, GetAssembly(blocks, positions, layer_begin, layer_end, into,
-                                                              self.stats.miss_causes),
-                                  self._in_shared_buffer([into[i] for i in positions]) if into else None))
-        return plans
-
-    def _in_shared_buffer(self, buffers: Sequence[Buffer], layer_stride: int = 0) -> SharedPlacement | None:
-        """Where `buffers` lie in one of our shared buffers; None if they do not all lie in one."""
-        for shared in self._shared:
-            offsets = [shared.offset_of(b) for b in buffers]
-            if all(offset is not None for offset in offsets):
-                return SharedPlacement(shared, offsets, layer_stride)
-        return None
 
     async def shared_buffer(self, nbytes: int) -> memoryview:
         """Memory the daemons on this host write into directly: Get into views of it costs no copy here.
@@ -250,83 +179,19 @@ class AsyncKVClient:
         may be used after close().
         """
         shared = SharedBuffer(nbytes)
+        loop = asyncio.get_running_loop()
         for shard in self.shards.values():
             try:
                 channel = await shard.data_channel()
                 if channel is not None and channel.same_host:
-                    await asyncio.to_thread(channel.adopt, shared, self.config.timeout_s)
+                    await loop.run_in_executor(self.executor, channel.adopt, shared, self.config.timeout_s)
             except (grpc.RpcError, TransportError) as exc:
                 self._failed(shard, exc)
-        self._shared.append(shared)
+        self.gets.shared_buffers.append(shared)
         return shared.view
 
-    def _get_over_channel(self, channel: DataChannel, plan: ShardGet) -> None:
-        self._channel_get(channel, plan.shard, plan.request, plan.assembly, plan.shared)
-
-    def _channel_get(self, channel: DataChannel, shard: Shard, request: pb.GetRequest, assembly,
-                     shared: SharedPlacement | None = None) -> None:
-        """A Get over the data channel, from a worker thread (never the event loop's). Refused or unavailable
-        before any part arrived (the daemon's connection or memory limits, a data channel that is gone), it
-        goes over gRPC instead (reads are safe to repeat): counted in stats.data_fallbacks, and the daemon is
-        not marked down for it. `assembly`: a GetAssembly or the loader's LoadAssembly."""
-        parts = 0
-
-        def sink(head: pb.GetPartHead):
-            nonlocal parts
-            parts += 1
-            return assembly.sink(head)
-
-        try:
-            channel.get(request, sink, assembly.received, self.config.timeout_s, shared)
-        except TransportError as exc:
-            if parts or exc.code not in _RETRY_GET_CODES or self._loop is None:
-                raise
-            self._fell_back(shard, exc)
-            try:
-                asyncio.run_coroutine_threadsafe(self._get_grpc(shard, request, assembly), self._loop).result()
-            except grpc.RpcError as rpc:  # reported like the data channel's failures
-                raise TransportError(rpc.code().name, rpc.details() or "") from rpc
-
     def _fell_back(self, shard: Shard, error: TransportError) -> None:
-        shard.data_refused(error)
-        self.stats.data_fallbacks[shard.address] += 1
-
-    def _measured(self, plan: ShardGet, seconds: float) -> None:
-        self.bandwidth.record(plan.shard.address, plan.assembly.bytes_received, seconds)
-
-    def _get_failed(self, plan: ShardGet, exc: Exception) -> None:
-        if isinstance(exc, CorruptRecord):  # a daemon that breaks the protocol
-            self.stats.miss_causes[exc.cause] += 1
-        self._failed(plan.shard, exc)
-
-    def _finish_get(self, plans: list[ShardGet]) -> list[BlockData]:
-        results: dict[int, BlockData] = {}
-        for plan in plans:
-            results.update(plan.assembly.results())
-        prefix: list[BlockData] = []
-        while len(prefix) in results:
-            prefix.append(results[len(prefix)])
-        self.stats.hit_blocks += len(prefix)
-        self.stats.tier_hits["daemon"] += len(prefix)
-        self.stats.bytes_read += sum(len(d.payload) for d in prefix)
-        if self.host is not None:
-            for data in reversed(prefix):  # leaf first, so parents stay the most recent
-                if data.layer_begin == 0 and data.layer_end == data.header.n_layers:
-                    self.host.put(data.header, data.payload)
-        return prefix
-
-    @staticmethod
-    async def _get_grpc(shard: Shard, request: pb.GetRequest, assembly: GetAssembly) -> None:
-        pending: pb.GetPartHead | None = None
-        async for message in shard.get(request):
-            if pending is None:
-                head = pb.GetPartHead.FromString(message)
-                assembly.accept(head)
-                if head.status == pb.OK and head.payload_bytes:
-                    pending = head  # its payload is the next message, wanted or not
-                continue
-            head, pending = pending, None
-            assembly.received_message(head, message)
+        self.gets.fell_back(shard, error)
 
     # -- put --------------------------------------------------------------------------------------
 

@@ -21,6 +21,9 @@ class ClientConfig:
     host_tier_pinned: bool = False  # allocate the host tier in pinned memory (CUDA engines; needs torch)
     write_behind_bytes: int = 256 * 2**20  # bound of the queue of saves not yet stored
     shared_memory: str = "auto"  # lend shared buffers to daemons: "auto": on this host; "on": always; "off"
+    # The client's one thread pool: data-channel calls, load workers, the write-behind queue. 0: two per
+    # daemon plus two, room for two loads (a host-tier worker and one per daemon each) at once; at least 2.
+    worker_threads: int = 0
     # Security (docs/operations.md, "Running a secured cluster"): what daemons with tokens and TLS expect.
     token: str | None = None  # bearer token sent with every call; never logged
     tls_ca: str | None = None  # PEM CA bundle that signed the daemons' certificates; set: speak TLS
@@ -59,8 +62,16 @@ class ClientConfig:
                 raise ValueError(f"ClientConfig.{name}: {path} is not a readable file")
         if self.token is not None and (not self.token or any(c.isspace() for c in self.token)):
             raise ValueError("ClientConfig.token must be a non-empty token without whitespace")
+        if self.worker_threads == 1 or self.worker_threads < 0:
+            raise ValueError("ClientConfig.worker_threads must be 0 (automatic) or at least 2: a write-behind "
+                             "put waits on the pool for its data-channel call")
         if self.put_chunk_bytes < 1 or self.max_message_bytes < 1 or self.write_behind_bytes < 1:
             raise ValueError("ClientConfig.put_chunk_bytes, max_message_bytes, write_behind_bytes must be positive")
+
+    @property
+    def pool_threads(self) -> int:
+        """The size of the client's thread pool (`worker_threads`, or the automatic size)."""
+        return self.worker_threads or 2 * (len(self.servers) + 1)
 
     @property
     def metadata(self) -> tuple[tuple[str, str], ...]:

@@ -1,18 +1,29 @@
-"""Starts layer-pipelined loads: one worker for the host tier, one per daemon (see loading.py)."""
+"""Starts layer-pipelined loads (loading.py) on the client's one thread pool; no thread is made per load.
+
+A load runs in pieces at once: the host tier's blocks, copied layer by layer on a pool thread, and each
+daemon's blocks, one layer-major Get streamed straight into the destination (over its data channel on a
+pool thread, or over gRPC on the event loop). Every piece marks the (layer, block) pairs it wrote, so
+layer l is complete, and `wait_layer(l)` returns, while later layers are still arriving. A daemon's piece
+starts on the event loop (its data channel is looked up there) and hands only the blocking socket work
+to the pool, so no pool thread ever waits for another one: a bounded pool cannot deadlock, it can only
+queue. The last piece to end finishes the load.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
+from concurrent.futures import Executor
 from typing import TYPE_CHECKING
 
 import grpc
 
 from kvstore.block import Block, same_namespace
 from kvstore.client.assembly import GetAssembly
-from kvstore.client.dataplane import SharedPlacement, TransportError, address_of
+from kvstore.client.dataplane import DataChannel, SharedPlacement, TransportError, address_of
 from kvstore.client.loading import KVDestination, LoadCancelled, LoadHandle, LoadProgress
 from kvstore.proto import pb
 from kvstore.record import CorruptRecord
@@ -20,6 +31,8 @@ from kvstore.record import CorruptRecord
 if TYPE_CHECKING:
     from kvstore.client.client import AsyncKVClient
     from kvstore.client.shard import Shard
+
+log = logging.getLogger(__name__)
 
 
 class LoadAssembly(GetAssembly):
@@ -59,6 +72,72 @@ class LoadAssembly(GetAssembly):
             self.progress.mark(head.layer_begin, position)
 
 
+class LoadWork:
+    """The pieces of one load in flight, and the thread each runs on. The last piece to end finishes the
+    load's progress; `join` (what LoadHandle.cancel waits on) returns once every piece has ended, but for
+    one running on the calling thread (a destination that cancels its own load)."""
+
+    def __init__(self, progress: LoadProgress, pieces: int) -> None:
+        self._progress = progress
+        self._threads: dict[int, int | None] = dict.fromkeys(range(pieces))  # piece -> its thread, if running
+        self._changed = threading.Condition()
+        if not pieces:
+            progress.finish()
+
+    def run(self, piece: int, work: Callable[..., None], *args) -> None:
+        """Run a piece here (a pool thread)."""
+        self._on_this_thread(piece)
+        try:
+            work(*args)
+        except LoadCancelled:
+            pass
+        except Exception:  # noqa: BLE001 - its blocks are simply not loaded (finish drops them)
+            log.exception("a load piece failed")
+        finally:
+            self._ended(piece)
+
+    async def run_async(self, piece: int, work: Coroutine) -> None:
+        """Run a piece on the event loop."""
+        self._on_this_thread(piece)
+        try:
+            await work
+        except LoadCancelled:
+            pass
+        except Exception:  # noqa: BLE001 - as in run
+            log.exception("a load piece failed")
+        finally:
+            self._ended(piece)
+
+    async def in_pool(self, piece: int, executor: Executor, step: Callable[..., None], *args) -> None:
+        """A blocking step of a piece run on the event loop: on a pool thread, which the piece is on meanwhile."""
+        def on_pool() -> None:
+            self._on_this_thread(piece)
+            step(*args)
+
+        with self._changed:
+            self._threads[piece] = None
+        try:
+            await asyncio.get_running_loop().run_in_executor(executor, on_pool)
+        finally:
+            self._on_this_thread(piece)  # back on the loop
+
+    def join(self) -> None:
+        me = threading.get_ident()
+        with self._changed:
+            self._changed.wait_for(lambda: all(thread == me for thread in self._threads.values()))
+
+    def _on_this_thread(self, piece: int) -> None:
+        with self._changed:
+            self._threads[piece] = threading.get_ident()
+
+    def _ended(self, piece: int) -> None:
+        with self._changed:
+            if len(self._threads) == 1:
+                self._progress.finish()
+            del self._threads[piece]
+            self._changed.notify_all()
+
+
 class Loader:
     def __init__(self, client: AsyncKVClient, loop: asyncio.AbstractEventLoop) -> None:
         self.client, self.loop = client, loop
@@ -71,18 +150,20 @@ class Loader:
         keys = [b.key for b in blocks[:hit]]
         host = self.client.host
         pinned = host.pin(keys) if host is not None else []
-        workers = [threading.Thread(target=self._from_host, args=(pinned, progress, destination),
-                                    name="kvstore-load-host", daemon=True)]
-        for shard, positions in self._daemon_groups(blocks, len(pinned), hit).items():
-            workers.append(threading.Thread(target=self._from_daemon,
-                                            args=(shard, blocks, positions, progress, destination),
-                                            name=f"kvstore-load-{shard.address}", daemon=True))
-        for worker in workers:
-            worker.start()
-        finisher = threading.Thread(target=self._finish, args=(workers, progress), name="kvstore-load-finish",
-                                    daemon=True)
-        finisher.start()
-        return LoadHandle(progress, block_tokens, workers + [finisher])
+        groups = self._daemon_groups(blocks, len(pinned), hit)
+        first = 1 if pinned else 0  # piece 0: the host tier's blocks, if it holds any
+        work = LoadWork(progress, first + len(groups))
+        if pinned:
+            try:
+                self.client.executor.submit(work.run, 0, self._from_host, pinned, progress, destination)
+            except BaseException:  # the pool is shut down: the client is closing
+                host.unpin(pinned)
+                raise
+        for piece, (shard, positions) in enumerate(groups.items(), start=first):
+            asyncio.run_coroutine_threadsafe(
+                work.run_async(piece, self._from_daemon(work, piece, shard, blocks, positions, progress, destination)),
+                self.loop)
+        return LoadHandle(progress, block_tokens, [work])
 
     def _daemon_groups(self, blocks: Sequence[Block], start: int, end: int) -> dict[Shard, list[int]]:
         groups: dict = {}
@@ -117,35 +198,45 @@ class Loader:
             if host is not None:
                 host.unpin(pinned)
 
-    def _from_daemon(self, shard: Shard | None, blocks: Sequence[Block], positions: list[int],
-                     progress: LoadProgress, destination: KVDestination) -> None:
+    async def _from_daemon(self, work: LoadWork, piece: int, shard: Shard | None, blocks: Sequence[Block],
+                           positions: list[int], progress: LoadProgress, destination: KVDestination) -> None:
+        """One daemon's blocks, on the event loop; the data channel's blocking socket work on the pool."""
         if shard is None:  # no daemon is up
             progress.shrink(positions[0], "unavailable")
             return
+        if progress.cancelled:
+            return
+        gets, pool = self.client.gets, self.client.executor
         assembly = LoadAssembly(blocks, positions, progress, destination, self.client.stats.miss_causes)
         request = pb.GetRequest(keys=[blocks[p].key for p in positions], layer_begin=0,
                                 layer_end=destination.num_layers, order=pb.LAYER_MAJOR, stop_at_miss=True)
         started = time.perf_counter()
         try:
-            channel = asyncio.run_coroutine_threadsafe(shard.data_channel(), self.loop).result()
+            channel = await shard.data_channel()
             if channel is not None:
-                self.client._channel_get(channel, shard, request, assembly, self._placement(destination, positions))
+                await work.in_pool(piece, pool, self._over_channel, channel, shard, request, assembly, destination,
+                                   positions)
             else:
-                asyncio.run_coroutine_threadsafe(
-                    self.client._get_grpc(shard, request, assembly), self.loop).result()
+                await gets.fetch_grpc(shard, request, assembly)
             shard.succeeded()
         except LoadCancelled:
             return
         except (TransportError, CorruptRecord, grpc.RpcError) as exc:  # a shorter hit, never an error
-            self.client._failed(shard, exc)
+            gets.shard_failed(shard, exc)
         # Blocks of this daemon that did not arrive in every layer end the hit.
         incomplete = [p for p in positions if not progress.done[:, p].all()]
         if incomplete:
             progress.shrink(incomplete[0], "incomplete")
         else:
             self.client.stats.tier_hits["daemon"] += len(positions)
-            self.client.bandwidth.record(shard.address, assembly.bytes_received, time.perf_counter() - started)
-        self._keep_in_host(destination, assembly, [p for p in positions if p not in incomplete])
+            gets.measured(shard, assembly, time.perf_counter() - started)
+        whole = [p for p in positions if p not in incomplete]
+        if whole and self.client.host is not None and getattr(destination, "host_resident", False):
+            await work.in_pool(piece, pool, self._keep_in_host, destination, assembly, whole)
+
+    def _over_channel(self, channel: DataChannel, shard: Shard, request: pb.GetRequest, assembly: LoadAssembly,
+                      destination: KVDestination, positions: list[int]) -> None:
+        self.client.gets.fetch_over_channel(channel, shard, request, assembly, self._placement(destination, positions))
 
     def _keep_in_host(self, destination: KVDestination, assembly: LoadAssembly, positions: list[int]) -> None:
         """Copy blocks that arrived whole into the host tier, leaf first, when the destination is host
@@ -163,10 +254,11 @@ class Loader:
     def _placement(self, destination: KVDestination, positions: list[int]) -> SharedPlacement | None:
         """If the destination's (layer, block) views lie in a shared buffer at a fixed step between layers
         (paged KV allocated from `shared_buffer`), the daemon can write every layer straight into place."""
-        if not self.client._shared or destination.num_layers < 2:
-            return self.client._in_shared_buffer([destination.layer_view(0, p) for p in positions])
+        gets = self.client.gets
+        if not gets.shared_buffers or destination.num_layers < 2:
+            return gets.placement([destination.layer_view(0, p) for p in positions])
         first = [destination.layer_view(0, p) for p in positions]
-        placement = self.client._in_shared_buffer(first)
+        placement = gets.placement(first)
         if placement is None:
             return None
         step = address_of(destination.layer_view(1, positions[0])) - address_of(first[0])
@@ -175,9 +267,3 @@ class Loader:
             if address_of(destination.layer_view(last, position)) - address_of(view) != last * step or step < 0:
                 return None
         return SharedPlacement(placement.buffer, placement.offsets, step)
-
-    @staticmethod
-    def _finish(workers: Sequence[threading.Thread], progress: LoadProgress) -> None:
-        for worker in workers:
-            worker.join()
-        progress.finish()

@@ -1,8 +1,9 @@
 """Layer-pipelined loading of a cached prefix into an engine's KV buffers (docs/design.md section 7).
 
-`KVClient.load(...)` returns a LoadHandle at once; its workers fetch layer 0 of every block from every
-daemon first, then layer 1, and so on, writing each (layer, block) straight into the engine's buffer
-for it. The model calls `handle.wait_layer(l)` just before attention layer l.
+`KVClient.load(...)` returns a LoadHandle at once; its workers (loader.py, on the client's thread
+pool) fetch layer 0 of every block from every daemon first, then layer 1, and so on, writing each
+(layer, block) straight into the engine's buffer for it. The model calls `handle.wait_layer(l)` just
+before attention layer l.
 
 The ordering logic (which layers are complete, how far the hit reaches) is LoadProgress, shared by
 every destination; a destination only says where a (layer, block) goes and what "written" means
@@ -106,10 +107,16 @@ class LoadProgress:
             return self.hit
 
 
+class Joinable(Protocol):
+    def join(self) -> None:
+        """Return once this worker has stopped writing."""
+
+
 class LoadHandle:
     """An in-flight load of a prefix; see the module docstring for the contract."""
 
-    def __init__(self, progress: LoadProgress, block_tokens: int, workers: Sequence[threading.Thread]) -> None:
+    def __init__(self, progress: LoadProgress, block_tokens: int, workers: Sequence[Joinable]) -> None:
+        """`workers`: what writes into the destination (threads, or the loader's LoadWork), joined by cancel."""
         self._progress = progress
         self._block_tokens = block_tokens
         self._workers = list(workers)

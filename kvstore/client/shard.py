@@ -16,6 +16,7 @@ import socket
 import ssl
 import time
 from collections.abc import AsyncIterator, Iterable
+from concurrent.futures import Executor
 
 import grpc
 
@@ -33,9 +34,10 @@ _DOWN_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, g
 
 
 class Shard:
-    def __init__(self, address: str, config: ClientConfig) -> None:
+    def __init__(self, address: str, config: ClientConfig, executor: Executor | None = None) -> None:
         self.address = address
         self.config = config
+        self._executor = executor  # where blocking probes run (None: the event loop's default executor)
         self.channel = open_channel(address, config)
         self.metadata = config.metadata
         self._data_tls = data_tls(config)
@@ -96,7 +98,8 @@ class Shard:
             mode = self.config.shared_memory
             local = info.data_socket and (mode == "on" or (mode == "auto" and info.host_id == host_id() != ""))
             security = dict(tls=self._data_tls, server_name=self.config.tls_server_name, token=self.config.token)
-            if local and await asyncio.to_thread(_connectable, info.data_socket, self.config.lookup_timeout_s):
+            if local and await asyncio.get_running_loop().run_in_executor(
+                    self._executor, _connectable, info.data_socket, self.config.lookup_timeout_s):
                 self._data = DataChannel(host, info.data_port, unix_path=info.data_socket, **security)
             else:
                 self._data = DataChannel(host, info.data_port, **security) if info.data_port else None

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
@@ -14,26 +13,27 @@ from kvstore.client.assembly import BlockData, Buffer
 from kvstore.client.client import AsyncKVClient, ClientStats, PutSummary
 from kvstore.client.config import ClientConfig
 from kvstore.client.cost import blocks_worth_loading
-from kvstore.client.dataplane import TransportError
 from kvstore.client.loader import Loader
 from kvstore.client.loading import KVDestination, LoadHandle
 from kvstore.client.write_behind import WriteBehind
 from kvstore.eviction import ReuseHint
-from kvstore.record import CorruptRecord
 from kvstore.stats import Stats
 
 T = TypeVar("T")
 
 
 class KVClient:
-    """Runs an AsyncKVClient on its own event loop thread; every method blocks until done."""
+    """Runs an AsyncKVClient on its own event loop thread; every method blocks until done.
+
+    Threads: that one event loop thread, and the AsyncKVClient's one bounded pool (`executor`,
+    ClientConfig.worker_threads), which is also the loop's default executor; gets, loads and saves
+    start no threads of their own."""
 
     def __init__(self, config: ClientConfig | Sequence[str] | str) -> None:
         self._loop = _new_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvstore-client", daemon=True)
         self._thread.start()
         self._async = self._run(_make_async(config))
-        self._pool = ThreadPoolExecutor(max_workers=len(self._async.shards), thread_name_prefix="kvstore-get")
         self._loader = Loader(self._async, self._loop)
         self._write_behind: WriteBehind | None = None
 
@@ -44,6 +44,11 @@ class KVClient:
     @property
     def host(self):
         return self._async.host
+
+    @property
+    def executor(self) -> ThreadPoolExecutor:
+        """The client's one thread pool (ClientConfig.worker_threads threads at most)."""
+        return self._async.executor
 
     def _run(self, coro: Awaitable[T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
@@ -57,33 +62,23 @@ class KVClient:
     def get(self, blocks: Sequence[Block], layer_begin: int = 0, layer_end: int | None = None,
             layer_major: bool = False, into: Sequence[Buffer] | None = None) -> list[BlockData]:
         """As AsyncKVClient.get. When every daemon involved has a known data channel, the sockets are
-        driven from this thread (and a pool thread per extra daemon), skipping two thread hops."""
-        client = self._async
-        from_host = client._get_from_host(blocks, layer_begin, layer_end, into)
+        driven from this thread (and the client's pool for every extra daemon), skipping two thread hops."""
+        gets = self._async.gets
+        from_host = gets.from_host(blocks, layer_begin, layer_end, into)
         rest = len(from_host)
         if rest == len(blocks):
             return from_host
-        plans = client._plan_get(blocks[rest:], layer_begin, layer_end, layer_major, into[rest:] if into else None)
+        plans = gets.plan(blocks[rest:], layer_begin, layer_end, layer_major, into[rest:] if into else None)
         channels = [plan.shard.known_data_channel() for plan in plans]
         if not plans or any(channel is None for channel in channels):
-            return from_host + self._run(client.get(blocks[rest:], layer_begin, layer_end, layer_major,
-                                                    into[rest:] if into else None))
-
-        def run(plan, channel) -> None:
-            started = time.perf_counter()
-            try:
-                client._get_over_channel(channel, plan)
-            except (TransportError, CorruptRecord) as exc:
-                client._get_failed(plan, exc)
-            else:
-                plan.shard.succeeded()
-                client._measured(plan, time.perf_counter() - started)
-
-        extra = [self._pool.submit(run, plan, channel) for plan, channel in zip(plans[1:], channels[1:])]
-        run(plans[0], channels[0])
+            return from_host + self._run(self._async.get(blocks[rest:], layer_begin, layer_end, layer_major,
+                                                         into[rest:] if into else None))
+        extra = [self.executor.submit(gets.fetch_plan_over_channel, plan, channel)
+                 for plan, channel in zip(plans[1:], channels[1:])]
+        gets.fetch_plan_over_channel(plans[0], channels[0])
         for future in extra:
             future.result()
-        return from_host + client._finish_get(plans)
+        return from_host + gets.finish(plans)
 
     def block_sources(self, blocks: Sequence[Block]) -> list[str]:
         """Where each block would be read from now: "host" (this process), or the owning daemon's address."""
@@ -113,7 +108,7 @@ class KVClient:
     @property
     def write_behind(self) -> WriteBehind:
         if self._write_behind is None:
-            self._write_behind = WriteBehind(self, self._async.config.write_behind_bytes)
+            self._write_behind = WriteBehind(self.put, self._async.config.write_behind_bytes, self.executor)
         return self._write_behind
 
     def load(self, blocks: Sequence[Block], destination: KVDestination, hit_blocks: int | None = None) -> LoadHandle:
@@ -153,7 +148,7 @@ class KVClient:
     def close(self) -> None:
         if self._write_behind is not None:
             self._write_behind.close()  # shutdown flushes what is queued
-        self._pool.shutdown(wait=True)
+        self.executor.shutdown(wait=True)
         if self._loop.is_running():
             self._run(self._async.close())
             self._loop.call_soon_threadsafe(self._loop.stop)
@@ -168,7 +163,10 @@ class KVClient:
 
 
 async def _make_async(config) -> AsyncKVClient:
-    return AsyncKVClient(config)  # created on the loop thread, where its channels live
+    client = AsyncKVClient(config)  # created on the loop thread, where its channels live
+    # The loop's own blocking calls (asyncio.to_thread) share the client's pool instead of a pool of their own.
+    asyncio.get_running_loop().set_default_executor(client.executor)
+    return client
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:

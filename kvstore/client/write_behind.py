@@ -1,29 +1,30 @@
 """Write-behind saves: newly computed blocks go to the store without blocking a forward pass.
 
-`save` only enqueues; one thread drains the queue through the client. The queue is bounded in bytes:
-a save that does not fit is dropped and counted (the blocks are simply not cached), never waited on.
-`flush` waits until everything queued is stored; `close` flushes and stops.
+`save` only enqueues; while anything is queued, one drain task stores it through `put` (KVClient.put),
+on the executor given (the client's one thread pool; without one, a thread of its own). The queue is
+bounded in bytes: a save that does not fit is dropped and counted (the blocks are simply not cached),
+never waited on. `flush` waits until everything queued is stored; `close` flushes and stops.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import Counter, deque
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 
 from kvstore.block import Block
 from kvstore.eviction import ReuseHint
 
-if TYPE_CHECKING:
-    from kvstore.client.sync import KVClient
+# (items, num_layers, traffic_class, hint) -> a PutSummary (stored, existed, failed)
+Put = Callable[[Sequence[tuple[Block, bytes]], int, str, ReuseHint | None], object]
 
 
 class WriteBehind:
-    def __init__(self, client: KVClient, max_bytes: int) -> None:
+    def __init__(self, put: Put, max_bytes: int, executor: Executor | None = None) -> None:
         if max_bytes < 1:
             raise ValueError("the write-behind queue needs a positive byte bound")
-        self.client = client
+        self.put = put
         self.max_bytes = max_bytes
         self.counters: Counter = Counter()  # queued, stored, existed, failed, dropped (blocks)
         self._queue: deque = deque()
@@ -31,15 +32,16 @@ class WriteBehind:
         self._busy = False
         self._closed = False
         self._changed = threading.Condition()
-        self._thread = threading.Thread(target=self._drain, name="kvstore-write-behind", daemon=True)
-        self._thread.start()
+        self._own_executor = executor is None
+        self._executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-write-behind")
+        self._draining: Future | None = None  # the drain task, while one runs
 
     def save(self, items: Sequence[tuple[Block, bytes]], num_layers: int, traffic_class: str = "chat",
              hint: ReuseHint | None = None) -> bool:
         """Queue blocks for saving; False (and counted as dropped) if the queue has no room."""
         nbytes = sum(len(payload) for _, payload in items)
         with self._changed:
-            if self._closed or self._queued_bytes + nbytes > self.max_bytes:
+            if self._closed or self._queued_bytes + nbytes > self.max_bytes or not self._drain_soon():
                 self.counters["dropped"] += len(items)
                 return False
             self._queue.append((list(items), num_layers, traffic_class, hint, nbytes))
@@ -62,19 +64,34 @@ class WriteBehind:
         self.flush(timeout)
         with self._changed:
             self._closed = True
-            self._changed.notify_all()
-        self._thread.join(timeout)
+            draining = self._draining
+        if draining is not None:
+            try:
+                draining.result(timeout)
+            except TimeoutError:
+                pass
+        if self._own_executor:
+            self._executor.shutdown(wait=False)
+
+    def _drain_soon(self) -> bool:
+        """Make sure a drain task runs (called holding the lock); False if none can be started."""
+        if self._draining is None:
+            try:
+                self._draining = self._executor.submit(self._drain)
+            except RuntimeError:  # the pool is shut down: the client is closing
+                return False
+        return True
 
     def _drain(self) -> None:
         while True:
             with self._changed:
-                self._changed.wait_for(lambda: self._queue or self._closed)
                 if not self._queue:
+                    self._draining = None  # a later save starts another
                     return
                 items, num_layers, traffic_class, hint, nbytes = self._queue.popleft()
                 self._busy = True
             try:
-                summary = self.client.put(items, num_layers, traffic_class, hint)
+                summary = self.put(items, num_layers, traffic_class, hint)
                 self.counters["stored"] += summary.stored
                 self.counters["existed"] += summary.existed
                 self.counters["failed"] += summary.failed

@@ -39,7 +39,7 @@ def test_a_full_queue_drops_and_counts_and_never_blocks(daemons):
     daemon, = daemons(1)
     with KVClient([daemon.address]) as client:
         gated = GatedClient(client)
-        queue = WriteBehind(gated, max_bytes=3 * NS.block_bytes)
+        queue = WriteBehind(gated.put, max_bytes=3 * NS.block_bytes)
         batches = [items(1, seed=s) for s in range(6)]
         accepted = [queue.save(batch, NS.num_layers) for batch in batches]  # returns at once
         assert accepted.count(True) in (3, 4) and queue.counters["dropped"] == accepted.count(False)
