@@ -220,7 +220,8 @@ class AsyncKVClient:
                 results = None
                 if channel is not None:
                     try:
-                        results = await asyncio.to_thread(channel.put, mine, self.config.timeout_s, hint)
+                        results = await asyncio.get_running_loop().run_in_executor(
+                            self.executor, channel.put, mine, self.config.timeout_s, hint)
                     except TransportError as exc:  # refused before anything was stored: gRPC carries it
                         if not exc.refused:
                             raise

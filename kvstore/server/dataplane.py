@@ -40,6 +40,7 @@ from kvstore.server.auth import Principal
 from kvstore.server.config import ServerConfig
 from kvstore.server.data_connection import READ_STEP, Closed, Connection, FrameBudget, Peer, TlsConnection
 from kvstore.server.limits import ByteBudget, TimedOut, principal_key
+from kvstore.server.outcomes import PutResult
 from kvstore.server.protocol_map import put_response
 from kvstore.server.reads import get_parts
 from kvstore.server.regions import Region
@@ -441,7 +442,7 @@ class DataPlaneServer:
         return bytearray(nbytes), True
 
     async def _store(self, header, header_bytes: bytes, payload: bytearray | mmap.mmap, declared: int, who: str,
-                     hint: ReuseHint | None) -> int:
+                     hint: ReuseHint | None) -> PutResult:
         try:
             return await self.store.put(header, header_bytes, [payload], hint)
         finally:

@@ -12,11 +12,6 @@ _PART_STATUS = {MissStatus.MISSING: pb.MISSING, MissStatus.EXPIRED: pb.EXPIRED, 
                 MissStatus.UNAVAILABLE: pb.UNAVAILABLE}
 
 
-def to_proto_put_result(result: PutResult) -> int:
-    """The pb.PutStatus of a put's result."""
-    return _PUT_STATUS[result]
-
-
 def put_response(results: Iterable[PutResult]) -> pb.PutResponse:
     """The answer to a Put (either transport): each record's status, in the order the records came."""
     return pb.PutResponse(results=[_PUT_STATUS[result] for result in results])

@@ -20,6 +20,7 @@ from kvstore.proto import SERVICE, pb
 from kvstore.server.config import ServerConfig
 from kvstore.server.grpc_auth import current_principal
 from kvstore.server.limits import ByteBudget, TimedOut, grpc_caller
+from kvstore.server.outcomes import PutResult
 from kvstore.server.protocol_map import put_response
 from kvstore.server.reads import get_parts
 from kvstore.server.requests import (
@@ -201,7 +202,7 @@ class KVStoreService:
         return put_response(results)
 
     async def _store_one(self, header, header_bytes: bytes, chunks: list[bytes], declared: int, who: str,
-                         hint: ReuseHint | None) -> int:
+                         hint: ReuseHint | None) -> PutResult:
         try:
             return await self.store.put(header, header_bytes, chunks, hint)
         finally:

@@ -8,7 +8,7 @@ import pytest
 import kvstore.server
 from kvstore.proto import pb
 from kvstore.server.outcomes import MissStatus, PutResult
-from kvstore.server.protocol_map import part_status, put_response, to_proto_put_result
+from kvstore.server.protocol_map import part_status, put_response
 
 pytestmark = pytest.mark.unit
 STORE_MODULES = ("store", "retention", "accounting", "access_times", "block_reader", "names", "outcomes",
@@ -16,7 +16,7 @@ STORE_MODULES = ("store", "retention", "accounting", "access_times", "block_read
 
 
 def test_every_outcome_has_its_protocol_value():
-    assert [to_proto_put_result(result) for result in PutResult] == [pb.STORED, pb.EXISTS]
+    assert list(put_response(PutResult).results) == [pb.STORED, pb.EXISTS]
     assert list(put_response([PutResult.EXISTS, PutResult.STORED]).results) == [pb.EXISTS, pb.STORED]
     assert {status: part_status(status) for status in MissStatus} == {
         MissStatus.MISSING: pb.MISSING, MissStatus.EXPIRED: pb.EXPIRED, MissStatus.CORRUPT: pb.CORRUPT,
