@@ -33,27 +33,21 @@ import time
 from pathlib import Path
 
 from kvstore import wire
-from kvstore.eviction import ReuseHint
 from kvstore.proto import pb
 from kvstore.record import FIXED_HEADER_BYTES
 from kvstore.server.auth import Principal
 from kvstore.server.config import ServerConfig
 from kvstore.server.data_connection import READ_STEP, Closed, Connection, FrameBudget, Peer, TlsConnection
-from kvstore.server.limits import ByteBudget, TimedOut, principal_key
-from kvstore.server.outcomes import PutResult
-from kvstore.server.protocol_map import put_response
+from kvstore.server.hot_tier import POPULATE_STEP, populate
+from kvstore.server.limits import ByteBudget, principal_key
+from kvstore.server.put_stream import PutStream
 from kvstore.server.reads import get_parts
 from kvstore.server.regions import Region
 from kvstore.server.requests import (
     PermissionDenied,
     RequestError,
     check_get,
-    check_payload,
-    check_put_head,
-    check_tenant,
     parse,
-    parse_record_header,
-    reuse_hint,
 )
 from kvstore.server.security import Security
 from kvstore.server.store import BlockStore, DiskFull, Scope
@@ -367,17 +361,33 @@ class DataPlaneServer:
     # -- Put ----------------------------------------------------------------------------------------
 
     async def _puts(self, connection: Connection, first: pb.PutHead, scope: Scope = None, who: str = "") -> None:
-        """Receive records until PUT_END, then answer with each one's status.
-
-        A record is stored as soon as it has arrived and verified; if a later frame breaks the protocol,
-        the records before it are still stored (unacknowledged, as after a crash), never cut off half-way.
-        """
+        """Receive records until PUT_END, then answer with each one's status (put_stream.py)."""
         started = time.perf_counter()
-        tasks: list[asyncio.Task] = []
+        stream = PutStream(self.store, self.config, self.put_budget, who, scope)
+
+        async def arrive(declared: int, verify_header):
+            """A record as bytes: its header, whose fixed part gives its length, then the payload, received
+            straight into the buffer that becomes the DRAM tier's copy."""
+            fixed = await connection.read(min(FIXED_HEADER_BYTES, declared))
+            header_len = int.from_bytes(fixed[8:12], "little") if len(fixed) == FIXED_HEADER_BYTES else 0
+            if not FIXED_HEADER_BYTES <= header_len <= declared:
+                raise RequestError(f"record header length {header_len} does not fit a {declared}-byte record")
+            header_bytes = fixed + await connection.read(header_len - FIXED_HEADER_BYTES)
+            header = verify_header(header_bytes)
+            payload, charged_whole, fresh = self._payload_buffer(connection, header.payload_len)
+            view = memoryview(payload)
+            if fresh:  # fault each step of a fresh mapping in at once, just before its bytes arrive
+                for start in range(0, len(view), POPULATE_STEP):
+                    populate(payload, start, POPULATE_STEP)
+                    await connection.read_into(view[start : start + POPULATE_STEP], charge=not charged_whole)
+            else:
+                await connection.read_into(view, charge=not charged_whole)
+            connection.release()  # arrived whole: from here the put budget accounts for it
+            return header, header_bytes, [payload]
+
         put_head: pb.PutHead | None = first
         while put_head is not None:
-            tasks.append(await self._receive_record(connection, put_head.record_bytes, reuse_hint(put_head), scope,
-                                                    who))
+            await stream.receive(put_head, arrive)
             kind, head_len = wire.parse_prefix(await connection.read(wire.PREFIX.size))
             head = await connection.read(head_len)
             if kind == wire.PUT:
@@ -386,67 +396,27 @@ class DataPlaneServer:
                 put_head = None
             else:
                 raise RequestError(f"expected PUT or PUT_END, got frame kind {kind}")
-        results = await asyncio.gather(*tasks)
-        await connection.send(wire.frame(wire.PUT_RESULT, put_response(results).SerializeToString()))
+        response = await stream.results()
+        await connection.send(wire.frame(wire.PUT_RESULT, response.SerializeToString()))
         self.metrics.rpc_latency.labels(method="data.Put").observe(time.perf_counter() - started)
 
-    async def _receive_record(self, connection: Connection, declared: int, hint: ReuseHint | None,
-                              scope: Scope, who: str) -> asyncio.Task:
-        """Reserve the declared bytes in `who`'s share of the put budget, then receive the record, which must
-        arrive whole within `put_record_timeout_s`: a stalled record gives its reservation back."""
-        check_put_head(declared, self.config)
-        await self.put_budget.acquire(declared, who)
-        try:
-            async with asyncio.timeout(self.config.put_record_timeout_s):
-                header, header_bytes, payload = await self._record_bytes(connection, declared, scope)
-        except TimeoutError:
-            await self.put_budget.release(declared, who)
-            raise TimedOut(f"a record did not arrive whole within {self.config.put_record_timeout_s:g} s of its "
-                           "PUT frame (put_record_timeout_s)") from None
-        except BaseException:
-            await self.put_budget.release(declared, who)
-            raise
-        connection.release()  # arrived whole: from here the put budget accounts for it
-        return asyncio.ensure_future(self._store(header, header_bytes, payload, declared, who, hint))
-
-    async def _record_bytes(self, connection: Connection, declared: int, scope: Scope):
-        """The verified header, its bytes and the verified payload of a record being received."""
-        fixed = await connection.read(min(FIXED_HEADER_BYTES, declared))
-        header_len = int.from_bytes(fixed[8:12], "little") if len(fixed) == FIXED_HEADER_BYTES else 0
-        if not FIXED_HEADER_BYTES <= header_len <= declared:
-            raise RequestError(f"record header length {header_len} does not fit a {declared}-byte record")
-        header_bytes = fixed + await connection.read(header_len - FIXED_HEADER_BYTES)
-        header = parse_record_header(header_bytes, declared, list(self.config.classes))
-        check_tenant(header, scope)
-        payload, charged_whole = self._payload_buffer(connection, header.payload_len)
-        await connection.read_into(memoryview(payload), charge=not charged_whole)
-        check_payload(header, [payload])
-        return header, header_bytes, payload
-
-    def _payload_buffer(self, connection: Connection, nbytes: int) -> tuple[bytearray | mmap.mmap, bool]:
+    def _payload_buffer(self, connection: Connection, nbytes: int) -> tuple[bytearray | mmap.mmap, bool, bool]:
         """Where a record's payload lands (it becomes the DRAM tier's copy), and whether it is charged to
-        the frame budget whole now rather than as bytes arrive.
+        the frame budget whole now rather than as bytes arrive, and whether it is a fresh mapping.
 
         A buffer the DRAM tier recycled is memory already held and faulted in. Else a small payload gets a
-        plain buffer, and a large one an anonymous mapping: its pages exist once bytes are written into
-        them, and go back to the OS when it is freed (whatever the allocator keeps)."""
+        plain buffer, and a large one an anonymous mapping: its pages exist once bytes arrive into them
+        (a record declared and never sent costs nothing), and go back to the OS when it is freed."""
         recycled = self.store.hot.reuse(nbytes)
         if recycled is not None:
-            return recycled, False
+            return recycled, False, False
         if nbytes > READ_STEP:
             try:
-                return mmap.mmap(-1, nbytes), False
+                return mmap.mmap(-1, nbytes), False, True
             except OSError:  # out of mappings (vm.max_map_count): take plain memory
                 pass
         connection.hold(nbytes)
-        return bytearray(nbytes), True
-
-    async def _store(self, header, header_bytes: bytes, payload: bytearray | mmap.mmap, declared: int, who: str,
-                     hint: ReuseHint | None) -> PutResult:
-        try:
-            return await self.store.put(header, header_bytes, [payload], hint)
-        finally:
-            await self.put_budget.release(declared, who)
+        return bytearray(nbytes), True, False
 
     # -- errors -------------------------------------------------------------------------------------
 

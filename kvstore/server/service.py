@@ -7,33 +7,25 @@ multi-MiB payload is handed from the page cache or the DRAM tier to gRPC without
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
 import kvstore
-from kvstore.eviction import ReuseHint
 from kvstore.hostid import host_id
 from kvstore.proto import SERVICE, pb
 from kvstore.server.config import ServerConfig
 from kvstore.server.grpc_auth import current_principal
 from kvstore.server.limits import ByteBudget, TimedOut, grpc_caller
-from kvstore.server.outcomes import PutResult
-from kvstore.server.protocol_map import put_response
+from kvstore.server.put_stream import PutStream
 from kvstore.server.reads import get_parts
 from kvstore.server.requests import (
     PermissionDenied,
     RequestError,
     check_get,
     check_keys,
-    check_payload,
-    check_put_head,
-    check_tenant,
     parse,
-    parse_record_header,
-    reuse_hint,
 )
 from kvstore.server.store import BlockStore, DiskFull, Scope
 
@@ -139,74 +131,46 @@ class KVStoreService:
     # -- Put: client-streamed: per record a PutHead, the header, then payload chunks ----------------
 
     async def put(self, request_iterator: AsyncIterator[bytes], context) -> pb.PutResponse:
-        tasks: list[asyncio.Task] = []
-        held = 0
         messages = request_iterator.__aiter__()
-        scope = self.caller_scope()
-        who = grpc_caller(context)
-        loop = asyncio.get_running_loop()
-        record_deadline = math.inf  # while a record is arriving: when it must have arrived whole
+        stream = PutStream(self.store, self.config, self.put_budget, grpc_caller(context), self.caller_scope())
 
         async def next_message(what: str = "", received: int = 0, expected: int = 0) -> bytes | None:
             """The next message; None where the stream ends between records (`what` empty)."""
-            wait_s = min(self.config.rpc_stream_timeout_s, record_deadline - loop.time())
             try:
-                return await asyncio.wait_for(messages.__anext__(), max(wait_s, 0))
+                return await asyncio.wait_for(messages.__anext__(), self.config.rpc_stream_timeout_s)
             except StopAsyncIteration:
                 if not what:
                     return None
                 raise RequestError(f"stream ended before {what}" + (
                     f": {received} of {expected} payload bytes received" if expected else "")) from None
             except TimeoutError:
-                if loop.time() >= record_deadline:
-                    raise TimedOut(f"a record did not arrive whole within {self.config.put_record_timeout_s:g} s "
-                                   "of its PutHead (put_record_timeout_s)") from None
                 raise TimedOut(f"the client sent nothing for {self.config.rpc_stream_timeout_s:g} s "
                                "(rpc_stream_timeout_s)") from None
 
+        async def arrive(declared: int, verify_header):
+            """A record as messages: its header, then payload chunks of any size."""
+            header_bytes = await next_message("the record header")
+            header = verify_header(header_bytes)
+            chunks: list[bytes] = []
+            received = 0
+            while received < header.payload_len:
+                chunk = await next_message("the end of the record", received, header.payload_len)
+                received += len(chunk)
+                if received > header.payload_len:
+                    raise RequestError(f"payload longer than declared ({header.payload_len} bytes)")
+                chunks.append(chunk)
+            return header, header_bytes, chunks
+
         try:
             while (raw := await next_message()) is not None:
-                put_head = parse(pb.PutHead, raw)
-                declared = put_head.record_bytes
-                check_put_head(declared, self.config)
-                await self.put_budget.acquire(declared, who)
-                held += declared
-                record_deadline = loop.time() + self.config.put_record_timeout_s
-                header_bytes = await next_message("the record header")
-                header = parse_record_header(header_bytes, declared, list(self.config.classes))
-                check_tenant(header, scope)
-                chunks: list[bytes] = []
-                received = 0
-                while received < header.payload_len:
-                    chunk = await next_message("the end of the record", received, header.payload_len)
-                    received += len(chunk)
-                    if received > header.payload_len:
-                        raise RequestError(f"payload longer than declared ({header.payload_len} bytes)")
-                    chunks.append(chunk)
-                check_payload(header, chunks)
-                tasks.append(asyncio.ensure_future(self._store_one(header, header_bytes, chunks, declared, who,
-                                                                   reuse_hint(put_head))))
-                held -= declared  # now owned by the task
-                record_deadline = math.inf
-            results = await asyncio.gather(*tasks)
+                await stream.receive(parse(pb.PutHead, raw), arrive)
+            return await stream.results()
         except RequestError as exc:
             await self._reject(context, "Put", exc)
         except DiskFull as exc:
             await self._abort(context, "Put", grpc.StatusCode.RESOURCE_EXHAUSTED, f"disk full: {exc}")
         except OSError as exc:
             await self._abort(context, "Put", grpc.StatusCode.UNAVAILABLE, f"I/O error storing a record: {exc}")
-        finally:
-            # Records already verified are stored even if the stream broke later (see the data channel).
-            if held:
-                await self.put_budget.release(held, who)
-        return put_response(results)
-
-    async def _store_one(self, header, header_bytes: bytes, chunks: list[bytes], declared: int, who: str,
-                         hint: ReuseHint | None) -> PutResult:
-        try:
-            return await self.store.put(header, header_bytes, chunks, hint)
-        finally:
-            await self.put_budget.release(declared, who)
 
     # -- wiring -----------------------------------------------------------------------------------
 
