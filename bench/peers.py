@@ -1,4 +1,4 @@
-"""The contenders of bench/dataplane.py: our daemon, raw loopback TCP, Redis and Mooncake Store.
+"""The contenders of bench/dataplane.py: our daemon, raw loopback TCP, raw file I/O, Redis and Mooncake Store.
 
 Each one stores `count` blocks of one size under names made from an integer and reads them back into
 pre-touched destination buffers where its API allows (Redis and Mooncake's plain `get` return new
@@ -8,6 +8,7 @@ bytes: that is their API). `get_many` is each system's batched read path.
 from __future__ import annotations
 
 import ctypes
+import mmap
 import multiprocessing as mp
 import os
 import shutil
@@ -134,6 +135,81 @@ class RawTCP(Contender):
             view = buf
             while len(view):
                 view = view[self.conn.recv_into(view):]
+
+
+# -- raw file appends and reads: the limit of what a store on this file system can do ---------------------
+
+
+class RawFile(Contender):
+    """Blocks appended with pwrite to files in a directory of the same file system as the daemon's data
+    directory, kept until the end as the daemon keeps its segments, and read back with preadv. No
+    framing, no checksums, no index, no network.
+
+    Through the page cache ("raw file") every put takes fresh page-cache pages: on these VMs guest memory
+    that was never touched (or that the balloon took back) costs ~2.5 us per 4 KiB page, which bounds puts.
+    With O_DIRECT ("raw file (O_DIRECT)") the bytes go from one reused, aligned buffer to the device and
+    skip the page cache: what a store writing aligned records with O_DIRECT could reach here. Its reads
+    come from the device too: the cold-read limit."""
+
+    SEGMENT_BLOCKS = 64
+    ALIGN = 4096
+
+    def __init__(self, direct: bool = False) -> None:
+        self.direct = direct
+        self.name = "raw file (O_DIRECT)" if direct else "raw file"
+
+    def start(self) -> None:
+        self.workdir = Path(tempfile.mkdtemp(prefix="kvstore-bench-file-"))
+        self.fds: list[int] = []
+        self.where: dict[int, tuple[int, int]] = {}  # name -> (fd, offset)
+        self.staging: mmap.mmap | None = None  # page-aligned, reused: O_DIRECT's buffer
+
+    def stop(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def prepare(self, size: int, names: int) -> None:
+        if self.direct:
+            if size % self.ALIGN:
+                raise ValueError(f"O_DIRECT needs {self.ALIGN}-byte multiples, not {size}")
+            self.staging = mmap.mmap(-1, size)
+            self.staging[:] = b"\x01" * size  # pre-touched, like every destination
+
+    def put(self, name: int, data: bytes) -> None:
+        if not self.fds or self.offset + len(data) > self.SEGMENT_BLOCKS * len(data):
+            flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | (os.O_DIRECT if self.direct else 0)
+            self.fds.append(os.open(self.workdir / f"{len(self.fds):06d}", flags, 0o600))
+            self.offset = 0
+        source = data
+        if self.direct:
+            self.staging[:] = data  # the one copy a store receiving into aligned memory would not make
+            source = self.staging
+        _write_at(self.fds[-1], memoryview(source), self.offset)
+        self.where[name] = (self.fds[-1], self.offset)
+        self.offset += len(data)
+
+    def get(self, name: int, buf: memoryview) -> None:
+        fd, offset = self.where[name]
+        if self.direct:
+            _read_at(fd, memoryview(self.staging), offset)
+            buf[:] = self.staging
+        else:
+            _read_at(fd, buf, offset)
+
+
+def _write_at(fd: int, view: memoryview, offset: int) -> None:
+    while len(view):
+        written = os.pwritev(fd, [view], offset)
+        view, offset = view[written:], offset + written
+
+
+def _read_at(fd: int, view: memoryview, offset: int) -> None:
+    while len(view):
+        received = os.preadv(fd, [view], offset)
+        if not received:
+            raise EOFError(f"file ends at {offset}")
+        view, offset = view[received:], offset + received
 
 
 # -- our daemon ---------------------------------------------------------------------------------------
