@@ -7,12 +7,17 @@ fresh put leaves them) straight into the destination buffers, which the client h
 (`KVClient.shared_buffer`); the client verifies every layer in place. The limits, in the same run: `pread`
 of exactly the same payload ranges from the same segment files into the same buffers (no daemon, no
 checks), and a memcpy of the same bytes from memory. Also the same Get over the loopback socket.
+
+Cold: the same Get with the segment files dropped from the page cache before each repeat (fsync, then
+POSIX_FADV_DONTNEED), beside an O_DIRECT read of the same payload ranges (each rounded out to 4 KiB, into
+one reused aligned buffer): `cold_get_vs_odirect`, the device's own limit.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import os
 import shutil
 import statistics
@@ -27,6 +32,8 @@ from kvstore.block import KVLayout, Namespace  # noqa: E402
 from kvstore.client import ClientConfig, KVClient  # noqa: E402
 from kvstore.server.process import DaemonProcess  # noqa: E402
 from kvstore.server.segments import SegmentSet  # noqa: E402
+
+ALIGN = 4096  # O_DIRECT's alignment of offsets, lengths and memory
 
 
 def record_ranges(data_dir: Path, keys: set[bytes]) -> list[tuple[Path, int, int]]:
@@ -62,7 +69,8 @@ def main() -> None:
     source = bytearray(payload)
     workdir = Path(tempfile.mkdtemp(prefix="kvstore-local-bench-"))
     daemon = DaemonProcess(workdir / "data", workdir, ["--hot-tier-bytes", "0", "--max-block-bytes", "64MiB"])
-    rates: dict[str, list[float]] = {"shm_get": [], "socket_get": [], "pread": [], "memcpy": []}
+    rates: dict[str, list[float]] = {name: [] for name in ("odirect", "cold_shm_get", "shm_get", "socket_get",
+                                                           "pread", "memcpy")}
     buffers: list[memoryview] = []
     try:
         daemon.start()
@@ -90,12 +98,31 @@ def main() -> None:
                 for buffer in buffers:
                     buffer[:] = source
 
-            contenders = {"shm_get": lambda: get(shm_client), "socket_get": lambda: get(socket_client),
+            direct = {path: os.open(path, os.O_RDONLY | os.O_DIRECT) for path in files}
+            staging = mmap.mmap(-1, size + 2 * ALIGN)  # page-aligned, as O_DIRECT needs
+            staging[:] = b"\x01" * len(staging)
+
+            def odirect() -> None:
+                for path, offset, length in ranges:
+                    begin, end = offset // ALIGN * ALIGN, -(-(offset + length) // ALIGN) * ALIGN
+                    assert os.preadv(direct[path], [memoryview(staging)[: end - begin]], begin) >= length
+
+            def uncached() -> None:
+                for fd in files.values():
+                    os.fsync(fd)
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+            # The cold pair first: the cold Get reads the files back into the page cache for the rest.
+            contenders = {"odirect": odirect, "cold_shm_get": lambda: get(shm_client),
+                          "shm_get": lambda: get(shm_client), "socket_get": lambda: get(socket_client),
                           "pread": pread, "memcpy": memcpy}
+            cold = {"cold_shm_get", "odirect"}
             for fn in contenders.values():  # warm-up: connections, regions, page cache
                 fn()
             for _ in range(args.repeats):  # interleaved, so drift in the machine's speed hits all alike
                 for name, fn in contenders.items():
+                    if name in cold:
+                        uncached()
                     started = time.perf_counter()
                     fn()
                     rates[name].append(total / (time.perf_counter() - started) / 1e9)
@@ -103,7 +130,7 @@ def main() -> None:
             del buffers[:]
             region_bytes = shm_client.server_stats()[daemon.address].value("kvstore_region_read_bytes_total")
             assert region_bytes >= total, "the shared-memory path was not used"
-            for fd in files.values():
+            for fd in [*files.values(), *direct.values()]:
                 os.close(fd)
     finally:
         daemon.stop()
@@ -116,9 +143,11 @@ def main() -> None:
     report = {"GBps": medians, "all_GBps": rates,
               "shm_get_vs_pread": medians["shm_get"] / medians["pread"],
               "shm_get_vs_memcpy": medians["shm_get"] / medians["memcpy"],
-              "shm_get_vs_socket_get": medians["shm_get"] / medians["socket_get"]}
+              "shm_get_vs_socket_get": medians["shm_get"] / medians["socket_get"],
+              "cold_get_vs_odirect": medians["cold_shm_get"] / medians["odirect"]}
     print(f"\nshm_get_vs_pread = {report['shm_get_vs_pread']:.2f}   shm_get_vs_memcpy = "
-          f"{report['shm_get_vs_memcpy']:.2f}   shm_get_vs_socket_get = {report['shm_get_vs_socket_get']:.2f}")
+          f"{report['shm_get_vs_memcpy']:.2f}   shm_get_vs_socket_get = {report['shm_get_vs_socket_get']:.2f}   "
+          f"cold_get_vs_odirect = {report['cold_get_vs_odirect']:.2f}")
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
         print(f"wrote {args.json}")
