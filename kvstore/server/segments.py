@@ -10,6 +10,13 @@ with durability "fsync"). Only `.open` files are scanned after a crash: a daemon
 files whole; a power failure under durability "os" may not, and then every read's checksums turn the
 damage into misses.
 
+Records of at least `direct_min_bytes` are appended with O_DIRECT: each starts at a 4 KiB boundary and
+is padded with zeros to the next one, and its bytes go through a reused, page-aligned staging buffer of the
+I/O thread straight to the device. A buffered append would wait for fresh page-cache pages, which on VMs
+that back guest memory lazily cost more than the device does (docs/performance.md). Smaller records are
+buffered, at the segment's end; a scan skips the zeros before an aligned record. A file system that
+refuses O_DIRECT (or its alignment) gets buffered appends from then on.
+
 Thread-safety: `append`, `sync`, `read` run on I/O threads; `acquire`/`release`/`delete` and the
 bookkeeping run on the event loop thread. A reader holds a reference, so deleting a segment that is
 being read unlinks it at once and closes its descriptor when the last reader is done.
@@ -18,6 +25,8 @@ being read unlinks it at once and closes its descriptor when the last reader is 
 from __future__ import annotations
 
 import errno
+import logging
+import mmap
 import os
 import threading
 from collections.abc import Iterator, Sequence
@@ -28,6 +37,14 @@ from kvstore import faults
 from kvstore.record import FIXED_HEADER_BYTES, MAGIC, CorruptRecord, RecordHeader, decode_header
 
 _RESYNC_CHUNK = 1 << 20  # bytes read at a time looking for the next record past a damaged one
+ALIGN = 4096  # O_DIRECT's alignment of file offsets, lengths and memory (512-byte devices included)
+STAGING_BYTES = 8 * 2**20  # each I/O thread's direct-append buffer: a record goes through it in steps
+
+log = logging.getLogger(__name__)
+
+
+def align_up(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
 
 
 @dataclass(eq=False)
@@ -39,6 +56,7 @@ class Segment:
     size: int
     sealed: bool
     live_bytes: int = 0  # bytes of records the index points at
+    direct_fd: int | None = None  # the same file opened with O_DIRECT, while it is appended to
     readers: int = 0
     deleted: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -49,11 +67,13 @@ class Segment:
 
 
 class SegmentSet:
-    def __init__(self, directory: Path, segment_bytes: int, fsync: bool) -> None:
+    def __init__(self, directory: Path, segment_bytes: int, fsync: bool, direct_min_bytes: int = 0) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.segment_bytes = segment_bytes
         self.fsync = fsync
+        self.direct_min_bytes = direct_min_bytes  # 0: buffered appends only
+        self._staging = threading.local()  # .buffer: the I/O thread's direct-append buffer
         self.segments: dict[int, Segment] = {}
         self._active: dict[int, Segment] = {}  # bucket_end -> the open segment appended to
         self._next_id = 1
@@ -99,6 +119,11 @@ class SegmentSet:
         offset = 0
         while offset + FIXED_HEADER_BYTES <= segment.size:
             header = SegmentSet._header_at(segment, offset)
+            if header is None and offset % ALIGN:  # the zeros before an aligned (direct) record
+                aligned = align_up(offset)
+                header = SegmentSet._header_at(segment, aligned)
+                if header is not None:
+                    offset = aligned
             if header is None:
                 offset = SegmentSet._next_magic(segment, offset + 1)
                 continue
@@ -137,27 +162,65 @@ class SegmentSet:
     def append(self, bucket_end: int, parts: Sequence[bytes | memoryview]) -> tuple[Segment, int]:
         """Write one record at the end of the open segment of `bucket_end`; returns where it went."""
         nbytes = sum(len(p) for p in parts)
+        direct = 0 < self.direct_min_bytes <= nbytes
         while True:
-            segment = self._writable(bucket_end, nbytes)
+            segment = self._writable(bucket_end, align_up(nbytes) + ALIGN if direct else nbytes)
             with segment.lock:
                 if segment.sealed or segment.deleted:
                     continue  # sealed by another writer meanwhile
-                offset = segment.size
+                start = segment.size
+                use_direct = direct and segment.direct_fd is not None
+                offset = align_up(start) if use_direct else start
                 try:
                     faults.hit("segment.before_write")
-                    _write_all(segment.fd, parts, offset)
+                    end = self._write_direct(segment, parts, offset) if use_direct else None
+                    if end is None:  # buffered, or O_DIRECT refused just now
+                        offset = start
+                        _write_all(segment.fd, parts, offset)
+                        end = offset + nbytes
                     faults.hit("segment.after_write")
                 except OSError:
                     # Keep the file a clean sequence of records: drop what was written, stop appending.
                     try:
-                        os.ftruncate(segment.fd, offset)
+                        os.ftruncate(segment.fd, start)
                     finally:
                         self._seal_locked(segment, sync=False)
                     raise
-                segment.size = offset + nbytes
+                segment.size = end
                 if segment.size >= self.segment_bytes:
                     self._seal_locked(segment, sync=self.fsync)
                 return segment, offset
+
+    def _write_direct(self, segment: Segment, parts: Sequence[bytes | memoryview], offset: int) -> int | None:
+        """Write the record at the aligned `offset` with O_DIRECT, padded with zeros to ALIGN; its padded
+        end, or None if the file system refuses O_DIRECT's alignment (then appends are buffered)."""
+        staging = getattr(self._staging, "buffer", None)
+        if staging is None:
+            staging = self._staging.buffer = mmap.mmap(-1, STAGING_BYTES)
+        filled = 0
+        try:
+            for part in parts:
+                view = memoryview(part).cast("B")
+                while len(view):
+                    take = min(len(view), STAGING_BYTES - filled)
+                    staging[filled : filled + take] = view[:take]
+                    filled, view = filled + take, view[take:]
+                    if filled == STAGING_BYTES:
+                        _write_all(segment.direct_fd, [memoryview(staging)], offset)
+                        offset, filled = offset + filled, 0
+            if filled:
+                padded = align_up(filled)
+                staging[filled:padded] = bytes(padded - filled)
+                _write_all(segment.direct_fd, [memoryview(staging)[:padded]], offset)
+                offset += padded
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            log.warning("the file system of %s refuses O_DIRECT appends (%s); appending buffered from now on",
+                        self.directory, exc)
+            self.direct_min_bytes = 0
+            return None
+        return offset
 
     def _writable(self, bucket_end: int, nbytes: int) -> Segment:
         with self._lock:
@@ -173,10 +236,20 @@ class SegmentSet:
             self._next_id += 1
             path = self.directory / f"{seg_id:010d}-{bucket_end}.open"
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)  # other tenants' KV: no one else's
-            segment = Segment(seg_id, bucket_end, path, fd, 0, sealed=False)
+            segment = Segment(seg_id, bucket_end, path, fd, 0, sealed=False, direct_fd=self._open_direct(path))
             self.segments[seg_id] = segment
             self._active[bucket_end] = segment
             return segment
+
+    def _open_direct(self, path: Path) -> int | None:
+        if not self.direct_min_bytes:
+            return None
+        try:
+            return os.open(path, os.O_WRONLY | os.O_DIRECT)
+        except OSError as exc:  # tmpfs on older kernels, some network file systems
+            log.warning("the file system of %s refuses O_DIRECT (%s); appending buffered", self.directory, exc)
+            self.direct_min_bytes = 0
+            return None
 
     def seal(self, segment: Segment) -> None:
         with segment.lock:
@@ -186,6 +259,7 @@ class SegmentSet:
         if segment.sealed:
             return
         segment.sealed = True
+        _close_direct(segment)
         if self._active.get(segment.bucket_end) is segment:
             del self._active[segment.bucket_end]
         if sync:
@@ -240,6 +314,7 @@ class SegmentSet:
         with segment.lock:
             segment.sealed = True
             segment.deleted = True
+            _close_direct(segment)
             if self._active.get(segment.bucket_end) is segment:
                 del self._active[segment.bucket_end]
         self.segments.pop(segment.id, None)
@@ -259,6 +334,12 @@ class SegmentSet:
                 os.close(segment.fd)
                 segment.deleted = True
         self.segments.clear()
+
+
+def _close_direct(segment: Segment) -> None:
+    if segment.direct_fd is not None:
+        os.close(segment.direct_fd)
+        segment.direct_fd = None
 
 
 def _write_all(fd: int, parts: Sequence[bytes | memoryview], offset: int) -> None:

@@ -96,7 +96,8 @@ class BlockStore:
         # A damaged index is moved aside and rebuilt (kvstore/server/recovery.py, docs/operations.md).
         self.index, rebuild_reason = open_index(data_dir / "index", self.config.lmdb_map_bytes,
                                                 self.config.lmdb_max_map_bytes, fsync)
-        self.segments = SegmentSet(data_dir / "segments", self.config.segment_bytes, fsync)
+        self.segments = SegmentSet(data_dir / "segments", self.config.segment_bytes, fsync,
+                                   self.config.direct_io_min_bytes)
         self.accounting = Accounting(self.segments, self.config.tenant_max_share)
         self._reader = BlockReader(self.segments, self.hot, self.run_io, self.drop_corrupt)
         self.names.load(self.index)

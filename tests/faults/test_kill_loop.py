@@ -126,9 +126,11 @@ def check_after_clean_stop(daemon, ledger: Ledger, durability: str) -> None:
         assert report.entries >= len(ledger.acked)
 
 
-@pytest.mark.parametrize("durability", ["fsync", "os"])
-def test_random_kill_loop_under_concurrent_puts_and_gets(daemons, durability):
-    daemon, = daemons(1, "--durability", durability, *SMALL_SEGMENTS)
+# "direct": every record is appended with O_DIRECT (4 KiB-aligned and padded), as large blocks are.
+@pytest.mark.parametrize("durability, appends", [("fsync", "buffered"), ("os", "buffered"), ("fsync", "direct")])
+def test_random_kill_loop_under_concurrent_puts_and_gets(daemons, durability, appends):
+    direct_io = ("--direct-io-min-bytes", "4KiB" if appends == "direct" else "0")
+    daemon, = daemons(1, "--durability", durability, *SMALL_SEGMENTS, *direct_io)
     rng = random.Random(durability)
     ledger, seeds = Ledger(), itertools.count(1)
     for _ in range(3):
