@@ -102,7 +102,7 @@ def parse_record_header(header_bytes: bytes, declared: int, known_classes: Seque
 
 def check_payload(header: RecordHeader, chunks: Sequence[bytes | memoryview]) -> None:
     try:
-        sums = payload_layer_sums(chunks, header.layer_bytes)
+        sums = payload_layer_sums(chunks, header.layer_bytes, header.version)
     except CorruptRecord as exc:
         raise RequestError(str(exc)) from None
     if tuple(sums) != header.layer_sums:

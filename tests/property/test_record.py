@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import struct
 
+import crc32c
 import numpy as np
 import pytest
 import xxhash
@@ -147,7 +148,7 @@ def test_check_layers_accepts_exactly_the_payload_it_describes(record, other):
     except CorruptRecord:
         return
     size, layers = header.layer_bytes, len(other) // header.layer_bytes
-    assert [xxhash.xxh3_64_intdigest(other[i * size : (i + 1) * size]) for i in range(layers)] == \
+    assert [crc32c.crc32c(other[i * size : (i + 1) * size]) for i in range(layers)] == \
         list(header.layer_sums[:layers])
 
 
@@ -166,3 +167,30 @@ def test_any_traffic_class_is_refused_or_read_back_as_written(record, traffic_cl
     except ValueError:
         return
     assert decode_header(header_bytes).traffic_class == traffic_class
+
+
+def as_format_2(header_bytes: bytes, payload: bytes) -> bytes:
+    """The same record as a format-2 writer made it: version 2, xxh3-64 layer checksums."""
+    header = decode_header(header_bytes)
+    size = header.layer_bytes
+    sums = [xxhash.xxh3_64_intdigest(payload[i * size : (i + 1) * size]) for i in range(header.n_layers)]
+    body = bytearray(header_bytes[:-8])
+    struct.pack_into("<H", body, 4, 2)
+    struct.pack_into(f"<{header.n_layers}Q", body, len(body) - 8 * header.n_layers, *sums)
+    return with_checksum(bytes(body))
+
+
+@PROPERTY
+@given(records(), st.binary(min_size=1, max_size=300))
+def test_format_2_records_are_still_read_with_their_xxh3_layer_checksums(record, other):
+    block, traffic_class, n_layers, payload = record
+    header_bytes, _ = build_record(block, payload, n_layers, traffic_class)
+    old = decode_header(as_format_2(header_bytes, payload))
+    assert old.version == 2 and old.key == block.key
+    old.check_layers(payload, 0)
+    assert payload_layer_sums([payload[:3], payload[3:]], old.layer_bytes, old.version) == list(old.layer_sums)
+    new = decode_header(header_bytes)
+    assert new.version == FORMAT_VERSION == 3 and new.layer_sums != old.layer_sums
+    if other[: len(payload)] != payload and len(other) >= len(payload):
+        with pytest.raises(CorruptRecord):
+            old.check_layers(other[: len(payload)], 0)
