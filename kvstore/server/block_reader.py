@@ -18,6 +18,8 @@ from kvstore.server.index import Entry
 from kvstore.server.outcomes import Miss, MissStatus
 from kvstore.server.segments import Segment, SegmentSet
 
+CHECK_CHUNK_BYTES = 256 * 1024  # read, then verify, this much at a time: it stays in the CPU's cache
+
 
 @dataclass(slots=True)
 class OpenBlock:
@@ -94,8 +96,8 @@ class BlockReader:
         data = into if into is not None else self._hot.buffer(nbytes) if whole else bytearray(nbytes)
         offset = block.entry.offset + header.layer_offset(begin)
         try:
-            await self._run_io(SegmentSet.read_into, block.segment, offset, memoryview(data))
-            header.check_layers(data, begin)
+            # Checked on the I/O thread too: CRC32C (format 3) releases the GIL, so the event loop runs on.
+            await self._run_io(_read_checked, block.segment, offset, data, header, begin)
         except CorruptRecord as exc:
             if into is not None and exc.cause != "truncated":
                 await self._verify_privately(block, offset, nbytes, begin)
@@ -112,8 +114,7 @@ class BlockReader:
         """Read the layers again into memory no client can write; drop the block if they are corrupt there."""
         private = bytearray(nbytes)
         try:
-            await self._run_io(SegmentSet.read_into, block.segment, offset, memoryview(private))
-            block.header.check_layers(private, begin)
+            await self._run_io(_read_checked, block.segment, offset, private, block.header, begin)
         except CorruptRecord:
             await self._drop_corrupt(block.key, block.entry)
             raise
@@ -136,3 +137,14 @@ class BlockReader:
         if block.hot is not None:
             self._hot.unpin(block.hot)
             block.hot = None
+
+
+def _read_checked(segment: Segment, offset: int, data, header: RecordHeader, begin: int) -> None:
+    """Read layers from `begin` into `data` and verify them (raises CorruptRecord): a few layers at a time,
+    each checked while its bytes are still in the CPU's cache, not in a second pass over memory."""
+    view = memoryview(data)
+    step = header.layer_bytes * max(1, CHECK_CHUNK_BYTES // header.layer_bytes)
+    for start in range(0, len(view), step):
+        chunk = view[start : start + step]
+        SegmentSet.read_into(segment, offset + start, chunk)
+        header.check_layers(chunk, begin + start // header.layer_bytes)
