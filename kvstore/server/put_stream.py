@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 
+from kvstore.eviction import ReuseHint
 from kvstore.proto import pb
 from kvstore.record import RecordHeader
 from kvstore.server.config import ServerConfig
@@ -21,6 +22,7 @@ from kvstore.server.limits import ByteBudget, TimedOut
 from kvstore.server.outcomes import PutResult
 from kvstore.server.protocol_map import put_response
 from kvstore.server.requests import check_payload, check_put_head, check_tenant, parse_record_header, reuse_hint
+from kvstore.server.store import BlockStore
 
 Payload = Sequence[bytes | bytearray | memoryview]  # a record's payload, in the pieces it arrived in
 VerifyHeader = Callable[[bytes], RecordHeader]  # a record's header bytes -> the header, verified
@@ -30,7 +32,7 @@ Arrive = Callable[[int, VerifyHeader], Awaitable[tuple[RecordHeader, bytes, Payl
 
 
 class PutStream:
-    def __init__(self, store, config: ServerConfig, budget: ByteBudget, who: str,
+    def __init__(self, store: BlockStore, config: ServerConfig, budget: ByteBudget, who: str,
                  scope: frozenset[bytes] | None) -> None:
         self.store, self.config, self.budget = store, config, budget
         self.who, self.scope = who, scope
@@ -65,7 +67,7 @@ class PutStream:
         return header
 
     async def _store(self, header: RecordHeader, header_bytes: bytes, payload: Payload, declared: int,
-                     hint) -> PutResult:
+                     hint: ReuseHint | None) -> PutResult:
         try:
             return await self.store.put(header, header_bytes, payload, hint)
         finally:
