@@ -386,17 +386,21 @@ class DataPlaneServer:
             return header, header_bytes, [payload]
 
         put_head: pb.PutHead | None = first
-        while put_head is not None:
-            await stream.receive(put_head, arrive)
-            kind, head_len = wire.parse_prefix(await connection.read(wire.PREFIX.size))
-            head = await connection.read(head_len)
-            if kind == wire.PUT:
-                put_head = parse(pb.PutHead, head)
-            elif kind == wire.PUT_END:
-                put_head = None
-            else:
-                raise RequestError(f"expected PUT or PUT_END, got frame kind {kind}")
-        response = await stream.results()
+        try:
+            while put_head is not None:
+                await stream.receive(put_head, arrive)
+                kind, head_len = wire.parse_prefix(await connection.read(wire.PREFIX.size))
+                head = await connection.read(head_len)
+                if kind == wire.PUT:
+                    put_head = parse(pb.PutHead, head)
+                elif kind == wire.PUT_END:
+                    put_head = None
+                else:
+                    raise RequestError(f"expected PUT or PUT_END, got frame kind {kind}")
+            response = await stream.results()
+        except Exception:  # the ERROR frame follows once what arrived whole is stored
+            await stream.settle()
+            raise
         await connection.send(wire.frame(wire.PUT_RESULT, response.SerializeToString()))
         self.metrics.rpc_latency.labels(method="data.Put").observe(time.perf_counter() - started)
 

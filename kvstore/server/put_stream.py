@@ -61,6 +61,11 @@ class PutStream:
         """Every record's outcome, in order, once all are stored."""
         return put_response(await asyncio.gather(*self._storing))
 
+    async def settle(self) -> None:
+        """Wait until the records that arrived whole are stored (or failed): the stream broke, and its
+        client hears why only once what it sent before the break is in the store."""
+        await asyncio.gather(*self._storing, return_exceptions=True)
+
     def _header(self, header_bytes: bytes, declared: int) -> RecordHeader:
         header = parse_record_header(header_bytes, declared, list(self.config.classes))
         check_tenant(header, self.scope)

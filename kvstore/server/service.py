@@ -165,12 +165,14 @@ class KVStoreService:
             while (raw := await next_message()) is not None:
                 await stream.receive(parse(pb.PutHead, raw), arrive)
             return await stream.results()
-        except RequestError as exc:
-            await self._reject(context, "Put", exc)
-        except DiskFull as exc:
-            await self._abort(context, "Put", grpc.StatusCode.RESOURCE_EXHAUSTED, f"disk full: {exc}")
-        except OSError as exc:
-            await self._abort(context, "Put", grpc.StatusCode.UNAVAILABLE, f"I/O error storing a record: {exc}")
+        except (RequestError, DiskFull, OSError) as exc:
+            await stream.settle()  # the caller hears of the break once what arrived before it is stored
+            if isinstance(exc, RequestError):
+                await self._reject(context, "Put", exc)
+            elif isinstance(exc, DiskFull):
+                await self._abort(context, "Put", grpc.StatusCode.RESOURCE_EXHAUSTED, f"disk full: {exc}")
+            else:
+                await self._abort(context, "Put", grpc.StatusCode.UNAVAILABLE, f"I/O error storing a record: {exc}")
 
     # -- wiring -----------------------------------------------------------------------------------
 

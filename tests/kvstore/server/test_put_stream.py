@@ -96,8 +96,8 @@ def test_both_transports_refuse_a_bad_record_alike_and_keep_the_records_before_i
         for breakage, bad in (("checksum", corrupted(second)), ("class", foreign_class(second))):
             code, message = put(daemon, [first, bad])
             outcomes.setdefault(breakage, {})[transport] = (code, message)
-            served = raw_get(daemon.address, [first[0], bad[0]])
-            assert served[0].payload == first[2], "a record that arrived whole is stored, whatever follows it"
+            served = raw_get(daemon.address, [first[0], bad[0]])  # at once: the error came after the store
+            assert served[0].payload == first[2], "a record that arrived whole is stored before the error is sent"
             assert served[1].status != pb.OK, "a record that failed verification is not stored"
     for breakage, by_transport in outcomes.items():
         assert set(by_transport.values()) == {next(iter(by_transport.values()))}, (breakage, by_transport)
