@@ -46,7 +46,20 @@ MAX_LAYERS = 1 << 12
 def layer_checksum(data: bytes | memoryview, version: int = FORMAT_VERSION) -> int:
     """The checksum of one layer's bytes in a record of format `version`: CRC32C from format 3 (it
     releases the GIL), xxh3-64 before."""
-    return crc32c.crc32c(data) if version >= 3 else xxhash.xxh3_64_intdigest(data)
+    return _checksum([data], version)
+
+
+def _checksum(pieces: Iterable[bytes | memoryview], version: int) -> int:
+    """layer_checksum of the concatenation of `pieces`, without joining them."""
+    if version >= 3:
+        crc = 0
+        for piece in pieces:
+            crc = crc32c.crc32c(piece, crc)
+        return crc
+    hasher = xxhash.xxh3_64()
+    for piece in pieces:
+        hasher.update(piece)
+    return hasher.intdigest()
 
 
 class CorruptRecord(ValueError):
@@ -219,24 +232,18 @@ def payload_layer_sums(chunks: Sequence[bytes | memoryview], layer_bytes: int,
                        version: int = FORMAT_VERSION) -> list[int]:
     """The layer checksums of a payload that arrives cut into arbitrary chunks (format `version`'s)."""
     sums: list[int] = []
-    crc = 0
-    hasher = xxhash.xxh3_64() if version < 3 else None
+    layer: list[memoryview] = []  # the pieces of the layer being filled
     filled = 0
     for chunk in chunks:
         view = memoryview(chunk)
         while len(view):
             take = min(layer_bytes - filled, len(view))
-            if hasher is None:
-                crc = crc32c.crc32c(view[:take], crc)
-            else:
-                hasher.update(view[:take])
+            layer.append(view[:take])
             view = view[take:]
             filled += take
             if filled == layer_bytes:
-                sums.append(crc if hasher is None else hasher.intdigest())
-                crc, filled = 0, 0
-                if hasher is not None:
-                    hasher.reset()
+                sums.append(_checksum(layer, version))
+                layer, filled = [], 0
     if filled:
         raise CorruptRecord("truncated", "payload does not end on a layer boundary")
     return sums

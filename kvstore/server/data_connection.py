@@ -21,6 +21,18 @@ from kvstore.server.requests import RequestError
 # Memory is taken at most this far ahead of the bytes that arrived: a head or record header grows by at
 # most this much per read; a payload up to this size gets a plain buffer, a larger one a mapping.
 READ_STEP = 256 * 1024
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14; Python 3.11 lacks the name
+POPULATE_STEP = 1 << 20  # bytes of a fresh mapping faulted in ahead of the bytes arriving into it
+
+
+def populate(mapping: mmap.mmap, start: int, length: int) -> None:
+    """Fault in `length` bytes of a fresh anonymous mapping from `start` (page-aligned) in one call:
+    ~0.2 ms per MiB here, where the first touch of each 4 KiB page costs ~0.6 ms per MiB. Best effort:
+    an older kernel just takes the faults."""
+    try:
+        mapping.madvise(MADV_POPULATE_WRITE, start, min(length, len(mapping) - start))
+    except OSError:
+        pass
 
 
 class Closed(Exception):

@@ -37,8 +37,16 @@ from kvstore.proto import pb
 from kvstore.record import FIXED_HEADER_BYTES
 from kvstore.server.auth import Principal
 from kvstore.server.config import ServerConfig
-from kvstore.server.data_connection import READ_STEP, Closed, Connection, FrameBudget, Peer, TlsConnection
-from kvstore.server.hot_tier import POPULATE_STEP, populate
+from kvstore.server.data_connection import (
+    POPULATE_STEP,
+    READ_STEP,
+    Closed,
+    Connection,
+    FrameBudget,
+    Peer,
+    TlsConnection,
+    populate,
+)
 from kvstore.server.limits import ByteBudget, principal_key
 from kvstore.server.put_stream import PutStream
 from kvstore.server.reads import get_parts
@@ -376,12 +384,11 @@ class DataPlaneServer:
             header = verify_header(header_bytes)
             payload, charged_whole, fresh = self._payload_buffer(connection, header.payload_len)
             view = memoryview(payload)
-            if fresh:  # fault each step of a fresh mapping in at once, just before its bytes arrive
-                for start in range(0, len(view), POPULATE_STEP):
-                    populate(payload, start, POPULATE_STEP)
-                    await connection.read_into(view[start : start + POPULATE_STEP], charge=not charged_whole)
-            else:
-                await connection.read_into(view, charge=not charged_whole)
+            step = POPULATE_STEP if fresh else len(view)
+            for start in range(0, len(view), step):
+                if fresh:  # fault each step of a fresh mapping in at once, just before its bytes arrive
+                    populate(payload, start, step)
+                await connection.read_into(view[start : start + step], charge=not charged_whole)
             connection.release()  # arrived whole: from here the put budget accounts for it
             return header, header_bytes, [payload]
 
