@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PROTO_OUT := kvstore/proto/kvstore_pb2.py
 DECODE_PROTO_OUT := engine/serving/proto/decode_pb2.py
 
-.PHONY: demo test test-processes test-connectors lint bench proto clean install
+.PHONY: demo test test-processes test-connectors test-multihost test-deploy lint bench proto clean install
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -35,11 +35,23 @@ lint: install
 
 # unit + integration + crash tests; benchmarks and slow work are marked `bench` and left out.
 test: install
+	deploy/peers.sh etcd-server dnsmasq-base
 	$(BIN)/python -m pytest -q -n 2 --dist loadgroup tests
 
 # whole kvstore-api processes on the real model: signals, process counts, two instances on one daemon (~3 min)
 test-processes: install
 	$(BIN)/python -m pytest -q -m processes tests/engine/api/test_processes.py
+
+# three daemon hosts and two engine hosts in network namespaces joined by a bridge: the real model's prefill and
+# decode across them with tokens and TLS, a link taken down and a slow, lossy link (needs root)
+test-multihost: install
+	deploy/peers.sh iproute2
+	$(BIN)/python -m pytest -q -m multihost tests/multihost
+
+# deployment exercised: a real Prometheus scraping daemons and the API server, every dashboard query, the image
+test-deploy: install
+	deploy/peers.sh prometheus podman debootstrap
+	$(BIN)/python -m pytest -q -m deploy tests/deploy
 
 # engine plug-ins (kvstore/connectors/) against the engines' own packages, each in a venv of its own built from
 # its lock file (deploy/connectors/; 1.5-2 GB and a few minutes each, the first time)
