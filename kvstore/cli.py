@@ -28,7 +28,8 @@ from kvstore.client.config import add_security_flags, security_settings
 
 
 def _namespace_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--servers", required=True, help="comma-separated host:port of the daemons")
+    parser.add_argument("--servers", required=True, help="comma-separated host:port of the daemons, or a "
+                        "dns:///NAME:PORT, dns+srv:///NAME or etcd://HOST:PORT/PREFIX target")
     parser.add_argument("--model", default="kvstore-cli", help="model identity (part of the namespace)")
     parser.add_argument("--num-layers", type=int, default=4)
     parser.add_argument("--kv-heads", type=int, default=2)

@@ -347,7 +347,9 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = "kvstore-api") -> 
                              "default: the packaged Gemma 3 270M, converted on first use")
     parser.add_argument("--model-name", default=defaults.model_name, help="the name clients give as `model`")
     parser.add_argument("--servers", default="", metavar="HOST:PORT,...",
-                        help="the store's daemons (kvstore-server); none: no store, every prompt computed")
+                        help="the store's daemons (kvstore-server), or a dns:///, dns+srv:/// or etcd:// "
+                             "target followed as they change (docs/deployment.md); none: no store, every "
+                             "prompt computed")
     parser.add_argument("--host", default=defaults.host, help="address to listen on")
     parser.add_argument("--port", type=int, default=defaults.port, help="port to listen on")
     parser.add_argument("--api-key", action="append", default=[], metavar="KEY=TENANT",

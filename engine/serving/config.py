@@ -57,9 +57,9 @@ class InstanceConfig:
         if not isinstance(self.exit_on_stdin_eof, bool):
             raise ValueError(f"InstanceConfig: exit_on_stdin_eof must be True or False, got {self.exit_on_stdin_eof!r}")
         object.__setattr__(self, "servers", tuple(self.servers))
-        if not all(isinstance(s, str) and s.rpartition(":")[0] and s.rpartition(":")[2].isdigit()
-                   for s in self.servers):
-            raise ValueError(f"InstanceConfig: servers must be host:port addresses, got {self.servers!r}")
+        if not all(isinstance(s, str) for s in self.servers):
+            raise ValueError(f"InstanceConfig: servers must be host:port addresses or a discovery target, "
+                             f"got {self.servers!r}")
         for name in SECURITY_FILES:
             if (value := getattr(self, name)) is not None:
                 object.__setattr__(self, name, Path(value))
@@ -70,7 +70,10 @@ class InstanceConfig:
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise ValueError("InstanceConfig: tls_client_ca (mutual TLS) needs tls_cert and tls_key as well")
         if self.servers:
-            self.store_client()  # checks the store client's settings, with its messages
+            try:
+                self.store_client()  # checks the store client's settings (servers: host:port or a target)
+            except ValueError as exc:
+                raise ValueError(f"InstanceConfig: {exc}") from None
 
     @property
     def loopback_only(self) -> bool:
@@ -100,8 +103,9 @@ _HELP = {
     "threads": "torch threads (several instances on one machine: one each)",
     "max_message_bytes": "largest request accepted; a larger one ends RESOURCE_EXHAUSTED",
     "exit_on_stdin_eof": "shut down when stdin ends (a parent holding the pipe died or closed it)",
-    "servers": "the store's daemons, host:port,...: prompts are prefilled through the store and replies saved; "
-               "none: prompts are computed here and nothing is saved",
+    "servers": "the store's daemons, host:port,... or a dns:///, dns+srv:/// or etcd:// target (docs/deployment.md): "
+               "prompts are prefilled through the store and replies saved; none: prompts are computed here and "
+               "nothing is saved",
     "auth_tokens": "TOML token file, as the daemon's (`kvstore token new`): every call needs a token, Generate "
                    "its write verb, Load its read verb; none: no authentication",
     "tls_cert": "PEM certificate chain: the port speaks TLS only (with --tls-key)",

@@ -3,11 +3,15 @@
 Contract for callers on an engine's path: a dead, slow or misbehaving daemon never raises here; its
 blocks are misses, counted in `stats`, and the daemon is retried after a backoff. Only a caller's own
 mistake (mixed namespaces, a payload that does not fit the layout) raises ValueError.
+
+The daemons are a static list or are discovered (DNS, etcd: kvstore/client/membership.py); a client made
+on a running event loop follows them as they join and leave, without a restart.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -22,12 +26,15 @@ from kvstore.client.cost import BandwidthMeter
 from kvstore.client.dataplane import SharedBuffer, TransportError, put_head
 from kvstore.client.get_pipeline import GetPipeline
 from kvstore.client.host_tier import HostTier
+from kvstore.client.membership import Follower, Members, MembershipError
 from kvstore.client.placement import place
 from kvstore.client.shard import Shard
 from kvstore.eviction import ReuseHint
 from kvstore.proto import pb
 from kvstore.record import build_record, decode_header
 from kvstore.stats import Stats
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -47,6 +54,7 @@ class ClientStats:
     data_fallbacks: Counter = field(default_factory=Counter)  # address -> calls its data channel refused, sent by gRPC
     bytes_read: int = 0
     bytes_written: int = 0
+    membership_changes: int = 0  # times the set of daemons changed after the client started
 
 
 class AsyncKVClient:
@@ -56,8 +64,17 @@ class AsyncKVClient:
         # The client's one thread pool: every blocking call (data-channel sockets, load workers, the
         # write-behind queue) runs on it; KVClient makes it its event loop's default executor too.
         self.executor = ThreadPoolExecutor(max_workers=self.config.pool_threads, thread_name_prefix="kvstore-worker")
-        self.shards = {address: Shard(address, self.config, self.executor) for address in self.config.servers}
         self.stats = ClientStats()
+        # member name -> its shard; replaced whole, never changed in place, so that threads planning a get
+        # (KVClient.get) always see one consistent set while the follower applies a change
+        self.shards: dict[str, Shard] = {}
+        members = self.config.members()
+        try:
+            known = members.resolve()
+        except MembershipError as exc:  # no daemons yet: every block a miss until the follower learns them
+            log.warning("no daemons known yet: %s", exc)
+            known = ()
+        self._set_members(known)
         self.host = HostTier(self.config.host_tier_bytes, self.config.host_block_bytes,
                              self.config.host_tier_pinned) if self.config.host_tier_bytes else None
         self.bandwidth = BandwidthMeter()
@@ -67,9 +84,40 @@ class AsyncKVClient:
             loop = None
         self.gets = GetPipeline(self.stats, self.bandwidth, self.host, self.owner, self.executor,
                                 self.config.timeout_s, loop)
+        self._follower: Follower | None = None
+        self._leaving: set[asyncio.Task] = set()  # closes of shards whose daemons left
+        if members.follows:
+            if loop is None:
+                log.warning("a client made outside an event loop keeps the daemons it found at start: %s",
+                            ", ".join(self.shards) or "none")
+            else:
+                self._follower = Follower(members, known, lambda new: loop.call_soon_threadsafe(self._changed, new))
+
+    def _set_members(self, members: Members) -> list[Shard]:
+        """Make `members` the shards (keeping those that stay); returns the shards that left."""
+        old, new = self.shards, {}
+        for member in members:
+            kept = old.get(member.name)
+            new[member.name] = kept if kept is not None and kept.address == member.address else \
+                Shard(member.address, self.config, self.executor, name=member.name)
+        self.shards = new
+        return [shard for name, shard in old.items() if new.get(name) is not shard]
+
+    def _changed(self, members: Members) -> None:
+        """On the event loop: the follower saw another set of daemons. Only the keys of daemons that joined
+        or left change owner (rendezvous); calls in flight to a leaving daemon end as misses."""
+        left = self._set_members(members)
+        self.stats.membership_changes += 1
+        log.info("daemons now: %s", ", ".join(self.shards) or "none")
+        for shard in left:
+            task = asyncio.ensure_future(shard.close())
+            self._leaving.add(task)
+            task.add_done_callback(self._leaving.discard)
 
     async def close(self) -> None:
-        await asyncio.gather(*(shard.close() for shard in self.shards.values()))
+        if self._follower is not None:
+            self._follower.stop()  # wakes its thread (a watch is cut), which then ends at once
+        await asyncio.gather(*(shard.close() for shard in self.shards.values()), *self._leaving)
         for shared in self.gets.shared_buffers:
             shared.close()
         self.executor.shutdown(wait=False)  # idle workers exit; nothing here waits on a worker
@@ -84,8 +132,9 @@ class AsyncKVClient:
 
     def owner(self, key: bytes) -> Shard | None:
         """The live daemon that owns `key` (rendezvous over the members currently up)."""
-        live = [address for address, shard in self.shards.items() if shard.up]
-        return self.shards[place(key, live)] if live else None
+        shards = self.shards
+        live = [name for name, shard in shards.items() if shard.up]
+        return shards[place(key, live)] if live else None
 
     def _group(self, blocks: Sequence[Block]) -> dict[Shard | None, list[int]]:
         groups: dict[Shard | None, list[int]] = {}
@@ -169,7 +218,7 @@ class AsyncKVClient:
         """Where each block would be read from now: "host", or the owning daemon's address."""
         in_host = self.host.leading_hits([b.key for b in blocks]) if self.host is not None else 0
         owners = [self.owner(b.key) for b in blocks[in_host:]]
-        return ["host"] * in_host + [owner.address if owner else "none" for owner in owners]
+        return ["host"] * in_host + [owner.name if owner else "none" for owner in owners]
 
     async def shared_buffer(self, nbytes: int) -> memoryview:
         """Memory the daemons on this host write into directly: Get into views of it costs no copy here.
@@ -283,7 +332,7 @@ class AsyncKVClient:
 
     def last_errors(self) -> dict[str, str]:
         """The last error of each daemon that has failed a call."""
-        return {address: shard.last_error for address, shard in self.shards.items() if shard.last_error}
+        return {name: shard.last_error for name, shard in self.shards.items() if shard.last_error}
 
     async def server_stats(self) -> dict[str, Stats | None]:
         """Each daemon's Stats (its samples, kvstore.stats); None for a daemon that did not answer."""
@@ -293,5 +342,6 @@ class AsyncKVClient:
             except grpc.RpcError as exc:
                 self._failed(shard, exc)
                 return None
-        values = await asyncio.gather(*(one(shard) for shard in self.shards.values()))
-        return dict(zip(self.shards, values))
+        shards = self.shards
+        values = await asyncio.gather(*(one(shard) for shard in shards.values()))
+        return dict(zip(shards, values))

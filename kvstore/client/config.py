@@ -5,10 +5,17 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from kvstore.client.membership import Dns, EtcdMembers, Static, is_target, source
+
+_DISCOVERED_DAEMONS = 8  # the pool's automatic size when the daemons are discovered, not listed
+
 
 @dataclass(frozen=True, slots=True)
 class ClientConfig:
-    servers: tuple[str, ...]  # "host:port" of every daemon
+    # "host:port" of every daemon, or one discovery target: dns:///NAME:PORT, dns+srv:///NAME or
+    # etcd://HOST:PORT/PREFIX (kvstore/client/membership.py), followed as daemons join and leave
+    servers: tuple[str, ...]
+    membership_refresh_s: float = 5.0  # how often DNS is asked again (etcd is watched)
     timeout_s: float = 5.0  # deadline of every data call (Get, Put)
     lookup_timeout_s: float = 1.0  # deadline of control calls (Lookup, Touch, Delete, Stats)
     put_chunk_bytes: int = 4 * 2**20
@@ -32,17 +39,23 @@ class ClientConfig:
     tls_server_name: str | None = None  # the name the daemons' certificates carry, if not their address
 
     def __post_init__(self) -> None:
-        if isinstance(self.servers, str):
-            object.__setattr__(self, "servers", tuple(s for s in self.servers.split(",") if s))
+        servers = self.servers.split(",") if isinstance(self.servers, str) else list(self.servers)
+        servers = [s.strip() for s in servers if s.strip()]
+        if any(is_target(s) for s in servers):  # an etcd target lists its endpoints with commas
+            servers = [",".join(servers)]
+        object.__setattr__(self, "servers", tuple(servers))
         if not self.servers:
-            raise ValueError("ClientConfig.servers must list at least one daemon as host:port")
-        for server in self.servers:
-            host, _, port = server.rpartition(":")
-            if not host or not port.isdigit():
-                raise ValueError(f"server {server!r} is not host:port")
+            raise ValueError("ClientConfig.servers must list at least one daemon as host:port, or name a "
+                             "dns:///, dns+srv:/// or etcd:// target")
+        if not is_target(self.servers[0]):
+            for server in self.servers:
+                host, _, port = server.rpartition(":")
+                if not host or not port.isdigit():
+                    raise ValueError(f"server {server!r} is not host:port")
         if len(set(self.servers)) != len(self.servers):
             raise ValueError(f"servers lists a daemon twice: {self.servers}")
-        for name in ("timeout_s", "lookup_timeout_s", "down_backoff_s", "max_down_backoff_s"):
+        for name in ("timeout_s", "lookup_timeout_s", "down_backoff_s", "max_down_backoff_s",
+                     "membership_refresh_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ClientConfig.{name} must be positive")
         if self.shared_memory not in ("auto", "on", "off"):
@@ -67,11 +80,17 @@ class ClientConfig:
                              "put waits on the pool for its data-channel call")
         if self.put_chunk_bytes < 1 or self.max_message_bytes < 1 or self.write_behind_bytes < 1:
             raise ValueError("ClientConfig.put_chunk_bytes, max_message_bytes, write_behind_bytes must be positive")
+        self.members()  # a malformed target fails here, with its message
+
+    def members(self) -> Static | Dns | EtcdMembers:
+        """Where the daemons come from: the static list, DNS or etcd (kvstore/client/membership.py)."""
+        return source(self.servers, self.membership_refresh_s, self.lookup_timeout_s)
 
     @property
     def pool_threads(self) -> int:
         """The size of the client's thread pool (`worker_threads`, or the automatic size)."""
-        return self.worker_threads or 2 * (len(self.servers) + 1)
+        daemons = _DISCOVERED_DAEMONS if is_target(self.servers[0]) else len(self.servers)
+        return self.worker_threads or 2 * (daemons + 1)
 
     @property
     def metadata(self) -> tuple[tuple[str, str], ...]:

@@ -34,11 +34,15 @@ _DOWN_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, g
 
 
 class Shard:
-    def __init__(self, address: str, config: ClientConfig, executor: Executor | None = None) -> None:
-        self.address = address
+    def __init__(self, address: str, config: ClientConfig, executor: Executor | None = None,
+                 name: str | None = None) -> None:
+        self.address = address  # where to connect
+        self.name = name or address  # the member's name (kvstore/client/membership.py): what TLS verifies
         self.config = config
         self._executor = executor  # where blocking probes run (None: the event loop's default executor)
-        self.channel = open_channel(address, config)
+        # A member found by SRV is connected to at the address its name resolved to, and TLS checks the name.
+        self.server_name = config.tls_server_name or (_host(self.name) if self.name != address else None)
+        self.channel = open_channel(address, config, self.server_name)
         self.metadata = config.metadata
         self._data_tls = data_tls(config)
         self._lookup = self.channel.unary_unary(method("Lookup"), pb.LookupRequest.SerializeToString,
@@ -97,7 +101,7 @@ class Shard:
             host = self.address.rpartition(":")[0].strip("[]")
             mode = self.config.shared_memory
             local = info.data_socket and (mode == "on" or (mode == "auto" and info.host_id == host_id() != ""))
-            security = dict(tls=self._data_tls, server_name=self.config.tls_server_name, token=self.config.token)
+            security = dict(tls=self._data_tls, server_name=self.server_name, token=self.config.token)
             if local and await asyncio.get_running_loop().run_in_executor(
                     self._executor, _connectable, info.data_socket, self.config.lookup_timeout_s):
                 self._data = DataChannel(host, info.data_port, unix_path=info.data_socket, **security)
@@ -166,8 +170,9 @@ class Shard:
         await self.channel.close()
 
 
-def open_channel(address: str, config: ClientConfig) -> grpc.aio.Channel:
-    """A gRPC channel to one daemon: TLS (mutual, with a client certificate) where the config says so."""
+def open_channel(address: str, config: ClientConfig, server_name: str | None = None) -> grpc.aio.Channel:
+    """A gRPC channel to one daemon: TLS (mutual, with a client certificate) where the config says so;
+    `server_name`: the name its certificate must carry, if not `address`'s host."""
     options = [
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
@@ -184,9 +189,13 @@ def open_channel(address: str, config: ClientConfig) -> grpc.aio.Channel:
     credentials = grpc.ssl_channel_credentials(
         root_certificates=_read(config.tls_ca), private_key=_read(config.tls_key),
         certificate_chain=_read(config.tls_cert))
-    if config.tls_server_name:
-        options.append(("grpc.ssl_target_name_override", config.tls_server_name))
+    if server_name or config.tls_server_name:
+        options.append(("grpc.ssl_target_name_override", server_name or config.tls_server_name))
     return grpc.aio.secure_channel(address, credentials, options=options)
+
+
+def _host(address: str) -> str:
+    return address.rpartition(":")[0].strip("[]")
 
 
 def _read(path: str | None) -> bytes | None:

@@ -95,6 +95,12 @@ class ServerConfig:
     fd_reserve: int = 1024  # descriptors no connection may take: segment files, the index, logs
     log_level: str = "INFO"
 
+    # Membership in etcd (docs/deployment.md): "etcd://HOST:2379/PREFIX" registers this daemon under PREFIX
+    # while it serves, for clients given the same target; None: clients list the daemons or use DNS.
+    register: str | None = None
+    advertise: str | None = None  # "host:port" clients reach this daemon at; default: host and port, if specific
+    register_ttl_s: float = 10.0  # the lease: a daemon that dies leaves the membership this long after
+
     # Security (docs/operations.md, "Running a secured cluster"). Off by default for loopback development.
     auth_tokens: Path | None = None  # TOML token file (kvstore/server/auth.py); None: no authentication
     tls_cert: Path | None = None  # PEM certificate chain; with tls_key, gRPC and the data channel speak TLS
@@ -191,8 +197,31 @@ class ServerConfig:
             if not 0 < getattr(self, name) < math.inf:
                 raise ValueError(f"{name} must be a positive number of seconds, got {getattr(self, name)}")
         self._check_caller_limits()
+        self._check_registration()
         if not isinstance(self.log_level, str) or self.log_level.upper() not in logging.getLevelNamesMapping():
             raise ValueError(f"log_level must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL, got {self.log_level!r}")
+
+    def _check_registration(self) -> None:
+        if self.register is None:
+            return
+        from kvstore.etcd import parse_url
+
+        parse_url(self.register)  # ValueError with the shape it wants
+        if not 1 <= self.register_ttl_s < math.inf:
+            raise ValueError(f"register_ttl_s must be at least 1 second (etcd leases are whole seconds), "
+                             f"got {self.register_ttl_s}")
+        if self.advertise is None and (self.host in ("0.0.0.0", "::", "") or self.port == 0):
+            raise ValueError("register needs advertise=host:port: the address clients reach this daemon at "
+                             f"(host {self.host!r} and port {self.port} name no single address)")
+        advertise = self.advertised
+        host, _, port = advertise.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"advertise must be host:port, got {advertise!r}")
+
+    @property
+    def advertised(self) -> str:
+        """The address registered in etcd: `advertise`, or host:port."""
+        return self.advertise or f"{self.host}:{self.port}"
 
     def _check_caller_limits(self) -> None:
         """The limits on what one caller may hold (kvstore/server/limits.py)."""
@@ -221,7 +250,7 @@ _SIZE_FIELDS = {"capacity_bytes", "segment_bytes", "direct_io_min_bytes", "hot_t
                 "max_grpc_send_bytes_per_principal"}
 _TIME_FIELDS = {"expiry_bucket_s", "sweep_interval_s", "access_flush_interval_s", "grace_s", "data_frame_timeout_s",
                 "data_idle_timeout_s", "put_record_timeout_s", "rpc_stream_timeout_s", "grpc_handshake_timeout_s",
-                "grpc_connection_idle_s"}
+                "grpc_connection_idle_s", "register_ttl_s"}
 _FIELDS = {f.name: f for f in dataclasses.fields(ServerConfig)}
 
 
@@ -229,7 +258,8 @@ def _coerce(name: str, value: Any) -> Any:
     if name not in _FIELDS:
         raise ValueError(f"unknown setting {name!r}; known: {', '.join(sorted(_FIELDS))}")
     if name in ("metrics_port", "data_port", "data_socket", "port_file", "access_log", "auth_tokens", "tls_cert",
-                "tls_key", "tls_client_ca") and (value is None or str(value).lower() in ("", "none", "off")):
+                "tls_key", "tls_client_ca", "register", "advertise") and (
+            value is None or str(value).lower() in ("", "none", "off")):
         return None
     try:
         if name in _SIZE_FIELDS:

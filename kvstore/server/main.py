@@ -21,6 +21,7 @@ from kvstore.server.dataplane import DataPlaneServer
 from kvstore.server.index import IndexUnavailable
 from kvstore.server.limits import ByteBudget, CallLimiter
 from kvstore.server.metrics import Metrics
+from kvstore.server.registration import Registration
 from kvstore.server.security import Security
 from kvstore.server.service import KVStoreService
 from kvstore.server.store import BlockStore, DataDirInUse
@@ -104,10 +105,16 @@ async def serve(config: ServerConfig, stop: asyncio.Event | None = None) -> None
         except (NotImplementedError, RuntimeError):  # not the main thread (tests)
             pass
     maintenance = asyncio.create_task(store.retention.run())
+    registration = None
+    if config.register is not None:  # only once serving: a client that sees the entry can use it
+        registration = Registration(config.register, config.advertised, config.register_ttl_s)
+        registration.start()
     try:
         await stop.wait()
     finally:
         log.info("shutting down: draining RPCs for up to %.1f s", config.grace_s)
+        if registration is not None:
+            await loop.run_in_executor(None, registration.stop)
         await health_servicer.enter_graceful_shutdown()
         await asyncio.gather(server.stop(config.grace_s), data_plane.stop(config.grace_s))
         maintenance.cancel()
