@@ -62,6 +62,7 @@ class GetAssembly:
         self.payloads: dict[int, Buffer] = {}
         self.received_bytes: dict[int, int] = {}  # local -> verified payload bytes so far
         self.broken: set[int] = set()
+        self.hot: dict[int, int] = {}  # local -> the copies the daemon wants of a block it finds hot
 
     @property
     def bytes_received(self) -> int:
@@ -84,6 +85,8 @@ class GetAssembly:
                 header = decode_header(head.header)
                 header.check_expected(self.blocks[self.positions[local]])
                 self.headers[local] = header
+                if head.replicas > 1:
+                    self.hot[local] = head.replicas
             except CorruptRecord as exc:  # a collision or a substituted block: a miss
                 self._miss(local, exc.cause)
         return bool(head.payload_bytes) and local not in self.broken and local in self.headers

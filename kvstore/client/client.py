@@ -13,21 +13,22 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Container, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
 
 from kvstore.block import Block, same_namespace
-from kvstore.client.assembly import BlockData, Buffer
+from kvstore.client.assembly import BlockData, Buffer, GetAssembly
 from kvstore.client.config import ClientConfig
 from kvstore.client.cost import BandwidthMeter
 from kvstore.client.dataplane import SharedBuffer, TransportError, put_head
 from kvstore.client.get_pipeline import GetPipeline
 from kvstore.client.host_tier import HostTier
 from kvstore.client.membership import Follower, Members, MembershipError
-from kvstore.client.placement import place
+from kvstore.client.placement import place, ranked
+from kvstore.client.replicas import Replicas
 from kvstore.client.shard import Shard
 from kvstore.eviction import ReuseHint
 from kvstore.proto import pb
@@ -55,6 +56,8 @@ class ClientStats:
     bytes_read: int = 0
     bytes_written: int = 0
     membership_changes: int = 0  # times the set of daemons changed after the client started
+    copies_made: int = 0  # copies of hot blocks this client put on members that lacked them
+    copy_reads: int = 0  # blocks read from a copy's holder rather than the owner
 
 
 class AsyncKVClient:
@@ -82,8 +85,13 @@ class AsyncKVClient:
             loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
             loop = None
-        self.gets = GetPipeline(self.stats, self.bandwidth, self.host, self.owner, self.executor,
+        self.replicas = Replicas()
+        self._copying: set[bytes] = set()  # hot blocks whose copies are being made
+        self._copies: set[asyncio.Task] = set()  # ... by these tasks, cancelled at close
+        self._loop = loop
+        self.gets = GetPipeline(self.stats, self.bandwidth, self.host, self.reader, self.executor,
                                 self.config.timeout_s, loop)
+        self.gets.after_get = self._after_get
         self._follower: Follower | None = None
         self._leaving: set[asyncio.Task] = set()  # closes of shards whose daemons left
         if members.follows:
@@ -117,6 +125,9 @@ class AsyncKVClient:
     async def close(self) -> None:
         if self._follower is not None:
             self._follower.stop()  # wakes its thread (a watch is cut), which then ends at once
+        for task in self._copies:
+            task.cancel()
+        await asyncio.gather(*self._copies, return_exceptions=True)
         await asyncio.gather(*(shard.close() for shard in self.shards.values()), *self._leaving)
         for shared in self.gets.shared_buffers:
             shared.close()
@@ -135,6 +146,69 @@ class AsyncKVClient:
         shards = self.shards
         live = [name for name, shard in shards.items() if shard.up]
         return shards[place(key, live)] if live else None
+
+    def reader(self, key: bytes) -> Shard | None:
+        """The live daemon to read `key` from: its owner, or for a hot block the least loaded holder of a copy."""
+        shards = self.shards
+        live = [name for name, shard in shards.items() if shard.up]
+        if not live:
+            return None
+        return shards[self.replicas.reader(key, live)]
+
+    def _after_get(self, shard: Shard, assembly: GetAssembly, delivered: Container[int]) -> None:
+        """Copies of hot blocks: make those the daemon asked for; forget a holder that no longer had one."""
+        name = shard.name
+        for local, position in enumerate(assembly.positions):
+            block = assembly.blocks[position]
+            if position not in delivered:
+                self.replicas.missed(block.key, name)
+            elif name != self.owner_name(block.key):
+                self.stats.copy_reads += 1
+            factor = assembly.hot.get(local)
+            if factor and block.key not in self._copying and self._loop is not None:
+                self._copying.add(block.key)
+                self._loop.call_soon_threadsafe(self._start_copying, block, factor)
+
+    def owner_name(self, key: bytes) -> str | None:
+        shard = self.owner(key)
+        return shard.name if shard else None
+
+    def _start_copying(self, block: Block, factor: int) -> None:
+        task = asyncio.ensure_future(self._copy(block, factor))
+        self._copies.add(task)
+        task.add_done_callback(self._copies.discard)
+
+    async def _copy(self, block: Block, factor: int) -> None:
+        """Keep `factor` copies of a hot block: on its owner and the next members in rendezvous order."""
+        try:
+            shards = self.shards
+            targets = ranked(block.key, [n for n, s in shards.items() if s.up], factor)[1:]
+            held = await self.present_on([shards[t] for t in targets], block)
+            missing = [t for t, has in zip(targets, held) if not has]
+            holders = {t for t, has in zip(targets, held) if has}
+            if missing:
+                data = await self.get([block])  # from the owner, or a holder: any copy is whole and verified
+                if data:
+                    header = data[0].header
+                    record = build_record(block, data[0].payload, header.n_layers, header.traffic_class)
+                    for target in missing:
+                        results = await self._put_records(shards[target], [record], None)
+                        if results and results[0] in (pb.STORED, pb.EXISTS):
+                            holders.add(target)
+                            self.stats.copies_made += results[0] == pb.STORED
+            self.replicas.held(block.key, frozenset(holders))
+        finally:
+            self._copying.discard(block.key)
+
+    async def present_on(self, shards: Sequence[Shard], block: Block) -> list[bool]:
+        """Whether each of `shards` holds `block` (a failed daemon: no)."""
+        async def one(shard: Shard) -> bool:
+            try:
+                return (await shard.present([block.key]))[0]
+            except grpc.RpcError as exc:
+                self._failed(shard, exc)
+                return False
+        return list(await asyncio.gather(*(one(shard) for shard in shards)))
 
     def _group(self, blocks: Sequence[Block]) -> dict[Shard | None, list[int]]:
         groups: dict[Shard | None, list[int]] = {}
@@ -260,35 +334,40 @@ class AsyncKVClient:
                 self.host.put(decode_header(header), payload)
 
         async def put_to(shard: Shard | None, positions: list[int]) -> None:
-            if shard is None:
-                summary.failed += len(positions)
-                return
             mine = [records[i] for i in positions]
-            try:
-                channel = await shard.data_channel()
-                results = None
-                if channel is not None:
-                    try:
-                        results = await asyncio.get_running_loop().run_in_executor(
-                            self.executor, channel.put, mine, self.config.timeout_s, hint)
-                    except TransportError as exc:  # refused before anything was stored: gRPC carries it
-                        if not exc.refused:
-                            raise
-                        self._fell_back(shard, exc)
-                if results is None:
-                    results = await shard.put(self._put_messages(mine, hint))
-            except (grpc.RpcError, TransportError) as exc:
-                self._failed(shard, exc)
+            results = None if shard is None else await self._put_records(shard, mine, hint)
+            if results is None:
                 summary.failed += len(positions)
                 return
-            shard.succeeded()
             summary.stored += sum(1 for r in results if r == pb.STORED)
             summary.existed += sum(1 for r in results if r == pb.EXISTS)
-            self.stats.bytes_written += sum(len(h) + len(p) for (h, p), r in zip(mine, results) if r == pb.STORED)
 
         await asyncio.gather(*(put_to(shard, positions)
                                for shard, positions in self._group([b for b, _ in items]).items()))
         return summary
+
+    async def _put_records(self, shard: Shard, records: Sequence[tuple[bytes, bytes]],
+                           hint: ReuseHint | None) -> list[int] | None:
+        """Put records on one daemon: its data channel, or gRPC; each record's result, or None if it failed."""
+        try:
+            channel = await shard.data_channel()
+            results = None
+            if channel is not None:
+                try:
+                    results = await asyncio.get_running_loop().run_in_executor(
+                        self.executor, channel.put, records, self.config.timeout_s, hint)
+                except TransportError as exc:  # refused before anything was stored: gRPC carries it
+                    if not exc.refused:
+                        raise
+                    self._fell_back(shard, exc)
+            if results is None:
+                results = await shard.put(self._put_messages(records, hint))
+        except (grpc.RpcError, TransportError) as exc:
+            self._failed(shard, exc)
+            return None
+        shard.succeeded()
+        self.stats.bytes_written += sum(len(h) + len(p) for (h, p), r in zip(records, results) if r == pb.STORED)
+        return results
 
     def _put_messages(self, records: Sequence[tuple[bytes, bytes]], hint: ReuseHint | None) -> Iterator[bytes]:
         chunk = self.config.put_chunk_bytes

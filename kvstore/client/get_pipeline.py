@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from concurrent.futures import Executor
 from typing import TYPE_CHECKING
 
@@ -47,7 +47,9 @@ class GetPipeline:
                  owner: Callable[[bytes], Shard | None], executor: Executor, timeout_s: float,
                  loop: asyncio.AbstractEventLoop | None = None) -> None:
         self.stats, self.bandwidth, self.host = stats, bandwidth, host
-        self.owner = owner  # key -> the live daemon that owns it, or None
+        self.owner = owner  # key -> the live daemon to read it from (its owner or a copy's holder), or None
+        # told each daemon's share and the positions it delivered, once a get or load is done (hot blocks' copies)
+        self.after_get: Callable[[Shard, GetAssembly, Container[int]], None] | None = None
         self.executor = executor
         self.timeout_s = timeout_s
         self.loop = loop  # where gRPC fallbacks of data-channel calls made on worker threads run
@@ -216,7 +218,10 @@ class GetPipeline:
         """The leading run of verified blocks the plans delivered; counted, and kept in the host tier."""
         results: dict[int, BlockData] = {}
         for plan in plans:
-            results.update(plan.assembly.results())
+            delivered = plan.assembly.results()
+            results.update(delivered)
+            if self.after_get is not None:
+                self.after_get(plan.shard, plan.assembly, delivered)
         prefix: list[BlockData] = []
         while len(prefix) in results:
             prefix.append(results[len(prefix)])

@@ -168,7 +168,7 @@ class Loader:
     def _daemon_groups(self, blocks: Sequence[Block], start: int, end: int) -> dict[Shard, list[int]]:
         groups: dict = {}
         for position in range(start, end):
-            groups.setdefault(self.client.owner(blocks[position].key), []).append(position)
+            groups.setdefault(self.client.reader(blocks[position].key), []).append(position)
         return groups
 
     def _from_host(self, pinned, progress: LoadProgress, destination: KVDestination) -> None:
@@ -231,6 +231,8 @@ class Loader:
             self.client.stats.tier_hits["daemon"] += len(positions)
             gets.measured(shard, assembly, time.perf_counter() - started)
         whole = [p for p in positions if p not in incomplete]
+        if gets.after_get is not None:
+            gets.after_get(shard, assembly, set(whole))
         if whole and self.client.host is not None and getattr(destination, "host_resident", False):
             await work.in_pool(piece, pool, self._keep_in_host, destination, assembly, whole)
 

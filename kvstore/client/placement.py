@@ -19,3 +19,9 @@ def score(member: str, key: bytes) -> int:
 def place(key: bytes, members: Sequence[str]) -> str:
     """The member that owns `key`; `members` must not be empty."""
     return max(members, key=lambda member: score(member, key))
+
+
+def ranked(key: bytes, members: Sequence[str], n: int) -> list[str]:
+    """The first `n` members for `key` in rendezvous order: the owner, then where its copies go. Every client
+    computes the same list, and a member joining or leaving shifts it by at most one place."""
+    return sorted(members, key=lambda member: score(member, key), reverse=True)[:n]

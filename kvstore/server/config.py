@@ -52,6 +52,11 @@ class ServerConfig:
     compaction_min_garbage: float = 0.5  # compact a sealed segment once this share of it is dead
     hot_tier_bytes: int = 256 * 2**20
     eviction_policy: str = "lru"  # lru, s3fifo, sieve, prefix-lfu or prefix-reuse (kvstore/eviction/)
+    # Hot prefixes (docs/design.md, "Hot blocks"): a block read at least hot_reads times within about
+    # hot_window_s is announced hot, and clients keep hot_replicas copies of it, reading any; 1: no copies.
+    hot_replicas: int = 1
+    hot_reads: int = 32
+    hot_window_s: float = 10.0
     access_log: Path | None = None  # a compact line per block read or stored, for `kvstore analytics log`
     access_log_max_bytes: int = 256 * 2**20  # then it is rotated once, to <access_log>.1
 
@@ -176,7 +181,7 @@ class ServerConfig:
         for name in ("capacity_bytes", "segment_bytes", "max_block_bytes", "max_message_bytes",
                      "max_inflight_put_bytes", "lmdb_map_bytes", "max_keys_per_request", "max_region_bytes",
                      "max_concurrent_rpcs", "io_threads", "access_log_max_bytes", "max_data_connections",
-                     "max_data_connections_per_peer", "max_unfinished_frame_bytes"):
+                     "max_data_connections_per_peer", "max_unfinished_frame_bytes", "hot_replicas", "hot_reads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.direct_io_min_bytes < 0:
@@ -193,7 +198,7 @@ class ServerConfig:
         if self.max_data_connections_per_peer > self.max_data_connections:
             raise ValueError("max_data_connections_per_peer must be <= max_data_connections")
         for name in ("expiry_bucket_s", "sweep_interval_s", "access_flush_interval_s", "grace_s",
-                     "data_frame_timeout_s", "data_idle_timeout_s"):
+                     "data_frame_timeout_s", "data_idle_timeout_s", "hot_window_s"):
             if not 0 < getattr(self, name) < math.inf:
                 raise ValueError(f"{name} must be a positive number of seconds, got {getattr(self, name)}")
         self._check_caller_limits()
@@ -250,7 +255,7 @@ _SIZE_FIELDS = {"capacity_bytes", "segment_bytes", "direct_io_min_bytes", "hot_t
                 "max_grpc_send_bytes_per_principal"}
 _TIME_FIELDS = {"expiry_bucket_s", "sweep_interval_s", "access_flush_interval_s", "grace_s", "data_frame_timeout_s",
                 "data_idle_timeout_s", "put_record_timeout_s", "rpc_stream_timeout_s", "grpc_handshake_timeout_s",
-                "grpc_connection_idle_s", "register_ttl_s"}
+                "grpc_connection_idle_s", "register_ttl_s", "hot_window_s"}
 _FIELDS = {f.name: f for f in dataclasses.fields(ServerConfig)}
 
 

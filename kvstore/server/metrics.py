@@ -20,6 +20,8 @@ class Metrics:
                                   registry=r)
         self.misses = Counter("kvstore_misses", "Blocks not served by Get, by cause", ["cause"], registry=r)
         self.bytes_read = Counter("kvstore_read_bytes", "Payload bytes served by Get", registry=r)
+        self.hot_reads = Counter("kvstore_hot_reads", "Blocks served while hot (clients asked to keep copies)",
+                                 registry=r)
         self.region_bytes = Counter("kvstore_region_read_bytes", "Payload bytes written into clients' shared memory",
                                     registry=r)
         self.bytes_written = Counter("kvstore_written_bytes", "Record bytes written by Put", registry=r)

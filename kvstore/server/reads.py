@@ -42,7 +42,9 @@ async def get_parts(store: BlockStore, request: pb.GetRequest, target: Target | 
                         break
                     continue
                 opened.append(found)
-                yield head(index, pb.OK, found[2], found[2], found[1].header_bytes, 0), None
+                first = head(index, pb.OK, found[2], found[2], found[1].header_bytes, 0)
+                first.replicas = store.replicas_wanted(found[1].key)  # one read of the block
+                yield first, None
             alive = list(opened)
             for layer in range(request.layer_begin, max((o[3] for o in opened), default=0)):
                 survivors = []
@@ -123,7 +125,10 @@ async def _read(store: BlockStore, block: OpenBlock, begin: int, end: int, index
     except OSError:
         miss = store.miss(MissStatus.UNAVAILABLE, "io_error", block.key, block.entry)
         return head(index, part_status(miss.status), begin, end, header_bytes, 0, miss.cause), None
-    return head(index, pb.OK, begin, end, header_bytes, len(data)), data
+    part = head(index, pb.OK, begin, end, header_bytes, len(data))
+    if with_header:  # a block's first part: one read of it
+        part.replicas = store.replicas_wanted(block.key)
+    return part, data
 
 
 def head(index: int, status: int, begin: int, end: int, header: bytes, nbytes: int, cause: str = "") -> pb.GetPartHead:

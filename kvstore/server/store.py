@@ -34,6 +34,7 @@ from kvstore.server.access_times import AccessTimes
 from kvstore.server.accounting import Accounting
 from kvstore.server.block_reader import BlockReader, OpenBlock
 from kvstore.server.config import ServerConfig
+from kvstore.server.hot_keys import HotKeys
 from kvstore.server.hot_tier import HotTier
 from kvstore.server.index import Entry, Index, IndexDamaged, IndexNoSpace
 from kvstore.server.key_digest import KeyDigest
@@ -66,6 +67,7 @@ class BlockStore:
         self.clock = clock
         self.policy = policy or make_policy(config.eviction_policy, config.capacity_bytes)
         self.hot = HotTier(config.hot_tier_bytes)
+        self.hot_keys = HotKeys(config.hot_reads, config.hot_window_s) if config.hot_replicas > 1 else None
         self.names = Names(config)
         self.access = AccessTimes(self.policy, self.names.ttl_ms)
         self._pending: dict[bytes, asyncio.Future] = {}  # key -> done when the put writing it ends
@@ -209,6 +211,13 @@ class BlockStore:
 
     def close_block(self, block: OpenBlock) -> None:
         self._reader.close(block)
+
+    def replicas_wanted(self, key: bytes) -> int:
+        """Count a read of `key`; the copies clients should keep of it (hot_replicas) if it is hot, else 0."""
+        if self.hot_keys is None or not self.hot_keys.read(key):
+            return 0
+        self.metrics.hot_reads.inc()
+        return self.config.hot_replicas
 
     def record_hits(self, blocks: Sequence[OpenBlock], served_bytes: int) -> None:
         """Count and retain what was served; leaf first, so parents stay at least as recent as children."""
