@@ -50,7 +50,7 @@ test-multihost: install
 
 # deployment exercised: a real Prometheus scraping daemons and the API server, every dashboard query, the image
 test-deploy: install
-	deploy/peers.sh prometheus podman debootstrap
+	deploy/peers.sh prometheus podman debootstrap runc
 	$(BIN)/python -m pytest -q -m deploy tests/deploy
 
 # engine plug-ins (kvstore/connectors/) against the engines' own packages, each in a venv of its own built from

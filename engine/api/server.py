@@ -323,9 +323,11 @@ def build(config: ApiConfig) -> Service:
     folder, tokenizer = load_real_model() if config.model is None else (config.model, load_tokenizer(config.model))
     client = advisor = None
     if config.servers:
-        from kvstore.client import KVClient
+        from kvstore.client import ClientConfig, KVClient
+        from kvstore.client.config import security_from_environment
 
-        client = KVClient(list(config.servers))
+        # a secured cluster's token and CA come from KVSTORE_TOKEN, KVSTORE_TLS_CA, ... (docs/operations.md)
+        client = KVClient(ClientConfig(tuple(config.servers), **security_from_environment()))
         advising = ThreadPoolExecutor(1, thread_name_prefix="advise")  # the client blocks; the loop must not
         advisor = Advisor(lambda blocks, goes_on: advising.submit(client.advise, blocks, goes_on), config.idle_s)
     cost = ChunkCost(*config.chunk_cost) if config.chunk_cost else None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter
 from collections.abc import Container, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -57,7 +58,8 @@ class ClientStats:
     bytes_written: int = 0
     membership_changes: int = 0  # times the set of daemons changed after the client started
     copies_made: int = 0  # copies of hot blocks this client put on members that lacked them
-    copy_reads: int = 0  # blocks read from a copy's holder rather than the owner
+    copy_reads: int = 0  # blocks read from a copy's holder (or a moved block's previous owner), not the owner
+    handed_off: int = 0  # moved blocks this client found on their previous owner and copied to the new one
 
 
 class AsyncKVClient:
@@ -78,6 +80,8 @@ class AsyncKVClient:
             log.warning("no daemons known yet: %s", exc)
             known = ()
         self._set_members(known)
+        self._previous: tuple[str, ...] = ()  # the members before a daemon joined ...
+        self._previous_until = 0.0  # ... looked at for moved keys until then (time.monotonic)
         self.host = HostTier(self.config.host_tier_bytes, self.config.host_block_bytes,
                              self.config.host_tier_pinned) if self.config.host_tier_bytes else None
         self.bandwidth = BandwidthMeter()
@@ -114,8 +118,11 @@ class AsyncKVClient:
     def _changed(self, members: Members) -> None:
         """On the event loop: the follower saw another set of daemons. Only the keys of daemons that joined
         or left change owner (rendezvous); calls in flight to a leaving daemon end as misses."""
+        before = tuple(self.shards)
         left = self._set_members(members)
         self.stats.membership_changes += 1
+        if set(self.shards) - set(before):  # a daemon joined: the keys it owns now are on their old owners
+            self._previous, self._previous_until = before, time.monotonic() + self.config.handoff_s
         log.info("daemons now: %s", ", ".join(self.shards) or "none")
         for shard in left:
             task = asyncio.ensure_future(shard.close())
@@ -155,34 +162,58 @@ class AsyncKVClient:
             return None
         return shards[self.replicas.reader(key, live)]
 
+    def previous_owner(self, key: bytes, live: Sequence[str]) -> str | None:
+        """Shortly after a daemon joined: the member that owned `key` before, if another and still here."""
+        if not self._previous or time.monotonic() > self._previous_until:
+            return None
+        before = [name for name in self._previous if name in live]
+        if not before:
+            return None
+        previous = place(key, before)
+        return previous if previous != place(key, live) else None
+
     def _after_get(self, shard: Shard, assembly: GetAssembly, delivered: Container[int]) -> None:
-        """Copies of hot blocks: make those the daemon asked for; forget a holder that no longer had one."""
+        """Copies of hot blocks: make those the daemon asked for; copy a moved block read from its previous
+        owner to the new one; forget a holder that no longer had its copy."""
         name = shard.name
         for local, position in enumerate(assembly.positions):
             block = assembly.blocks[position]
             if position not in delivered:
                 self.replicas.missed(block.key, name)
-            elif name != self.owner_name(block.key):
+                continue
+            owner = self.owner_name(block.key)
+            if name == owner:
+                self.replicas.moved.pop(block.key, None)
+            else:
                 self.stats.copy_reads += 1
-            factor = assembly.hot.get(local)
-            if factor and block.key not in self._copying and self._loop is not None:
-                self._copying.add(block.key)
-                self._loop.call_soon_threadsafe(self._start_copying, block, factor)
+            if self.replicas.moved.get(block.key) == name and owner is not None:
+                self._start_copying(block, [owner], handoff=True)
+            elif factor := assembly.hot.get(local):
+                self._start_copying(block, factor)
 
     def owner_name(self, key: bytes) -> str | None:
         shard = self.owner(key)
         return shard.name if shard else None
 
-    def _start_copying(self, block: Block, factor: int) -> None:
-        task = asyncio.ensure_future(self._copy(block, factor))
-        self._copies.add(task)
-        task.add_done_callback(self._copies.discard)
+    def _start_copying(self, block: Block, where: int | list[str], handoff: bool = False) -> None:
+        """From any thread: copy `block` in the background, to the members `where` lists, or so that `where`
+        members hold it (the owner and the next ones in rendezvous order)."""
+        if block.key in self._copying or self._loop is None:
+            return
+        self._copying.add(block.key)
 
-    async def _copy(self, block: Block, factor: int) -> None:
-        """Keep `factor` copies of a hot block: on its owner and the next members in rendezvous order."""
+        def start() -> None:
+            task = asyncio.ensure_future(self._copy(block, where, handoff))
+            self._copies.add(task)
+            task.add_done_callback(self._copies.discard)
+        self._loop.call_soon_threadsafe(start)
+
+    async def _copy(self, block: Block, where: int | list[str], handoff: bool) -> None:
         try:
             shards = self.shards
-            targets = ranked(block.key, [n for n, s in shards.items() if s.up], factor)[1:]
+            targets = where if isinstance(where, list) else \
+                ranked(block.key, [n for n, s in shards.items() if s.up], where)[1:]
+            targets = [t for t in targets if t in shards]
             held = await self.present_on([shards[t] for t in targets], block)
             missing = [t for t, has in zip(targets, held) if not has]
             holders = {t for t, has in zip(targets, held) if has}
@@ -195,20 +226,31 @@ class AsyncKVClient:
                         results = await self._put_records(shards[target], [record], None)
                         if results and results[0] in (pb.STORED, pb.EXISTS):
                             holders.add(target)
-                            self.stats.copies_made += results[0] == pb.STORED
-            self.replicas.held(block.key, frozenset(holders))
+                            if results[0] == pb.STORED:
+                                self.stats.handed_off += handoff
+                                self.stats.copies_made += not handoff
+            if handoff:
+                if holders:  # the new owner has it: read it there from now on
+                    self.replicas.moved.pop(block.key, None)
+            else:
+                self.replicas.held(block.key, frozenset(holders))
         finally:
             self._copying.discard(block.key)
 
     async def present_on(self, shards: Sequence[Shard], block: Block) -> list[bool]:
         """Whether each of `shards` holds `block` (a failed daemon: no)."""
-        async def one(shard: Shard) -> bool:
-            try:
-                return (await shard.present([block.key]))[0]
-            except grpc.RpcError as exc:
-                self._failed(shard, exc)
-                return False
-        return list(await asyncio.gather(*(one(shard) for shard in shards)))
+        answers = await asyncio.gather(*(self._present_keys(shard, [block]) for shard in shards))
+        return [answer[0] for answer in answers]
+
+    async def _present_keys(self, shard: Shard, blocks: Sequence[Block]) -> list[bool]:
+        """Whether `shard` holds each of `blocks` (a failed daemon: none)."""
+        try:
+            found = await shard.present([b.key for b in blocks])
+        except grpc.RpcError as exc:
+            self._failed(shard, exc)
+            return [False] * len(blocks)
+        shard.succeeded()
+        return found
 
     def _group(self, blocks: Sequence[Block]) -> dict[Shard | None, list[int]]:
         groups: dict[Shard | None, list[int]] = {}
@@ -252,9 +294,33 @@ class AsyncKVClient:
                 out[i] = stored
 
         await asyncio.gather(*(ask(shard, positions) for shard, positions in self._group(blocks).items()))
+        if self._previous:
+            await self._present_on_previous_owners(blocks, out, in_host)
         return [held or stored for held, stored in zip(in_host, out, strict=True)]
 
+    async def _present_on_previous_owners(self, blocks: Sequence[Block], out: list[bool], in_host: list[bool]) -> None:
+        """Shortly after a daemon joined: look for the moved blocks its owner lacks on their previous owners
+        (one more round), and remember where they were found, for the get that follows."""
+        shards = self.shards
+        live = [name for name, shard in shards.items() if shard.up]
+        asked: dict[str, list[int]] = {}
+        for i, block in enumerate(blocks):
+            if not out[i] and not in_host[i] and (previous := self.previous_owner(block.key, live)) is not None:
+                asked.setdefault(previous, []).append(i)
+
+        async def ask(name: str, positions: list[int]) -> None:
+            found = await self._present_keys(shards[name], [blocks[i] for i in positions])
+            for i, stored in zip(positions, found, strict=True):
+                if stored:
+                    out[i] = True
+                    self.replicas.found_moved(blocks[i].key, name)
+
+        await asyncio.gather(*(ask(name, positions) for name, positions in asked.items()))
+
     async def _lookup_daemons(self, blocks: Sequence[Block]) -> int:
+        if self._previous and time.monotonic() <= self._previous_until:  # moved blocks count where they still are
+            found = await self.present(blocks)
+            return found.index(False) if False in found else len(found)
         groups = self._group(blocks)
 
         async def first_missing(shard: Shard | None, positions: list[int]) -> int:

@@ -16,6 +16,7 @@ class ClientConfig:
     # etcd://HOST:PORT/PREFIX (kvstore/client/membership.py), followed as daemons join and leave
     servers: tuple[str, ...]
     membership_refresh_s: float = 5.0  # how often DNS is asked again (etcd is watched)
+    handoff_s: float = 600.0  # after a daemon joins, moved keys are looked for on their previous owners this long
     timeout_s: float = 5.0  # deadline of every data call (Get, Put)
     lookup_timeout_s: float = 1.0  # deadline of control calls (Lookup, Touch, Delete, Stats)
     put_chunk_bytes: int = 4 * 2**20
@@ -55,7 +56,7 @@ class ClientConfig:
         if len(set(self.servers)) != len(self.servers):
             raise ValueError(f"servers lists a daemon twice: {self.servers}")
         for name in ("timeout_s", "lookup_timeout_s", "down_backoff_s", "max_down_backoff_s",
-                     "membership_refresh_s"):
+                     "membership_refresh_s", "handoff_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ClientConfig.{name} must be positive")
         if self.shared_memory not in ("auto", "on", "off"):

@@ -1,4 +1,4 @@
-"""Copies of hot blocks: which member holds one, which to read, and which copies are still to make.
+"""Where a block can be read besides its owner: copies of hot blocks, and blocks whose owner just changed.
 
 A daemon that sees a block read often marks it hot in its Get parts, with the number of copies it
 wants (GetPartHead.replicas, ServerConfig.hot_replicas). The client keeps them on the owner and the next
@@ -6,6 +6,10 @@ members in rendezvous order (every client picks the same members, and a change o
 copied in the background (a get from a holder, a put on each member that lacks it), and reads each hot
 block from the holder that has served this client the fewest blocks lately. A copy is the whole record,
 verified on every read like any block.
+
+When a daemon joins, the keys it now owns are still held by their previous owners. For a while after
+the change (ClientConfig.handoff_s) the client looks for a moved key there too, reads it there, and
+copies it to its new owner: a prefix stays a hit instead of breaking at its first moved block.
 """
 
 from __future__ import annotations
@@ -24,12 +28,17 @@ class Replicas:
         # key -> members other than the owner known to hold a copy (least recently marked first out)
         self.holders: OrderedDict[bytes, frozenset[str]] = OrderedDict()
         self.load: Counter[str] = Counter()  # blocks this client read from each member lately
+        self.moved: OrderedDict[bytes, str] = OrderedDict()  # key -> the previous owner found holding it
         self._reads = 0
 
     def reader(self, key: bytes, live: Sequence[str]) -> str:
-        """The member to read `key` from: its owner, or the least loaded holder of a copy."""
+        """The member to read `key` from: its owner, the previous owner of a moved key not yet copied to
+        it, or the least loaded holder of a copy."""
         owner = place(key, live)
         choice = owner
+        previous = self.moved.get(key)
+        if previous is not None and previous in live:
+            return previous
         copies = self.holders.get(key)
         if copies:
             choice = min((owner, *(m for m in copies if m in live)), key=self.load.__getitem__)
@@ -48,8 +57,15 @@ class Replicas:
         while len(self.holders) > self.max_keys:
             self.holders.popitem(last=False)
 
+    def found_moved(self, key: bytes, previous: str) -> None:
+        self.moved[key] = previous
+        while len(self.moved) > self.max_keys:
+            self.moved.popitem(last=False)
+
     def missed(self, key: bytes, member: str) -> None:
         """A holder did not have `key` (its copy was evicted or expired): read the others."""
+        if self.moved.get(key) == member:
+            del self.moved[key]
         copies = self.holders.get(key)
         if copies and member in copies:
             self.holders[key] = copies - {member}

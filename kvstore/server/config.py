@@ -55,8 +55,8 @@ class ServerConfig:
     # Hot prefixes (docs/design.md, "Hot blocks"): a block read at least hot_reads times within about
     # hot_window_s is announced hot, and clients keep hot_replicas copies of it, reading any; 1: no copies.
     hot_replicas: int = 1
-    hot_reads: int = 32
-    hot_window_s: float = 10.0
+    hot_reads: int = 32  # reads of one block within about hot_window_s that make it hot
+    hot_window_s: float = 10.0  # the window reads are counted in (a rate spans one to two of them)
     access_log: Path | None = None  # a compact line per block read or stored, for `kvstore analytics log`
     access_log_max_bytes: int = 256 * 2**20  # then it is rotated once, to <access_log>.1
 

@@ -72,11 +72,14 @@ def test_etcd_daemons_join_and_leave_a_running_client(daemons, etcd):
         until(lambda: joined.address in members(client), what="the joining daemon")
         assert client._async.stats.membership_changes >= 1
         moved = [b for b in blocks if place(b.key, sorted(members(client))) == joined.address]
-        assert 0 < len(moved) < len(blocks)  # only its share of the keys moved (to it, where they are misses)
+        assert 0 < len(moved) < len(blocks)  # only its share of the keys moved
         stayed = [b for b in blocks if b not in moved]
-        assert client.present(stayed) == [True] * len(stayed)
-        assert client.present(moved) == [False] * len(moved)
-        assert client.put([(b, p) for b, p in items if b in moved], NS.num_layers).stored == len(moved)
+        with KVClient(ClientConfig((joined.address,))) as direct:
+            assert direct.present(moved) == [False] * len(moved)  # the new owner starts empty ...
+            assert client.lookup(blocks) == len(blocks)  # ... and the moved blocks are found on their old owners
+            assert [bytes(d.payload) for d in client.get(blocks)] == [p for _, p in items]
+            until(lambda: client.stats.handed_off == len(moved), what="the moved blocks copied to their new owner")
+            assert direct.present(moved) == [True] * len(moved)
         assert client.lookup(blocks) == len(blocks)
 
         joined.stop()  # a clean stop revokes its lease: it leaves at once, not a TTL later
@@ -87,6 +90,21 @@ def test_etcd_daemons_join_and_leave_a_running_client(daemons, etcd):
         until(lambda: members(client) == {first[1].address}, timeout_s=10.0, what="the killed daemon's lease ending")
         survivors = [b for b in stayed if place(b.key, [d.address for d in first]) == first[1].address]
         assert survivors and client.present(survivors) == [True] * len(survivors)
+
+
+def test_without_a_handoff_the_moved_blocks_miss(daemons, etcd):
+    target = f"etcd://{etcd.endpoint}/kvstore/members"
+    first = daemons(2, "--register", target)
+    with KVClient(config(target, handoff_s=1e-6)) as client:
+        until(lambda: len(members(client)) == 2, what="both daemons")
+        items = conversation(40, seed=6)
+        client.put(items, NS.num_layers)
+        joined = daemons(1, "--register", target)[0]
+        until(lambda: joined.address in members(client), what="the joining daemon")
+        blocks = [b for b, _ in items]
+        moved = [i for i, b in enumerate(blocks) if place(b.key, sorted(members(client))) == joined.address]
+        assert client.lookup(blocks) == moved[0]  # the prefix breaks at its first moved block
+        assert client.stats.handed_off == 0 and first
 
 
 def test_a_client_started_before_any_daemon_finds_them(daemons, etcd):
@@ -131,8 +149,8 @@ def test_dns_a_records_followed_as_they_change(dns, tmp_path):
             dns.set_hosts({"kvstore.test": ["127.0.0.2", "127.0.0.3", "127.0.0.4"]})
             until(lambda: len(members(client)) == 3, what="the third A record")
             blocks = [b for b, _ in items]
-            held = client.present(blocks)
-            assert 0 < sum(held) < 20  # the keys the new member owns now miss; the rest still hit
+            moved = [b for b in blocks if place(b.key, sorted(members(client))) == f"127.0.0.4:{port}"]
+            assert 0 < len(moved) < 20 and client.lookup(blocks) == 20  # moved ones found on their old owners
             dns.set_hosts({"kvstore.test": []})  # no records: no daemons, every block a miss
             until(lambda: members(client) == set(), what="the records going away")
             assert client.lookup(blocks) == 0
