@@ -80,8 +80,10 @@ class AsyncKVClient:
             log.warning("no daemons known yet: %s", exc)
             known = ()
         self._set_members(known)
-        self._previous: tuple[str, ...] = ()  # the members before a daemon joined ...
+        self._previous: tuple[str, ...] = ()  # the members before the last change ...
         self._previous_until = 0.0  # ... looked at for moved keys until then (time.monotonic)
+        # daemons that left, kept open for the handoff: one that left cleanly serves for its leave_drain_s
+        self._departed: dict[str, Shard] = {}
         self.host = HostTier(self.config.host_tier_bytes, self.config.host_block_bytes,
                              self.config.host_tier_pinned) if self.config.host_tier_bytes else None
         self.bandwidth = BandwidthMeter()
@@ -121,13 +123,27 @@ class AsyncKVClient:
         before = tuple(self.shards)
         left = self._set_members(members)
         self.stats.membership_changes += 1
-        if set(self.shards) - set(before):  # a daemon joined: the keys it owns now are on their old owners
-            self._previous, self._previous_until = before, time.monotonic() + self.config.handoff_s
+        # The keys that changed owner are still on their old owners: a member that stays, or one that left
+        # and still serves while it drains. For handoff_s they are looked for there.
+        self._previous, self._previous_until = before, time.monotonic() + self.config.handoff_s
         log.info("daemons now: %s", ", ".join(self.shards) or "none")
+        for shard in self._departed.values():
+            self._close_later(shard, 0)
+        self._departed = {shard.name: shard for shard in left if shard.name not in self.shards}
         for shard in left:
+            self._close_later(shard, self.config.handoff_s if shard.name in self._departed else 0)
+
+    def _close_later(self, shard: Shard, delay_s: float) -> None:
+        def close() -> None:
+            if self._departed.get(shard.name) is shard and delay_s:
+                del self._departed[shard.name]
             task = asyncio.ensure_future(shard.close())
             self._leaving.add(task)
             task.add_done_callback(self._leaving.discard)
+        if delay_s:
+            asyncio.get_running_loop().call_later(delay_s, close)
+        else:
+            close()
 
     async def close(self) -> None:
         if self._follower is not None:
@@ -135,7 +151,8 @@ class AsyncKVClient:
         for task in self._copies:
             task.cancel()
         await asyncio.gather(*self._copies, return_exceptions=True)
-        await asyncio.gather(*(shard.close() for shard in self.shards.values()), *self._leaving)
+        await asyncio.gather(*(shard.close() for shard in (*self.shards.values(), *self._departed.values())),
+                             *self._leaving)
         for shared in self.gets.shared_buffers:
             shared.close()
         self.executor.shutdown(wait=False)  # idle workers exit; nothing here waits on a worker
@@ -157,17 +174,24 @@ class AsyncKVClient:
     def reader(self, key: bytes) -> Shard | None:
         """The live daemon to read `key` from: its owner, or for a hot block the least loaded holder of a copy."""
         shards = self.shards
+        previous = self.replicas.moved.get(key)
+        if previous is not None and (shard := self._member(previous)) is not None and shard.up:
+            return shard  # a moved block not yet copied to its new owner
         live = [name for name, shard in shards.items() if shard.up]
         if not live:
             return None
         return shards[self.replicas.reader(key, live)]
 
+    def _member(self, name: str) -> Shard | None:
+        """A member's shard, or that of one that left and is kept open for the handoff."""
+        return self.shards.get(name) or self._departed.get(name)
+
     def previous_owner(self, key: bytes, live: Sequence[str]) -> str | None:
-        """Shortly after a daemon joined: the member that owned `key` before, if another and still here."""
+        """Shortly after the daemons changed: the member that owned `key` before, if another and still up."""
         if not self._previous or time.monotonic() > self._previous_until:
             return None
-        before = [name for name in self._previous if name in live]
-        if not before:
+        before = [name for name in self._previous if (shard := self._member(name)) is not None and shard.up]
+        if not before or not live:
             return None
         previous = place(key, before)
         return previous if previous != place(key, live) else None
@@ -309,7 +333,7 @@ class AsyncKVClient:
                 asked.setdefault(previous, []).append(i)
 
         async def ask(name: str, positions: list[int]) -> None:
-            found = await self._present_keys(shards[name], [blocks[i] for i in positions])
+            found = await self._present_keys(self._member(name), [blocks[i] for i in positions])
             for i, stored in zip(positions, found, strict=True):
                 if stored:
                     out[i] = True

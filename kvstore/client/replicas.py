@@ -7,9 +7,10 @@ copied in the background (a get from a holder, a put on each member that lacks i
 block from the holder that has served this client the fewest blocks lately. A copy is the whole record,
 verified on every read like any block.
 
-When a daemon joins, the keys it now owns are still held by their previous owners. For a while after
-the change (ClientConfig.handoff_s) the client looks for a moved key there too, reads it there, and
-copies it to its new owner: a prefix stays a hit instead of breaking at its first moved block.
+When a daemon joins, the keys it now owns are still held by their previous owners; when one leaves
+cleanly, it serves on while it drains (ServerConfig.leave_drain_s). For a while after the change
+(ClientConfig.handoff_s) the client looks for a moved key on its previous owner too, reads it there,
+and copies it to its new owner: a prefix stays a hit instead of breaking at its first moved block.
 """
 
 from __future__ import annotations
@@ -32,13 +33,9 @@ class Replicas:
         self._reads = 0
 
     def reader(self, key: bytes, live: Sequence[str]) -> str:
-        """The member to read `key` from: its owner, the previous owner of a moved key not yet copied to
-        it, or the least loaded holder of a copy."""
+        """The member to read `key` from: its owner, or the least loaded holder of a copy."""
         owner = place(key, live)
         choice = owner
-        previous = self.moved.get(key)
-        if previous is not None and previous in live:
-            return previous
         copies = self.holders.get(key)
         if copies:
             choice = min((owner, *(m for m in copies if m in live)), key=self.load.__getitem__)

@@ -105,6 +105,9 @@ class ServerConfig:
     register: str | None = None
     advertise: str | None = None  # "host:port" clients reach this daemon at; default: host and port, if specific
     register_ttl_s: float = 10.0  # the lease: a daemon that dies leaves the membership this long after
+    # After SIGTERM, a registered daemon leaves the membership at once and serves on this long before its
+    # drain, so clients copy the blocks they read from it to their new owners (docs/operations.md).
+    leave_drain_s: float = 0.0
 
     # Security (docs/operations.md, "Running a secured cluster"). Off by default for loopback development.
     auth_tokens: Path | None = None  # TOML token file (kvstore/server/auth.py); None: no authentication
@@ -212,6 +215,8 @@ class ServerConfig:
         from kvstore.etcd import parse_url
 
         parse_url(self.register)  # ValueError with the shape it wants
+        if not 0 <= self.leave_drain_s < math.inf:
+            raise ValueError(f"leave_drain_s must be >= 0 seconds, got {self.leave_drain_s}")
         if not 1 <= self.register_ttl_s < math.inf:
             raise ValueError(f"register_ttl_s must be at least 1 second (etcd leases are whole seconds), "
                              f"got {self.register_ttl_s}")
@@ -255,7 +260,7 @@ _SIZE_FIELDS = {"capacity_bytes", "segment_bytes", "direct_io_min_bytes", "hot_t
                 "max_grpc_send_bytes_per_principal"}
 _TIME_FIELDS = {"expiry_bucket_s", "sweep_interval_s", "access_flush_interval_s", "grace_s", "data_frame_timeout_s",
                 "data_idle_timeout_s", "put_record_timeout_s", "rpc_stream_timeout_s", "grpc_handshake_timeout_s",
-                "grpc_connection_idle_s", "register_ttl_s", "hot_window_s"}
+                "grpc_connection_idle_s", "register_ttl_s", "hot_window_s", "leave_drain_s"}
 _FIELDS = {f.name: f for f in dataclasses.fields(ServerConfig)}
 
 

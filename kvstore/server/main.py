@@ -115,6 +115,9 @@ async def serve(config: ServerConfig, stop: asyncio.Event | None = None) -> None
         log.info("shutting down: draining RPCs for up to %.1f s", config.grace_s)
         if registration is not None:
             await loop.run_in_executor(None, registration.stop)
+            if config.leave_drain_s:  # out of the membership, still serving: clients copy what they read
+                log.info("left the membership; serving %.1f s more before the drain", config.leave_drain_s)
+                await asyncio.sleep(config.leave_drain_s)
         await health_servicer.enter_graceful_shutdown()
         await asyncio.gather(server.stop(config.grace_s), data_plane.stop(config.grace_s))
         maintenance.cancel()

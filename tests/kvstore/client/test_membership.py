@@ -5,6 +5,7 @@ dnsmasq (A records re-read on SIGHUP; SRV records of a headless-Service shape).
 """
 
 import os
+import signal
 import time
 
 import pytest
@@ -90,6 +91,26 @@ def test_etcd_daemons_join_and_leave_a_running_client(daemons, etcd):
         until(lambda: members(client) == {first[1].address}, timeout_s=10.0, what="the killed daemon's lease ending")
         survivors = [b for b in stayed if place(b.key, [d.address for d in first]) == first[1].address]
         assert survivors and client.present(survivors) == [True] * len(survivors)
+
+
+def test_a_daemon_that_leaves_cleanly_hands_its_blocks_over_while_it_drains(daemons, etcd):
+    target = f"etcd://{etcd.endpoint}/kvstore/members"
+    daemons(2, "--register", target)
+    leaving = daemons(1, "--register", target, "--leave-drain-s", "4")[0]
+    with KVClient(config(target)) as client:
+        until(lambda: len(members(client)) == 3, what="three daemons")
+        items = conversation(40, seed=8)
+        client.put(items, NS.num_layers)
+        blocks = [b for b, _ in items]
+        on_leaving = [b for b in blocks if place(b.key, sorted(members(client))) == leaving.address]
+        assert on_leaving
+        leaving.proc.send_signal(signal.SIGTERM)
+        until(lambda: leaving.address not in members(client), what="the leaving daemon leaving")
+        assert client.lookup(blocks) == 40  # the blocks it owned, found on it while it drains
+        assert [bytes(d.payload) for d in client.get(blocks)] == [p for _, p in items]
+        until(lambda: client.stats.handed_off == len(on_leaving), what="its blocks copied to their new owners")
+        assert leaving.proc.wait(timeout=20) == 0
+        assert client.lookup(blocks) == 40  # on their new owners now
 
 
 def test_without_a_handoff_the_moved_blocks_miss(daemons, etcd):
