@@ -24,14 +24,15 @@ class Pki:
     rogue_key: Path
 
 
-def make_pki(directory: Path) -> Pki:
+def make_pki(directory: Path, server_names: tuple[str, ...] = ()) -> Pki:
+    """`server_names`: DNS names the daemon's certificate carries besides 127.0.0.1 and localhost."""
     directory.mkdir(parents=True, exist_ok=True)
     ca_key, ca_cert = _ca("kvstore test CA")
     rogue_ca_key, rogue_ca_cert = _ca("someone else's CA")
     paths = {"ca": _write_cert(directory / "ca.pem", ca_cert)}
     for name, issuer_key, issuer, server in (("server", ca_key, ca_cert, True), ("client", ca_key, ca_cert, False),
                                              ("rogue", rogue_ca_key, rogue_ca_cert, False)):
-        key, cert = _leaf(name, issuer_key, issuer, server)
+        key, cert = _leaf(name, issuer_key, issuer, server, server_names)
         paths[f"{name}_cert"] = _write_cert(directory / f"{name}.pem", cert)
         paths[f"{name}_key"] = directory / f"{name}.key"
         pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
@@ -53,7 +54,7 @@ def _ca(name: str):
     return key, cert
 
 
-def _leaf(name: str, issuer_key, issuer: x509.Certificate, server: bool):
+def _leaf(name: str, issuer_key, issuer: x509.Certificate, server: bool, server_names: tuple[str, ...] = ()):
     key = ec.generate_private_key(ec.SECP256R1())
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"kvstore {name}")])
     builder = (_builder(subject, issuer.subject, key.public_key())
@@ -64,7 +65,8 @@ def _leaf(name: str, issuer_key, issuer: x509.Certificate, server: bool):
                                                      else x509.oid.ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False))
     if server:
         builder = builder.add_extension(x509.SubjectAlternativeName(
-            [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]), critical=False)
+            [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost"),
+             *(x509.DNSName(n) for n in server_names)]), critical=False)
     return key, builder.sign(issuer_key, hashes.SHA256())
 
 

@@ -16,6 +16,7 @@ from kvstore.client.placement import place
 from kvstore.server.config import ServerConfig
 from kvstore.server.process import DaemonProcess
 from tests.peers import DnsServer, EtcdServer
+from tests.pki import make_pki
 
 pytestmark = pytest.mark.integration
 
@@ -195,6 +196,19 @@ def test_dns_srv_members_keep_their_names_and_connect_to_what_they_resolve_to(da
         assert [d.payload for d in data] == [p for _, p in items]
         dns.restart(srv[:1], records)  # one pod gone from the Service
         until(lambda: len(members(client)) == 1, what="the SRV record going away")
+
+
+@pytest.mark.parametrize("names, verified", [(("*.kvstore.ns.test",), True), ((), False)])
+def test_tls_verifies_an_srv_member_by_its_name_not_the_address_it_resolved_to(daemons, dns, tmp_path, names, verified):
+    pki = make_pki(tmp_path / "pki", server_names=names)
+    cluster = daemons(2, "--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key))
+    srv = [("_grpc._tcp.kvstore.ns.test", f"kvstore-{i}.kvstore.ns.test", d.port) for i, d in enumerate(cluster)]
+    dns.start(srv, {f"kvstore-{i}.kvstore.ns.test": "127.0.0.1" for i in range(2)})
+    target = f"dns+srv://{dns.resolver}/_grpc._tcp.kvstore.ns.test"
+    with KVClient(config(target, tls_ca=str(pki.ca))) as client:
+        items = conversation(8, seed=9)
+        summary = client.put(items, NS.num_layers)
+        assert (summary.stored, summary.failed) == ((8, 0) if verified else (0, 8))
 
 
 @pytest.mark.parametrize("servers, message", [
