@@ -14,21 +14,22 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Container, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
 
 from kvstore.block import Block, same_namespace
-from kvstore.client.assembly import BlockData, Buffer, GetAssembly
+from kvstore.client.assembly import BlockData, Buffer
 from kvstore.client.config import ClientConfig
+from kvstore.client.copier import Copier
 from kvstore.client.cost import BandwidthMeter
 from kvstore.client.dataplane import SharedBuffer, TransportError, put_head
 from kvstore.client.get_pipeline import GetPipeline
 from kvstore.client.host_tier import HostTier
 from kvstore.client.membership import Follower, Members, MembershipError
-from kvstore.client.placement import place, ranked
+from kvstore.client.placement import place
 from kvstore.client.replicas import Replicas
 from kvstore.client.shard import Shard
 from kvstore.eviction import ReuseHint
@@ -92,12 +93,10 @@ class AsyncKVClient:
         except RuntimeError:
             loop = None
         self.replicas = Replicas()
-        self._copying: set[bytes] = set()  # hot blocks whose copies are being made
-        self._copies: set[asyncio.Task] = set()  # ... by these tasks, cancelled at close
-        self._loop = loop
+        self.copier = Copier(self, loop)
         self.gets = GetPipeline(self.stats, self.bandwidth, self.host, self.reader, self.executor,
                                 self.config.timeout_s, loop)
-        self.gets.after_get = self._after_get
+        self.gets.after_get = self.copier.after_get
         self._follower: Follower | None = None
         self._leaving: set[asyncio.Task] = set()  # closes of shards whose daemons left
         if members.follows:
@@ -148,9 +147,7 @@ class AsyncKVClient:
     async def close(self) -> None:
         if self._follower is not None:
             self._follower.stop()  # wakes its thread (a watch is cut), which then ends at once
-        for task in self._copies:
-            task.cancel()
-        await asyncio.gather(*self._copies, return_exceptions=True)
+        await self.copier.close()
         await asyncio.gather(*(shard.close() for shard in (*self.shards.values(), *self._departed.values())),
                              *self._leaving)
         for shared in self.gets.shared_buffers:
@@ -196,70 +193,9 @@ class AsyncKVClient:
         previous = place(key, before)
         return previous if previous != place(key, live) else None
 
-    def _after_get(self, shard: Shard, assembly: GetAssembly, delivered: Container[int]) -> None:
-        """Copies of hot blocks: make those the daemon asked for; copy a moved block read from its previous
-        owner to the new one; forget a holder that no longer had its copy."""
-        name = shard.name
-        for local, position in enumerate(assembly.positions):
-            block = assembly.blocks[position]
-            if position not in delivered:
-                self.replicas.missed(block.key, name)
-                continue
-            owner = self.owner_name(block.key)
-            if name == owner:
-                self.replicas.moved.pop(block.key, None)
-            else:
-                self.stats.copy_reads += 1
-            if self.replicas.moved.get(block.key) == name and owner is not None:
-                self._start_copying(block, [owner], handoff=True)
-            elif factor := assembly.hot.get(local):
-                self._start_copying(block, factor)
-
     def owner_name(self, key: bytes) -> str | None:
         shard = self.owner(key)
         return shard.name if shard else None
-
-    def _start_copying(self, block: Block, where: int | list[str], handoff: bool = False) -> None:
-        """From any thread: copy `block` in the background, to the members `where` lists, or so that `where`
-        members hold it (the owner and the next ones in rendezvous order)."""
-        if block.key in self._copying or self._loop is None:
-            return
-        self._copying.add(block.key)
-
-        def start() -> None:
-            task = asyncio.ensure_future(self._copy(block, where, handoff))
-            self._copies.add(task)
-            task.add_done_callback(self._copies.discard)
-        self._loop.call_soon_threadsafe(start)
-
-    async def _copy(self, block: Block, where: int | list[str], handoff: bool) -> None:
-        try:
-            shards = self.shards
-            targets = where if isinstance(where, list) else \
-                ranked(block.key, [n for n, s in shards.items() if s.up], where)[1:]
-            targets = [t for t in targets if t in shards]
-            held = await self.present_on([shards[t] for t in targets], block)
-            missing = [t for t, has in zip(targets, held) if not has]
-            holders = {t for t, has in zip(targets, held) if has}
-            if missing:
-                data = await self.get([block])  # from the owner, or a holder: any copy is whole and verified
-                if data:
-                    header = data[0].header
-                    record = build_record(block, data[0].payload, header.n_layers, header.traffic_class)
-                    for target in missing:
-                        results = await self._put_records(shards[target], [record], None)
-                        if results and results[0] in (pb.STORED, pb.EXISTS):
-                            holders.add(target)
-                            if results[0] == pb.STORED:
-                                self.stats.handed_off += handoff
-                                self.stats.copies_made += not handoff
-            if handoff:
-                if holders:  # the new owner has it: read it there from now on
-                    self.replicas.moved.pop(block.key, None)
-            else:
-                self.replicas.held(block.key, frozenset(holders))
-        finally:
-            self._copying.discard(block.key)
 
     async def present_on(self, shards: Sequence[Shard], block: Block) -> list[bool]:
         """Whether each of `shards` holds `block` (a failed daemon: no)."""
@@ -425,7 +361,7 @@ class AsyncKVClient:
 
         async def put_to(shard: Shard | None, positions: list[int]) -> None:
             mine = [records[i] for i in positions]
-            results = None if shard is None else await self._put_records(shard, mine, hint)
+            results = None if shard is None else await self.put_records(shard, mine, hint)
             if results is None:
                 summary.failed += len(positions)
                 return
@@ -436,7 +372,7 @@ class AsyncKVClient:
                                for shard, positions in self._group([b for b, _ in items]).items()))
         return summary
 
-    async def _put_records(self, shard: Shard, records: Sequence[tuple[bytes, bytes]],
+    async def put_records(self, shard: Shard, records: Sequence[tuple[bytes, bytes]],
                            hint: ReuseHint | None) -> list[int] | None:
         """Put records on one daemon: its data channel, or gRPC; each record's result, or None if it failed."""
         try:
