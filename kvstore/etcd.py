@@ -119,8 +119,8 @@ class Etcd:
             try:
                 connection.sock.settimeout(None)  # a quiet membership sends nothing for hours
                 yield from _watch_events(response)
-            except (OSError, http.client.HTTPException, ValueError) as exc:
-                raise EtcdError(f"etcd watch on {endpoint} broke: {exc}") from exc
+            except (OSError, http.client.HTTPException, ValueError, KeyError, TypeError, AttributeError) as exc:
+                raise EtcdError(f"etcd watch on {endpoint} broke: {exc!r}") from exc
             finally:
                 with self._lock:
                     self._watching = None
@@ -143,8 +143,9 @@ def _watch_events(response: http.client.HTTPResponse) -> Iterator[list[tuple[str
         if not line.strip():
             continue
         message = json.loads(line)
-        if "error" in message:
-            raise EtcdError(f"etcd watch: {message['error'].get('message', message['error'])}")
+        if "error" in message:  # {"error": "..."} or {"error": {"message": "...", ...}}, by gateway version
+            error = message["error"]
+            raise EtcdError(f"etcd watch: {error.get('message', error) if isinstance(error, dict) else error}")
         result = message.get("result", {})
         if result.get("compact_revision") or result.get("canceled"):
             return  # the caller re-reads the whole range
