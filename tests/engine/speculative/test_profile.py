@@ -1,0 +1,69 @@
+"""SPS(B) profiled on a real (tiny, random-weight) model: cached and reused, and non-increasing in B."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from engine.checkpoints.random_model import write_random_model
+from engine.model.decoder import Decoder
+from engine.speculative.profile import SpsProfile, format_profile, layout, load_or_measure
+
+TINY = {"model_type": "qwen3", "vocab_size": 4096, "hidden_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128,
+        "max_position_embeddings": 512, "rope_parameters": {"rope_type": "default", "rope_theta": 10_000.0}}
+GRID = (1, 4, 16, 48)
+
+
+@pytest.fixture(scope="module")
+def tiny_decoder(tmp_path_factory) -> Decoder:
+    path = tmp_path_factory.mktemp("tiny-model")
+    write_random_model(path, TINY)
+    return Decoder.from_pretrained(path)
+
+
+def test_the_profile_is_cached_and_reused(tiny_decoder: Decoder, tmp_path: Path) -> None:
+    profile, measured = load_or_measure(tiny_decoder, tmp_path, GRID, context=32, repeats=2)
+    assert measured
+    (cached,) = tmp_path.glob("sps-*.json")
+    written = cached.read_text()
+    assert json.loads(written)["key"]["torch"]
+    again, measured_again = load_or_measure(tiny_decoder, tmp_path, GRID, context=32, repeats=2)
+    assert not measured_again and again == profile
+    assert cached.read_text() == written  # read, not measured and rewritten
+    # another measurement's key (here: another context) is measured on its own, beside the first
+    _, other = load_or_measure(tiny_decoder, tmp_path, GRID, context=64, repeats=1)
+    assert other and len(list(tmp_path.glob("sps-*.json"))) == 2
+    # a damaged file is measured again, not trusted
+    cached.write_text("{not json")
+    _, remeasured = load_or_measure(tiny_decoder, tmp_path, GRID, context=32, repeats=1)
+    assert remeasured
+
+
+def test_sps_is_non_increasing_in_b(tiny_decoder: Decoder, tmp_path: Path) -> None:
+    profile, _ = load_or_measure(tiny_decoder, tmp_path, GRID, context=32, repeats=2)
+    assert profile.tokens == GRID
+    values = [profile.sps(b) for b in range(1, 200)]  # through the interpolation and past the last B
+    assert all(a >= b for a, b in zip(values, values[1:]))
+    assert all(v > 0 for v in values)
+    table = format_profile(profile)
+    assert len(table.splitlines()) == len(GRID) + 1
+
+
+def test_the_fit_irons_out_a_noisy_sample() -> None:
+    # B = 4 timed faster than B = 2 (noise): pooled with it, so the times never fall with B
+    profile = SpsProfile.fitted([(1, 0.010), (2, 0.020), (4, 0.016), (8, 0.040)])
+    assert profile.seconds == pytest.approx((0.010, 0.018, 0.018, 0.040))
+    assert profile.step_seconds(16) == pytest.approx(0.040 + 8 * (0.040 - 0.018) / 4)
+    assert SpsProfile.from_dict(profile.to_dict()) == profile
+    with pytest.raises(ValueError):
+        SpsProfile((1, 2), (0.02, 0.01))
+
+
+def test_layout_spreads_b_over_verification_chunks() -> None:
+    assert layout(1, 6) == [1]
+    assert layout(12, 6) == [6, 6]
+    assert layout(13, 6) == [5, 4, 4]
+    assert all(sum(layout(b, 6)) == b and max(layout(b, 6)) <= 6 for b in range(1, 200))
