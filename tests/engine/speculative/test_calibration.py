@@ -92,3 +92,15 @@ def test_positions_never_verified_keep_the_raw_confidence() -> None:
     assert calibration.temperatures[1:] == (1.0, 1.0)
     with pytest.raises(ValueError):
         Record((0.5,), 2)
+
+
+def test_a_calibrated_but_useless_constant_loses_to_an_informative_fit() -> None:
+    # raw 0.8 is accepted 3 times in 4, raw 0.2 once in 4: T = logit(0.8) / logit(0.75) ≈ 1.26 calibrates both
+    # exactly (ECE 0), and so does a huge T that maps both to about 0.5 (one bin, mean 0.5): the Brier
+    # score tells them apart, and the informative one is kept
+    records = [Record((0.8,), int(i % 4 != 0)) for i in range(40)] + [Record((0.2,), int(i % 4 == 0))
+                                                                       for i in range(40)]
+    calibration = fit(records, 1)
+    assert calibration.temperatures[0] == pytest.approx(np.log(4) / np.log(3), rel=0.05)
+    assert calibration.calibrated([0.8])[0] == pytest.approx(0.75, abs=0.01)
+    assert calibration.calibrated([0.2])[0] == pytest.approx(0.25, abs=0.01)
