@@ -45,7 +45,7 @@ test-processes: install
 # three daemon hosts and two engine hosts in network namespaces joined by a bridge: the real model's prefill and
 # decode across them with tokens and TLS, a link taken down and a slow, lossy link (needs root)
 test-multihost: install
-	deploy/peers.sh iproute2
+	deploy/peers.sh iproute2 iptables
 	$(BIN)/python -m pytest -q -m multihost tests/multihost
 
 # deployment exercised: a real Prometheus scraping daemons and the API server, every dashboard query, the image
