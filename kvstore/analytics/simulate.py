@@ -197,16 +197,20 @@ class _Retention:
 
 def _belady(requests: Sequence[Request], capacity_blocks: int | None, block_tokens: int,
             progress: Progress | None) -> ReplayResult:
-    """Belady's optimum: evict (or do not admit) the block whose next use is farthest in the future."""
+    """Belady's optimum: evict (or do not admit) the block whose next use is farthest in the future.
+
+    Next use is measured in requests, so every block of a prefix a request will read ties. Only a leading
+    run hits, so among those the deepest block is the one to give up: evicting the root would cut off
+    the whole run behind it. Blocks are ordered by (next use, depth), deepest first among equals."""
     result = ReplayResult("belady", capacity_blocks)
     uses: dict = defaultdict(list)
     for number, request in enumerate(requests):
         for key in request.hash_ids:
             uses[key].append(number)
     cursor: dict = defaultdict(int)
-    next_use: dict = {}
+    rank: dict = {}  # key -> (next use, depth): the larger, the sooner it goes
     present: set = set()
-    farthest: list = []  # (-next use, key), stale entries skipped
+    farthest: list = []  # (-next use, -depth, key), stale entries skipped
     never = math.inf
     for number, request in enumerate(requests):
         ids = request.hash_ids
@@ -214,28 +218,28 @@ def _belady(requests: Sequence[Request], capacity_blocks: int | None, block_toke
         while hit < len(ids) and ids[hit] in present:
             hit += 1
         _count(result, request, hit, block_tokens)
-        for key in ids:
+        for depth, key in enumerate(ids):
             cursor[key] += 1
             positions = uses[key]
-            next_use[key] = positions[cursor[key]] if cursor[key] < len(positions) else never
+            rank[key] = (positions[cursor[key]] if cursor[key] < len(positions) else never, depth)
             if key in present:
-                heapq.heappush(farthest, (-next_use[key], key))
+                heapq.heappush(farthest, (-rank[key][0], -depth, key))
         for key in ids[hit:_full_blocks(request, block_tokens)]:
             if key in present:
                 continue
             if capacity_blocks is not None and len(present) >= capacity_blocks:
                 while True:
-                    negative, victim = farthest[0]
-                    if victim in present and -negative == next_use[victim]:
+                    negative_use, negative_depth, victim = farthest[0]
+                    if victim in present and (-negative_use, -negative_depth) == rank[victim]:
                         break
                     heapq.heappop(farthest)
-                if -negative <= next_use[key]:
-                    continue  # this block is needed later than anything cached: do not admit it
+                if rank[victim] <= rank[key]:
+                    continue  # this block would go before anything cached: do not admit it
                 heapq.heappop(farthest)
                 present.discard(victim)
                 result.evictions += 1
             present.add(key)
-            heapq.heappush(farthest, (-next_use[key], key))
+            heapq.heappush(farthest, (-rank[key][0], -rank[key][1], key))
         if progress is not None:
             progress(number + 1)
     return result

@@ -20,6 +20,15 @@ def test_belady_and_infinite_on_a_known_sequence():
     assert replay(trace, "lru", 2).hit_blocks == 0, "LRU thrashes on this loop"
 
 
+def test_belady_gives_up_the_deepest_of_blocks_needed_at_once():
+    # 2 blocks. After [1, 2], block 3 arrives and is needed before them; 1 and 2 are next needed together
+    # (request 3). Evicting 1, the root, would leave 2 unreadable (hits are a leading run): evict 2.
+    trace = requests([1, 2], [3], [3], [1, 2])
+    result = replay(trace, "belady", 2)
+    assert result.hit_blocks == 2, "request 2 hits 3, request 3 hits 1 (2 was given up)"
+    assert result.evictions == 1  # 2 for 3; 2 is not readmitted after (never used again)
+
+
 def test_hits_are_the_leading_run_and_weigh_tokens():
     trace = [Request(0, 1300, 0, (1, 2, 3)), Request(1, 1300, 0, (1, 2, 4)), Request(2, 1024, 0, (9, 2))]
     result = replay(trace, "lru", 100)
