@@ -83,8 +83,9 @@ def cmd_put(args: argparse.Namespace) -> int:
         errors = client.last_errors()
     print(f"{len(blocks)} blocks of {namespace.block_bytes} bytes: stored {summary.stored}, "
           f"already present {summary.existed}, failed {summary.failed}")
-    for block in blocks:
-        print(block.key.hex())
+    if args.verbose:
+        for block in blocks:
+            print(block.key.hex())
     for address, error in errors.items():
         print(f"{address}: {error}", file=sys.stderr)
     return 1 if summary.failed else 0
@@ -94,6 +95,12 @@ def cmd_lookup(args: argparse.Namespace) -> int:
     namespace, blocks = _blocks(args)
     with _client(args) as client:
         hits = client.lookup(blocks)
+        errors = client.last_errors()
+    if errors:  # an engine rightly takes an unreachable daemon as a miss; an operator wants to know
+        for address, error in errors.items():
+            print(f"kvstore lookup: daemon {address} did not answer: {error}", file=sys.stderr)
+        print(f"at least {hits} of {len(blocks)} leading blocks cached; the daemons above could not be asked")
+        return 1
     print(f"{hits} of {len(blocks)} leading blocks cached ({hits * namespace.block_tokens} tokens)")
     return 0
 
@@ -203,6 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
     _namespace_args(put)
     put.add_argument("--class", dest="traffic_class", default="chat", help="traffic class (sets the TTL)")
     put.add_argument("--payload-file", type=Path, help="layer-major payloads of all blocks, concatenated")
+    put.add_argument("--verbose", action="store_true", help="also print every block's key (hex), one a line")
     put.set_defaults(run=cmd_put)
     lookup = sub.add_parser("lookup", help="how many leading blocks of a prompt are cached")
     _namespace_args(lookup)

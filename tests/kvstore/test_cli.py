@@ -20,7 +20,9 @@ def test_put_lookup_get_stats_fsck(daemons, tmp_path):
     servers = ["--servers", daemon.address]
     assert "0 of 11 leading blocks" in kvstore("lookup", *servers, "--text", PROMPT).stdout
     put = kvstore("put", *servers, "--text", PROMPT, "--class", "agent")
-    assert put.returncode == 0 and "stored 11" in put.stdout
+    assert put.returncode == 0 and "stored 11" in put.stdout and len(put.stdout.splitlines()) == 1
+    verbose = kvstore("put", *servers, "--text", PROMPT, "--class", "agent", "--verbose")
+    assert "already present 11" in verbose.stdout and len(verbose.stdout.splitlines()) == 12  # and the keys
     assert "11 of 11 leading blocks cached (176 tokens)" in kvstore("lookup", *servers, "--text", PROMPT).stdout
     other_tenant = kvstore("lookup", *servers, "--text", PROMPT, "--salt", "tenant-b")
     assert "0 of 11" in other_tenant.stdout
@@ -43,6 +45,8 @@ def test_bad_usage_and_unreachable_daemons(tmp_path):
     unreachable = kvstore("put", "--servers", "127.0.0.1:1", "--text", PROMPT, "--timeout", "0.5")
     assert unreachable.returncode == 1 and "failed 11" in unreachable.stdout
     assert kvstore("stats", "--servers", "127.0.0.1:1", "--timeout", "0.5").returncode == 1
+    lookup = kvstore("lookup", "--servers", "127.0.0.1:1", "--text", PROMPT, "--timeout", "0.5")
+    assert lookup.returncode == 1 and "127.0.0.1:1 did not answer" in lookup.stderr  # not "0 of 11 cached"
 
 
 def test_a_secured_cluster_from_the_command_line(daemons, tmp_path):
