@@ -256,6 +256,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"kvstore {args.command}: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # a missing file, a directory, no permission: name it, no traceback
+        name = f"{exc.filename}: " if exc.filename else ""
+        print(f"kvstore {args.command}: cannot read {name}{exc.strerror or exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"kvstore {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

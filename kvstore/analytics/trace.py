@@ -43,13 +43,20 @@ class Request:
 
 def read_trace(path: Path | str, block_tokens: int = 512, skip_bad: bool = False,
                errors: list[str] | None = None) -> Iterator[Request]:
-    """The trace's requests in order; a bad line raises TraceError naming it, or is skipped with `skip_bad`."""
+    """The trace's requests in order; a bad line raises TraceError naming it, or is skipped with `skip_bad`.
+    A request earlier than the one before it is a bad line: every replay's clock (TTLs, gaps) runs forward."""
+    last_ms = 0
     with open(path, "rb") as f:  # decoded line by line, so a line that is not UTF-8 is named like any other
         for number, raw in enumerate(f, start=1):
             if not raw.strip():
                 continue
             try:
-                yield parse_line(raw.decode(), block_tokens)
+                request = parse_line(raw.decode(), block_tokens)
+                if request.timestamp_ms < last_ms:
+                    raise ValueError(f"timestamp {request.timestamp_ms} goes back from {last_ms}: the trace must "
+                                     "be in time order (sort it by timestamp)")
+                last_ms = request.timestamp_ms
+                yield request
             except ValueError as exc:
                 if not skip_bad:
                     raise TraceError(path, number, str(exc)) from None
