@@ -35,10 +35,16 @@ def render(all_stats: dict[str, Stats | None]) -> str:
 
 
 def _line(name: str, stats: Stats) -> str:
+    """The prefix hit rate first: Get reads are of blocks a Lookup already found, so nearly all of them hit
+    and their rate says little about the cache. Lookups ask for full blocks only, so within a namespace the
+    share of looked-up blocks found is the share of looked-up tokens found."""
+    asked, found = stats.value("kvstore_lookup_keys_total"), stats.value("kvstore_lookup_hits_total")
     hits, misses = stats.value("kvstore_hits_total"), stats.value("kvstore_misses_total")
-    rate = hits / (hits + misses) if hits + misses else 0.0
+    prefix = found / asked if asked else 0.0
+    reads = hits / (hits + misses) if hits + misses else 0.0
     used, capacity = stats.value("kvstore_disk_bytes"), stats.value("kvstore_capacity_bytes")
-    return (f"{name:<22} hit {rate:>7.2%} of {hits + misses:>10,.0f} reads   disk {used / 2**30:8.2f} of "
+    return (f"{name:<22} prefix hit {prefix:>7.2%} (blocks found / {asked:,.0f} looked up)   reads served "
+            f"{reads:>7.2%} (of {hits + misses:,.0f} Get blocks)   disk {used / 2**30:8.2f} of "
             f"{capacity / 2**30:8.2f} GiB   evictions {stats.value('kvstore_evictions_total'):>9,.0f}   "
             f"expiries {stats.value('kvstore_expiries_total'):>9,.0f}")
 
