@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections import Counter, defaultdict
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -61,6 +62,9 @@ def summarize(paths: Sequence[Path], skip_bad: bool = False) -> dict:
     looked_up = lookups[True] + lookups[False]
     return {
         "files": [str(p) for p in paths], "skipped_lines": errors, "span_s": ((last or 0) - (first or 0)) / 1000,
+        # a daemon writes its log in batches (access_flush_interval_s) and at its stop: a file written
+        # moments ago may belong to a running daemon whose latest accesses are not in it yet
+        "written_s_ago": min((time.time() - p.stat().st_mtime for p in paths), default=None),
         "blocks_looked_up": looked_up, "lookup_hits": lookups[True],
         "block_hit_rate": lookups[True] / looked_up if looked_up else 0.0,
         "gets": sum(c["hit"] + c["miss"] for c in gets.values()),
@@ -74,9 +78,14 @@ def summarize(paths: Sequence[Path], skip_bad: bool = False) -> dict:
     }
 
 
+RECENT_S = 60.0  # a log written this recently may belong to a daemon still running
+
+
 def render(report: dict) -> str:
-    lines = [f"{report['blocks_looked_up']:,} blocks looked up over {report['span_s']:,.0f} s: "
-             f"{report['block_hit_rate']:.2%} in the cached leading run; {report['gets']:,} blocks read "
+    lines = [f"{report['blocks_looked_up']:,} blocks looked up over {report['span_s']:,.0f} s: prefix hit rate "
+             f"{report['block_hit_rate']:.2%} (blocks found in the cached leading run / blocks looked up; lookups "
+             f"ask for full blocks, so within a namespace this is also the share of looked-up tokens found); "
+             f"{report['gets']:,} blocks read "
              f"({report['bytes_served'] / 2**20:,.0f} MiB served, {report['bytes_stored'] / 2**20:,.0f} MiB stored)"]
     for cls, row in report["by_class"].items():
         lines.append(f"  reads of class {cls:<8} {row['hits']:,} served, {row['misses']:,} failed")
@@ -91,4 +100,7 @@ def render(report: dict) -> str:
                      f"reuse time p50 {gap['p50']:,.1f} s, p90 {gap['p90']:,.1f} s")
     if report["skipped_lines"]:
         lines.append(f"  {len(report['skipped_lines'])} bad lines skipped")
+    if report.get("written_s_ago") is not None and report["written_s_ago"] < RECENT_S:
+        lines.append(f"  note: written {report['written_s_ago']:.0f} s ago; if its daemon is still running, its "
+                     "latest accesses may not be flushed yet (it writes every access_flush_interval_s and at stop)")
     return "\n".join(lines)
