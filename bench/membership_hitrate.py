@@ -166,9 +166,9 @@ def plot(base: dict, runs: dict[str, dict], join: int, leave: int, path: Path) -
         ax.axvline(x, color="grey", linestyle=":")
         ax.text(x, 0.02, f" 4th daemon {what}", rotation=90, va="bottom", fontsize=8)
     ax.set_xlabel("request")
-    ax.set_ylabel(f"prefix hit rate (blocks hit / full blocks), last {WINDOW} requests")
+    ax.set_ylabel(f"prefix hit rate, last {WINDOW} requests")
     ax.set_ylim(0, 1)
-    ax.legend(loc="lower right")
+    ax.legend(loc="lower left", fontsize=8, framealpha=0.9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
