@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from engine.speculative.calibration import Calibration
+
 
 @dataclass(frozen=True)
 class DecodeConfig:
@@ -19,13 +21,33 @@ class DecodeConfig:
     # while a step's forward runs, a worker thread does the next step's host work that does not wait for its
     # tokens (admission, KV pages for every sequence's next token); see DecodeEngine.idle_gaps_s
     overlap: bool = False
+    # speculative decoding (issue 25): each decoding sequence's n-gram drafter proposes up to `gamma` tokens,
+    # the DSpark schedule picks how many of each to verify in the step's one forward, and verification keeps
+    # the target's tokens (greedy) or distribution (sampling) exactly
+    speculative: bool = False
+    gamma: int = 5  # drafts per sequence and step at most (the issue's γ)
+    # SPS(B), target forward steps per second at B tokens; None: measured at start-up and cached
+    # (`engine.speculative.profile.load_or_measure`)
+    sps: Callable[[int], float] | None = None
+    calibration: Calibration | None = None  # per-position temperatures of the confidences; None: raw ones
+    fixed_drafts: int | None = None  # verify min(this, proposed) drafts every step instead of the schedule
+    #                                  (a baseline to compare DSpark with)
 
     def __post_init__(self) -> None:
         for name in ("max_running", "prefill_tokens_per_step", "kv_pages", "block_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"DecodeConfig: {name} must be an integer >= 1, got {value!r}")
-        for name in ("preempt_to_store", "overlap"):
+        if isinstance(self.gamma, bool) or not isinstance(self.gamma, int) or self.gamma < 1:
+            raise ValueError(f"DecodeConfig: gamma must be an integer >= 1, got {self.gamma!r}")
+        f = self.fixed_drafts
+        if f is not None and (isinstance(f, bool) or not isinstance(f, int) or f < 0):
+            raise ValueError(f"DecodeConfig: fixed_drafts must be an integer >= 0 or None, got {f!r}")
+        if self.sps is not None and not callable(self.sps):
+            raise ValueError(f"DecodeConfig: sps must be a callable (B -> steps/s) or None, got {self.sps!r}")
+        if self.calibration is not None and not isinstance(self.calibration, Calibration):
+            raise ValueError(f"DecodeConfig: calibration must be a Calibration or None, got {self.calibration!r}")
+        for name in ("preempt_to_store", "overlap", "speculative"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"DecodeConfig: {name} must be True or False, got {getattr(self, name)!r}")
         if self.detokenize is not None and not callable(self.detokenize):

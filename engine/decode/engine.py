@@ -42,16 +42,22 @@ import torch
 
 from engine.decode.config import DecodeConfig
 from engine.decode.request import CANCELLED, DecodeError, DecodeRequest, DecodeResult
-from engine.decode.sampling import make_generator, sample
+from engine.decode.sampling import make_generator, probabilities, sample
 from engine.decode.saving import ReplySaver
 from engine.decode.sequence import DecodeSequence
 from engine.model.decoder import Chunk, Decoder
-from engine.model.kv import KVCapacityError, PagePool, RequestKV
+from engine.model.kv import KVCapacityError, PagePool, RequestKV, RingCheckpoint
 from engine.prefill.engine import PrefillEngine
 from engine.prefill.request import HANDED_OVER, PrefillError, PrefillRequest, PrefillResult
+from engine.speculative.calibration import Calibration, Record
+from engine.speculative.drafter import DraftToken, NGramDrafter
+from engine.speculative.profile import load_or_measure
+from engine.speculative.schedule import schedule
+from engine.speculative.verify import Verdict, verify_greedy, verify_sampled
 from engine.text.token_ids import checked_token_ids
 
 RESUME_FLUSH_S = 2.0  # how long a resumption waits for the store writes queued before it (its state's)
+DRAFT_RECORDS = 4096  # verified request steps kept for calibration and reports (DecodeEngine.draft_records)
 
 
 @dataclass
@@ -61,6 +67,10 @@ class StepBatch:
     sequences: list[DecodeSequence]
     chunks: list[Chunk]  # one per sequence: its next tokens and where they start
     samples: list[bool]  # per sequence: does its chunk end at its last token, so a token is sampled
+    # per sequence: the drafts its chunk verifies after its last token ([]: a plain chunk), and what their
+    # positions overwrite in its window ring, restored where they are rejected
+    drafts: list[list[DraftToken]]
+    checkpoints: list[RingCheckpoint | None]
 
 
 class DecodeEngine:
@@ -92,6 +102,12 @@ class DecodeEngine:
         self.idle_gaps_s: deque[float] = deque(maxlen=4096)  # between consecutive steps' forwards (the
         #                                      device's idle time: sampling, bookkeeping, the next preparation)
         self._forward_ended: float | None = None
+        # speculative decoding: SPS(B) for the schedule (not needed with a fixed draft count), the calibration
+        self._sps = config.sps
+        if config.speculative and config.sps is None and config.fixed_drafts is None:
+            self._sps = load_or_measure(model)[0]
+        self._calibration = config.calibration if config.calibration is not None else Calibration(())
+        self.draft_records: deque[Record] = deque(maxlen=DRAFT_RECORDS)  # per verifying request step
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -218,8 +234,9 @@ class DecodeEngine:
         if self.pool.layers and pages > self.pool.num_pages:
             raise DecodeError(f"prompt + max_tokens need up to {pages} KV pages; the pool has "
                               f"{self.pool.num_pages}: lower max_tokens or raise DecodeConfig.kv_pages")
+        drafter = NGramDrafter(self.config.gamma) if self.config.speculative else None
         return DecodeSequence(next(self._ids), request, params, make_generator(params, self.model.device),
-                              prompt, len(prompt), context, detokenize)
+                              prompt, len(prompt), context, detokenize, drafter=drafter)
 
     def _continue(self, sequence: DecodeSequence, result: PrefillResult) -> None:
         """Take over a prefill's KV (the prompt's, or a preempted sequence's resumed) and sample the next token
@@ -273,17 +290,64 @@ class DecodeEngine:
                 budget -= n
             if n:
                 planned.append((sequence, n))
-        batch = StepBatch([], [], [])
+        batch = StepBatch([], [], [], [], [])
         for sequence, n in planned:
             if sequence.kv is None or not self._grow(sequence, sequence.computed + n):
                 continue  # preempted for an older sequence in this step
             start = sequence.computed
-            if sequence.chain is not None:
-                self._saver.before_chunk(sequence.chain, sequence.kv, start, n)
             batch.sequences.append(sequence)
             batch.chunks.append(Chunk(sequence.kv, torch.tensor(sequence.tokens[start : start + n]), start))
             batch.samples.append(start + n == len(sequence.tokens))
+            batch.drafts.append([])
+            batch.checkpoints.append(None)
+        if self.config.speculative:
+            self._speculate(batch)
+        for sequence, chunk in zip(batch.sequences, batch.chunks):  # after drafting: it sets the chunks' sizes
+            if sequence.chain is not None:
+                self._saver.before_chunk(sequence.chain, sequence.kv, chunk.start, len(chunk.tokens))
         return batch
+
+    def _speculate(self, batch: StepBatch) -> None:
+        """Extend the decoding chunks with drafts: each drafter proposes up to γ tokens, and the DSpark
+        schedule (or `fixed_drafts`) picks how many of each to verify. The choice reads only confidences and
+        the SPS profile, never the tokens this step will produce, which keeps verification lossless."""
+        decoding = [i for i, (sequence, chunk) in enumerate(zip(batch.sequences, batch.chunks))
+                    if batch.samples[i] and len(chunk.tokens) == 1 and sequence.drafter is not None]
+        if not decoding:
+            return
+        config = self.config
+        kv_window = batch.sequences[decoding[0]].kv.window
+        ring_room = kv_window - 1 if batch.sequences[decoding[0]].kv.rings is not None else config.gamma
+        proposals: list[list[DraftToken]] = []
+        for i in decoding:
+            sequence = batch.sequences[i]
+            limit = min(config.gamma, sequence.draft_room(), ring_room)
+            proposals.append(sequence.drafter.propose(limit) if limit > 0 else [])
+        if config.fixed_drafts is not None:
+            lengths = [min(config.fixed_drafts, len(drafts)) for drafts in proposals]
+        elif not any(proposals):
+            return
+        else:
+            # the step's other tokens (prompt chunks) share the forward: B counts them, the gain does not
+            others = sum(len(chunk.tokens) for chunk in batch.chunks) - len(decoding)
+            sps = self._sps
+            survivals = [self._calibration.survivals([d.confidence for d in drafts]) for drafts in proposals]
+            lengths = schedule(survivals, (lambda b: sps(b + others)) if others else sps).lengths
+        for i, drafts, length in zip(decoding, proposals, lengths):
+            if not length:
+                continue
+            sequence, chunk = batch.sequences[i], batch.chunks[i]
+            kv = sequence.kv
+            try:
+                kv.reserve(chunk.start + 1 + length)
+            except KVCapacityError:  # drafts never preempt anyone: as many as the pages held have room for
+                length = min(length, len(kv.block_table) * kv.block_tokens - chunk.start - 1)
+                if length <= 0:
+                    continue
+            drafts = drafts[:length]
+            batch.drafts[i] = drafts
+            batch.checkpoints[i] = kv.checkpoint(chunk.start + 1, chunk.start + 1 + length)
+            chunk.tokens = torch.tensor([sequence.tokens[-1], *(d.token for d in drafts)])  # (1 + ℓ,)
 
     def _timed_execute(self, batch: StepBatch) -> list[torch.Tensor]:
         """The forward, with the next step's pages reserved meanwhile on the worker thread (overlap). The
@@ -313,28 +377,71 @@ class DecodeEngine:
         self._admit()
 
     def _execute(self, batch: StepBatch) -> list[torch.Tensor]:
-        """The step's one forward: the logits of each chunk's last token, (vocab,) each."""
-        return self.model.forward(batch.chunks)
+        """The step's one forward: the logits of each chunk's last token, (vocab,) each; where a chunk
+        verifies drafts, of each of its positions, (1 + ℓ, vocab)."""
+        if not any(batch.drafts):
+            return self.model.forward(batch.chunks)
+        return self.model.forward(batch.chunks, logits_for=[len(chunk.tokens) if drafts else 1
+                                                            for chunk, drafts in zip(batch.chunks, batch.drafts)])
 
     def _complete(self, batch: StepBatch, logits: list[torch.Tensor]) -> list[DecodeResult]:
-        """Sample a token for every sequence whose chunk reached its end, and finish those that stop."""
-        for sequence, chunk in zip(batch.sequences, batch.chunks):
+        """Sample a token for every sequence whose chunk reached its end (or verify its drafts), and finish
+        those that stop."""
+        for sequence, chunk, drafts in zip(batch.sequences, batch.chunks, batch.drafts):
+            if drafts:
+                continue  # its KV keeps what verification accepts: see _verify
             sequence.computed += len(chunk.tokens)
             if sequence.chain is not None:
                 self._saver.after_chunk(sequence.chain, sequence.kv, sequence.tokens, sequence.computed)
-        rows = [i for i, sampled in enumerate(batch.samples) if sampled]
-        if not rows:
-            return []
-        sampling = [batch.sequences[i] for i in rows]
-        tokens = sample(torch.stack([logits[i] for i in rows]), [s.params for s in sampling],
-                        [s.generator for s in sampling])
+        rows = [i for i, sampled in enumerate(batch.samples) if sampled and not batch.drafts[i]]
+        plain: dict[int, int] = {}  # batch row -> its sampled token
+        if rows:
+            sampling = [batch.sequences[i] for i in rows]
+            last = [logits[i] if logits[i].dim() == 1 else logits[i][-1] for i in rows]  # each (vocab,)
+            tokens = sample(torch.stack(last), [s.params for s in sampling], [s.generator for s in sampling])
+            plain = dict(zip(rows, tokens))
         finished = []
-        for sequence, token in zip(sampling, tokens):
-            if (reason := sequence.append(token)) is not None:
+        for i, sequence in enumerate(batch.sequences):
+            if batch.drafts[i]:
+                reason = self._verify(sequence, batch.chunks[i], batch.drafts[i], batch.checkpoints[i], logits[i])
+            elif i in plain:
+                reason = sequence.append(plain[i])
+            else:
+                continue
+            if reason is not None:
                 self._running.remove(sequence)
                 self._end(sequence)
                 finished.append(sequence.result(reason))
         return finished
+
+    def _verify(self, sequence: DecodeSequence, chunk: Chunk, drafts: list[DraftToken],
+                checkpoint: RingCheckpoint | None, logits: torch.Tensor) -> str | None:
+        """Accept a prefix of the drafts against the target's scores (logits (1 + ℓ, vocab): row i after the
+        last token and drafts 1..i), append the accepted drafts and the target's own token one by one (a stop
+        inside the accepted run ends the reply there, as without speculation), and take the KV back to the
+        positions kept. The finish reason, or None."""
+        ids = torch.tensor([d.token for d in drafts], device=logits.device)  # (ℓ,)
+        if sequence.params.greedy:
+            verdict: Verdict = verify_greedy(ids, logits)
+        else:  # against the very distribution `sample` draws from, with the request's own generator
+            probs = torch.stack([probabilities(row, sequence.params) for row in logits])  # (1 + ℓ, vocab)
+            verdict = verify_sampled(ids, probs, sequence.generator)
+        sequence.drafted += len(drafts)
+        sequence.accepted += verdict.accepted
+        self.draft_records.append(Record(tuple(d.confidence for d in drafts), verdict.accepted))
+        reason = None
+        for token in verdict.tokens:
+            if (reason := sequence.append(token)) is not None:
+                break
+        # the last token, the accepted drafts; never the token just appended (nor any past a stop)
+        sequence.computed = min(chunk.start + 1 + verdict.accepted, len(sequence.tokens) - 1)
+        kv = sequence.kv
+        kv.rollback(sequence.computed, checkpoint)
+        # a window captured at a boundary past the kept positions saw rejected drafts: captured again later
+        kv.captured = {boundary: state for boundary, state in kv.captured.items() if boundary <= sequence.computed}
+        if sequence.chain is not None:
+            self._saver.after_chunk(sequence.chain, kv, sequence.tokens, sequence.computed)
+        return reason
 
     def _admit(self) -> None:
         # sequences that hold KV (handed over) cost no pages: first, so none of them blocks the queue

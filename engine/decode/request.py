@@ -59,6 +59,8 @@ class DecodeResult:
     resumed_from_store: int = 0  # preemptions resumed from the KV saved through the store, not recomputed
     cached_tokens: int = 0  # prompt tokens loaded from the store (or handed over) rather than computed
     window_source: str | None = None  # a hybrid model's cached prompt: its window from "host" or "store"
+    drafted: int = 0  # speculative decoding: drafts verified
+    accepted_drafts: int = 0  # of those, accepted (each one a token without a forward of its own)
 
     @property
     def inter_token_s(self) -> list[float]:

@@ -13,6 +13,7 @@ from engine.decode.sampling import SamplingParams
 from engine.decode.saving import ReplyChain
 from engine.model.kv import RequestKV
 from engine.prefill.request import PrefillRequest
+from engine.speculative.drafter import NGramDrafter
 
 
 @dataclass
@@ -38,6 +39,22 @@ class DecodeSequence:
     cached_tokens: int = 0  # of the prompt, loaded from the store rather than computed
     window_source: str | None = None  # where a hybrid model's cached prompt took its window (PrefillResult's)
     resumed_from_store: int = 0
+    # speculative decoding: proposes what may follow `tokens`; fed the prompt here and each token as appended
+    drafter: NGramDrafter | None = None
+    drafted: int = 0  # drafts verified
+    accepted: int = 0  # of those, accepted
+
+    def __post_init__(self) -> None:
+        if self.drafter is not None and self.drafter.index.length == 0:
+            self.drafter.extend(self.tokens)
+
+    def draft_room(self) -> int:
+        """Drafts a step may verify at most without passing max_tokens or the context: the step yields
+        accepted + 1 tokens, and the last of them is never fed."""
+        room = self.context - len(self.tokens) - 1
+        if self.params.max_tokens is not None:
+            room = min(room, self.params.max_tokens - len(self.reply) - 1)
+        return max(0, room)
 
     @property
     def reply(self) -> list[int]:
@@ -51,6 +68,8 @@ class DecodeSequence:
     def append(self, token: int) -> str | None:
         """Add a sampled token; the finish reason it causes, or None to go on."""
         self.tokens.append(token)
+        if self.drafter is not None:
+            self.drafter.extend((token,))
         self.token_times_s.append(time.perf_counter() - self.submitted)
         if self.request.on_token is not None:
             self.request.on_token(token)
@@ -89,4 +108,4 @@ class DecodeSequence:
     def result(self, reason: str) -> DecodeResult:
         return DecodeResult(self.id, self.request, self.reply, reason, self.prompt_tokens, self.token_times_s,
                             self.preemptions, self.recomputed_tokens, self.prefill_path, self.resumed_from_store,
-                            self.cached_tokens, self.window_source)
+                            self.cached_tokens, self.window_source, self.drafted, self.accepted)

@@ -63,9 +63,15 @@ class Decoder:
 
     @torch.inference_mode()
     def forward(self, chunks: Sequence[Chunk], before_layer: Callable[[int], None] | None = None,
-                all_logits: bool = False) -> list[torch.Tensor]:
-        """Per chunk, the logits of its last token (vocab,), or of all its tokens (x, vocab)."""
+                all_logits: bool = False, logits_for: Sequence[int] | None = None) -> list[torch.Tensor]:
+        """Per chunk, the logits of its last token (vocab,), or of all its tokens (x, vocab), or with
+        `logits_for` of its last logits_for[i] tokens (logits_for[i], vocab): a speculative step scores every
+        position of a verification chunk and only the last of a prompt chunk beside it (the output head is
+        most of a token's cost on a CPU)."""
         c = self.config
+        if logits_for is not None:
+            assert not all_logits and len(logits_for) == len(chunks)
+            assert all(1 <= k <= len(chunk.tokens) for k, chunk in zip(logits_for, chunks))
         sizes = [len(chunk.tokens) for chunk in chunks]
         tokens = torch.cat([chunk.tokens for chunk in chunks]).to(self.device)  # (T,)
         positions = torch.cat([torch.arange(ch.start, ch.start + n) for ch, n in zip(chunks, sizes)]).to(self.device)
@@ -94,9 +100,14 @@ class Decoder:
         for chunk, n in zip(chunks, sizes):
             chunk.kv.length = max(chunk.kv.length, chunk.start + n)
         ends = torch.tensor(sizes).cumsum(0).tolist()
-        picked = h if all_logits else h[[end - 1 for end in ends]]  # (T or chunks, hidden)
+        if logits_for is not None:  # rows [end - k, end) of each chunk, in order
+            picked = h[[row for end, k in zip(ends, logits_for) for row in range(end - k, end)]]  # (Σk, hidden)
+        else:
+            picked = h if all_logits else h[[end - 1 for end in ends]]  # (T or chunks, hidden)
         head = self.w["embed_tokens.weight"] if c.tie_word_embeddings else self.w["lm_head.weight"]
-        logits = self._norm(picked, "norm.weight") @ head.T  # (T or chunks, vocab)
+        logits = self._norm(picked, "norm.weight") @ head.T  # (T, chunks or Σk, vocab)
+        if logits_for is not None:
+            return list(torch.split(logits, list(logits_for)))
         if not all_logits:
             return list(logits)
         return list(torch.split(logits, sizes))

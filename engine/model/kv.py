@@ -63,6 +63,16 @@ class WindowState:
         return self.rings.numel() * self.rings.element_size()
 
 
+@dataclass
+class RingCheckpoint:
+    """What a speculative chunk's draft positions overwrite in the sliding layers' rings: writing position p
+    replaces slot p % W, which held p - W, still in the window of the next token should p be rejected."""
+
+    begin: int  # the first draft position
+    slots: torch.Tensor  # (n,) ring slots of positions [begin, begin + n)
+    saved: torch.Tensor  # (n_sliding, 2, n, kv_heads, head_dim) their contents before the chunk
+
+
 class RequestKV:
     """One request's KV: a block table into the pool, a window ring, and how many tokens are in it.
 
@@ -95,6 +105,24 @@ class RequestKV:
         self.pool.release(self.block_table)
         self.block_table = []
         self.length = self.window_from = self.keep_full_before = 0
+
+    def checkpoint(self, begin: int, end: int) -> RingCheckpoint | None:
+        """Before a chunk whose positions [begin, end) are speculative (drafts a verification may reject):
+        the ring slots they will overwrite; None without sliding layers (full layers need only `length`)."""
+        if self.rings is None or end <= begin:
+            return None
+        assert end - begin < self.window, "drafts of a chunk must not wrap the ring onto the chunk itself"
+        slots = torch.arange(begin, end, device=self.rings.device) % self.window  # (n,)
+        return RingCheckpoint(begin, slots, self.rings[:, :, slots].clone())
+
+    def rollback(self, keep: int, checkpoint: RingCheckpoint | None) -> None:
+        """Keep positions [0, keep) of what a speculative chunk wrote: the rest were rejected drafts. Full
+        layers: `length` goes back (their pages past it are masked, then overwritten); sliding layers: the
+        rejected positions' slots get back what they held, the window of the positions kept."""
+        self.length = min(self.length, keep)
+        if checkpoint is not None and keep < checkpoint.begin + checkpoint.slots.numel():
+            first = max(0, keep - checkpoint.begin)  # the first rejected draft, within the checkpoint
+            self.rings[:, :, checkpoint.slots[first:]] = checkpoint.saved[:, :, first:]
 
     def restore_window(self, state: WindowState) -> None:
         assert self.rings is not None and state.rings.shape == self.rings.shape
