@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.model.config import SLIDING, ModelConfig
-from engine.model.decode_attention import DecodeBatch
+from engine.model.decode_attention import DecodeBatch, VerifyBatch
 from engine.model.kv import RequestKV
 from engine.model.rope import Rope, apply_rope
 from engine.model.weights import load_weights
@@ -78,8 +78,11 @@ class Decoder:
         full_rope = self.rope.cos_sin(positions, self.dtype)  # cos and sin, each (T, head_dim/2)
         local_rope = self.local_rope.cos_sin(positions, self.dtype) if self.local_rope is not self.rope else full_rope
         kvs, starts = [chunk.kv for chunk in chunks], [chunk.start for chunk in chunks]
-        batch = DecodeBatch(kvs, starts, self.device) \
-            if not self._sinks and DecodeBatch.applies(kvs, sizes, starts) else None
+        batch: DecodeBatch | VerifyBatch | None = None
+        if not self._sinks and DecodeBatch.applies(kvs, sizes, starts):
+            batch = DecodeBatch(kvs, starts, self.device)
+        elif not self._sinks and VerifyBatch.applies(kvs, sizes, starts):  # speculative verification chunks
+            batch = VerifyBatch(kvs, starts, sizes, self.device)
         h = self.w["embed_tokens.weight"][tokens]  # (T, hidden)
         if c.embedding_scale != 1.0:
             h = h * self.embedding_scale
@@ -123,7 +126,8 @@ class Decoder:
         return F.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"))
 
     def _attention(self, layer: int, p: str, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   chunks: Sequence[Chunk], sizes: list[int], batch: DecodeBatch | None = None) -> torch.Tensor:
+                   chunks: Sequence[Chunk], sizes: list[int],
+                   batch: DecodeBatch | VerifyBatch | None = None) -> torch.Tensor:
         c = self.config
         q = self._linear(x, p + "self_attn.q_proj").view(-1, c.num_heads, c.head_dim)  # (T, heads, head_dim)
         k = self._linear(x, p + "self_attn.k_proj").view(-1, c.num_kv_heads, c.head_dim)  # (T, kv_heads, head_dim)
@@ -133,7 +137,7 @@ class Decoder:
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         sliding = c.layer_types[layer] == SLIDING
         index = self._kv_index[layer]
-        if batch is not None:  # one token per chunk: all chunks in one attention call
+        if batch is not None:  # one token (or a few, verifying drafts) per chunk: all chunks in one attention call
             attend_all = batch.sliding if sliding else batch.full
             return self._linear(attend_all(index, q, k, v, self.scale), p + "self_attn.o_proj")
         sinks = self.w.get(p + "self_attn.sinks")

@@ -24,6 +24,7 @@ import torch
 from engine.decode import DecodeConfig, DecodeEngine, DecodeRequest, DecodeResult, SamplingParams
 from engine.decode.request import MAX_TOKENS, STOP_STRING, STOP_TOKEN
 from engine.decode.sampling import candidates
+from engine.model.decode_attention import VerifyBatch
 from engine.model.decoder import Chunk
 from engine.model.kv import PagePool, RequestKV
 from tests.engine.decode.conftest import PROMPT_LENGTHS, REPLY, Family, drive, tokens
@@ -235,3 +236,29 @@ def test_a_rollback_leaves_the_kv_as_if_the_rejected_drafts_were_never_fed(famil
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=f"token {i} after the rollback")
     for kv in (speculated, plain):
         kv.release()
+
+
+def test_batched_verification_chunks_score_as_transformers_does(family):
+    """Chunks of 1 to 6 tokens after prompts short and past the window, in one forward (the batched
+    verification path, `VerifyBatch`), then again after more tokens: every position's logits are the
+    reference's."""
+    model, config = family.model, family.model.config
+    lengths = (3, 20, ROLLBACK_PROMPTS[family.kind], 9)
+    sizes = (6, 1, 4, 2)
+    prompts = [tokens(n, seed=40 + n) for n in lengths]
+    pool = PagePool(config, 64, 16, model.dtype, model.device)
+    kvs = [RequestKV(config, pool) for _ in prompts]
+    histories = []
+    for kv, prompt in zip(kvs, prompts):
+        kv.reserve(len(prompt) + 16)
+        model.forward([Chunk(kv, torch.tensor(prompt), 0)])
+        histories.append(list(prompt))
+    for round_ in range(2):
+        fed = [tokens(n, seed=60 + 10 * round_ + i) for i, n in enumerate(sizes)]
+        chunks = [Chunk(kv, torch.tensor(f), len(h)) for kv, f, h in zip(kvs, fed, histories)]
+        assert VerifyBatch.applies(kvs, [len(c.tokens) for c in chunks], [c.start for c in chunks])
+        scores = model.forward(chunks, all_logits=True)
+        for i, (h, f) in enumerate(zip(histories, fed)):
+            reference = family.tiny.logits(h + f)[len(h):]  # (n, vocab)
+            torch.testing.assert_close(scores[i], reference, rtol=1e-4, atol=1e-4, msg=f"round {round_}, chunk {i}")
+            h.extend(f)
