@@ -328,11 +328,24 @@ class DecodeEngine:
         elif not any(proposals):
             return
         else:
-            # the step's other tokens (prompt chunks) share the forward: B counts them, the gain does not
-            others = sum(len(chunk.tokens) for chunk in batch.chunks) - len(decoding)
             sps = self._sps
             survivals = [self._calibration.survivals([d.confidence for d in drafts]) for drafts in proposals]
-            lengths = schedule(survivals, (lambda b: sps(b + others)) if others else sps).lengths
+            lengths = [0] * len(decoding)
+            # A sampled request's draws follow from how many drafts it verifies; were that chosen jointly
+            # with its neighbours, its seeded tokens would change with the batch (their distribution would
+            # not). So each sampled request is scheduled alone, as if it were the step's only one; the
+            # greedy ones, whose tokens no ℓ changes, share the DSpark choice, paying for the rest of B.
+            sampled = [n for n, i in enumerate(decoding) if not batch.sequences[i].params.greedy]
+            for n in sampled:
+                lengths[n] = schedule([survivals[n]], sps).lengths[0]
+            greedy = sorted(set(range(len(decoding))) - set(sampled))
+            # the step's other tokens (prompt chunks, sampled requests' chunks) share the forward: B counts
+            # them, the greedy ones' expected gain does not
+            others = sum(len(chunk.tokens) for chunk in batch.chunks) - len(decoding) + \
+                sum(1 + lengths[n] for n in sampled)
+            chosen = schedule([survivals[n] for n in greedy], (lambda b: sps(b + others)) if others else sps)
+            for n, length in zip(greedy, chosen.lengths):
+                lengths[n] = length
         for i, drafts, length in zip(decoding, proposals, lengths):
             if not length:
                 continue
