@@ -334,7 +334,8 @@ def build(config: ApiConfig) -> Service:
     prefill = PrefillEngine.from_pretrained(folder, client, PrefillConfig(block_tokens=config.block_tokens,
                                                                           kv_pages=config.kv_pages, cost=cost))
     runner = ServingLoop(prefill.model, prefill, DecodeConfig(max_running=config.max_running,
-                                                              detokenize=tokenizer.decode))
+                                                              detokenize=tokenizer.decode,
+                                                              speculative=config.speculative))
     encoder = PromptEncoder(folder, config.tokenize_workers)
     return Service(runner, tokenizer, encoder, sorted(stop_token_ids(tokenizer)), advisor, config.max_in_flight,
                    config.max_in_flight_per_tenant, FairGate(config.max_running, config.reserve))
@@ -374,6 +375,8 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = "kvstore-api") -> 
     parser.add_argument("--chunk-cost", default=None, metavar="A,B,C",
                         help="the prefill's chunk cost model (engine.prefill.cost.ChunkCost), from an earlier fit on "
                              "this machine, as the start-up line prints it; default: fit it at start-up (about 20 s)")
+    parser.add_argument("--speculative", action=argparse.BooleanOptionalAction, default=defaults.speculative,
+                        help="speculative decoding: n-gram drafts verified on the DSpark schedule (lossless)")
     args = parser.parse_args(argv)
     keys = {}
     for item in args.api_key:
@@ -388,7 +391,7 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = "kvstore-api") -> 
         return ApiConfig(args.model, args.model_name, tuple(s for s in args.servers.split(",") if s), args.host,
                          args.port, keys, args.kv_pages, args.block_tokens, args.max_running, chunk_cost=cost,
                          tokenize_workers=args.tokenize_workers, fair_reserve=args.fair_reserve,
-                         metrics_keys=tuple(args.metrics_key))
+                         metrics_keys=tuple(args.metrics_key), speculative=args.speculative)
     except ValueError as exc:
         parser.error(str(exc))
 
