@@ -15,7 +15,9 @@ sessions' first prompts, --prompt-tokens each), greedy, --tokens reply tokens ea
 Reported per run: decode tokens/s (the reply tokens after every request has its first one, over the time
 from then to the last), the mean accepted drafts per verification and tokens per request step; and
 `dspark_vs_fixed5_<kind>_b<B>`, `dspark_vs_nospec_<kind>_b<B>`. Every run's tokens are checked against
-nospec's (speculation is lossless: greedy tokens must be identical). The SPS profile is printed first.
+nospec's (speculation is lossless: greedy tokens must be identical). The SPS profile is printed first,
+then the calibration DSpark runs with: per-position temperatures fitted on fixed-5 verifications of other
+prompts (other sessions' topics, 8 of each kind), with each position's ECE before and after and AUROC.
 """
 
 from __future__ import annotations
@@ -30,37 +32,40 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.decode import DecodeConfig, DecodeEngine, DecodeRequest, DecodeResult, SamplingParams  # noqa: E402
 from engine.model.decoder import Decoder  # noqa: E402
+from engine.speculative.calibration import Calibration, Record, fit, report  # noqa: E402
 from engine.speculative.profile import SpsProfile, format_profile, load_or_measure  # noqa: E402
 
 MODES = ("nospec", "fixed1", "fixed3", "fixed5", "dspark")
 
 
-def prompts(tokenizer, kind: str, count: int, length: int) -> list[list[int]]:
+def prompts(tokenizer, kind: str, count: int, length: int, first: int = 0) -> list[list[int]]:
     """`count` prompts of one kind, the last `length` tokens of different sessions' first prompts (the
-    user turn with its documentation is at the end); sessions start their topics at different places."""
+    user turn with its documentation is at the end); sessions start their topics at different places
+    (from topic `first` on)."""
     from engine.text.real_text import SHORT_REFERENCE, TOPICS, Session, system_prompt
 
     system = system_prompt(SHORT_REFERENCE)
     out = []
     for number in range(count):
-        start = number % len(TOPICS)
+        start = (first + number) % len(TOPICS)
         session = Session(tokenizer, f"{kind}{number}", kind, TOPICS[start:] + TOPICS[:start], system)
         cut = length - 7 * (number // len(TOPICS))  # a second round of topics: cut elsewhere, so prompts differ
         out.append(session.next_prompt()[-cut:])
     return out
 
 
-def config(mode: str, profile: SpsProfile) -> DecodeConfig:
+def config(mode: str, profile: SpsProfile, calibration: Calibration | None = None) -> DecodeConfig:
     common = dict(kv_pages=512, block_tokens=64, max_running=64)
     if mode == "nospec":
         return DecodeConfig(**common)
     if mode == "dspark":
-        return DecodeConfig(speculative=True, sps=profile, **common)
+        return DecodeConfig(speculative=True, sps=profile, calibration=calibration, **common)
     return DecodeConfig(speculative=True, fixed_drafts=int(mode.removeprefix("fixed")), **common)
 
 
-def run(model: Decoder, batch: list[list[int]], tokens: int, mode: str, profile: SpsProfile) -> dict:
-    engine = DecodeEngine(model, None, config(mode, profile))
+def run(model: Decoder, batch: list[list[int]], tokens: int, mode: str, profile: SpsProfile,
+        calibration: Calibration | None = None) -> dict:
+    engine = DecodeEngine(model, None, config(mode, profile, calibration))
     for prompt in batch:
         engine.submit(DecodeRequest(prompt, SamplingParams(max_tokens=tokens)))
     began = time.perf_counter()
@@ -76,7 +81,27 @@ def run(model: Decoder, batch: list[list[int]], tokens: int, mode: str, profile:
             "wall_s": time.perf_counter() - began, "verifications": verified,
             "mean_accepted": accepted / verified if verified else 0.0,
             "drafted": sum(r.drafted for r in results), "accepted": sum(r.accepted_drafts for r in results),
-            "tokens": [r.tokens for r in results]}
+            "tokens": [r.tokens for r in results], "records": records}
+
+
+def calibrate(model: Decoder, tokenizer, kinds: list[str], length: int, tokens: int,
+              profile: SpsProfile) -> tuple[Calibration, dict]:
+    """Per-position temperatures fitted on fixed-5 verifications of prompts the measured runs do not use
+    (8 of each kind, other sessions' topics), and the per-position ECE and AUROC before and after."""
+    records: list[Record] = []
+    for kind in kinds:
+        records += run(model, prompts(tokenizer, kind, 8, length + 13, first=5), tokens, "fixed5", profile)["records"]
+    calibration = fit(records, 5)
+    rows = {"temperatures": list(calibration.temperatures), "records": len(records), "positions": []}
+    print(f"calibration on {len(records)} verifications: temperatures "
+          f"{', '.join(f'{t:.2f}' for t in calibration.temperatures)}")
+    print(f"{'k':>2} {'n':>5} {'accept':>7} {'ECE raw':>8} {'ECE cal':>8} {'AUROC':>6}")
+    for raw, cal in zip(report(Calibration(()), records, 5), report(calibration, records, 5)):
+        print(f"{raw.position:>2} {raw.samples:>5} {raw.accept_rate:>7.3f} {raw.ece:>8.3f} {cal.ece:>8.3f} "
+              f"{cal.auroc:>6.3f}", flush=True)
+        rows["positions"].append({"k": raw.position, "samples": raw.samples, "accept_rate": raw.accept_rate,
+                                  "ece_raw": raw.ece, "ece_calibrated": cal.ece, "auroc": cal.auroc})
+    return calibration, rows
 
 
 def main() -> None:
@@ -94,14 +119,18 @@ def main() -> None:
     model = Decoder.from_pretrained(folder)
     profile, measured = load_or_measure(model)
     print(f"SPS(B) profile ({'measured' if measured else 'cached'}):\n{format_profile(profile)}", flush=True)
-    report: dict = {"profile": profile.to_dict(), "runs": {}}
+    out: dict = {"profile": profile.to_dict(), "runs": {}}
     modes = args.modes.split(",")
-    for kind in args.kinds.split(","):
+    kinds = args.kinds.split(",")
+    calibration = None
+    if "dspark" in modes:
+        calibration, out["calibration"] = calibrate(model, tokenizer, kinds, args.prompt_tokens, args.tokens, profile)
+    for kind in kinds:
         for b in (int(x) for x in args.batches.split(",")):
             batch = prompts(tokenizer, kind, b, args.prompt_tokens)
             runs = {}
             for mode in modes:
-                runs[mode] = run(model, batch, args.tokens, mode, profile)
+                runs[mode] = run(model, batch, args.tokens, mode, profile, calibration)
                 r = runs[mode]
                 same = "" if mode == modes[0] else \
                     f" same_tokens={r['tokens'] == runs[modes[0]]['tokens']}"
@@ -112,14 +141,14 @@ def main() -> None:
                 if runs[mode]["tokens"] != runs[modes[0]]["tokens"]:
                     print(f"LOSSLESS CHECK FAILED: {kind} b{b} {mode} differs from {modes[0]}", flush=True)
             for name, run_ in runs.items():
-                report["runs"][f"{kind}_b{b}_{name}"] = {k: v for k, v in run_.items() if k != "tokens"}
+                out["runs"][f"{kind}_b{b}_{name}"] = {k: v for k, v in run_.items() if k not in ("tokens", "records")}
             for base in ("fixed5", "nospec"):
                 if "dspark" in runs and base in runs:
                     ratio = runs["dspark"]["tokens_per_s"] / runs[base]["tokens_per_s"]
-                    report[f"dspark_vs_{base}_{kind}_b{b}"] = ratio
+                    out[f"dspark_vs_{base}_{kind}_b{b}"] = ratio
                     print(f"dspark_vs_{base}_{kind}_b{b} = {ratio:.3f}", flush=True)
     if args.json:
-        args.json.write_text(json.dumps(report, indent=2))
+        args.json.write_text(json.dumps(out, indent=2))
 
 
 if __name__ == "__main__":
