@@ -28,6 +28,17 @@ engine takes over the request's KV and samples the first token from the prefill'
 fills KV blocks they are saved (write-behind) in the prompt's chain, and for a hybrid model the window at
 the last block boundary is kept, so the next turn finds prompt and reply cached (`engine.decode.saving`).
 Prompt ids are computed here, without the store, and their replies are not saved.
+
+Speculative decoding (`DecodeConfig.speculative`, issue 25; the parts in `engine.speculative`): each
+sequence's n-gram drafter proposes up to γ tokens; the DSpark schedule, from the drafts' calibrated
+confidences and the SPS(B) profile, picks how many of each decoding sequence to verify; its chunk becomes
+[last token, d_1..d_ℓ], scored at every position in the step's one forward (short chunks batched,
+`engine.model.decode_attention.VerifyBatch`). Verification accepts a prefix (greedy: the argmax's; sampled:
+rejection sampling against the request's own distribution and generator) and adds the target's own token,
+the tokens appended one by one so a stop inside the accepted run ends the reply there. The KV then forgets
+the rejected positions (`RequestKV.rollback`: full layers by length, the window ring by restoring the slots
+the drafts overwrote). Greedy replies are the same tokens as without speculation; sampled ones are
+distributed the same, and a seeded one does not depend on its batch (it is scheduled alone).
 """
 
 from __future__ import annotations
@@ -316,8 +327,9 @@ class DecodeEngine:
         if not decoding:
             return
         config = self.config
-        kv_window = batch.sequences[decoding[0]].kv.window
-        ring_room = kv_window - 1 if batch.sequences[decoding[0]].kv.rings is not None else config.gamma
+        # a chunk's drafts must not wrap a window ring onto the chunk itself (W is one model's, for all)
+        first = batch.sequences[decoding[0]].kv
+        ring_room = first.window - 1 if first.rings is not None else config.gamma
         proposals: list[list[DraftToken]] = []
         for i in decoding:
             sequence = batch.sequences[i]

@@ -1,4 +1,5 @@
-"""Attention for a step in which every chunk is one token (a decode step), batched over the sequences.
+"""Attention for a step in which every chunk is one token (a decode step), batched over the sequences;
+and (`VerifyBatch`) for one of short chunks, a speculative step's verification chunks.
 
 The general path (`Decoder._attention`) attends chunk by chunk: for one token, some twenty small tensor
 ops per sequence and layer, which at batch 32 cost more host time than the attention's arithmetic. Here
