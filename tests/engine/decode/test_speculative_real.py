@@ -1,7 +1,7 @@
 """Speculative decoding on the real Gemma 3 270M (issue 25): greedy replies with speculation are the replies
 without it, token for token, on real prompts: agent sessions (a tool result the base model quotes back,
 where the n-gram drafter's drafts are accepted in runs) and chat; alone, and 8 joining at different steps
-with replies of different lengths leaving early; a stop string and a stop token inside an accepted run end
+with replies of different lengths leaving early, and 32; a stop string and a stop token inside an accepted run end
 the reply where they end it without speculation."""
 
 from __future__ import annotations
@@ -128,3 +128,15 @@ def test_stops_inside_an_accepted_run_end_the_reply_where_they_do_without_specul
     without = drive(real.engine(False), {0: [DecodeRequest(prompt, stop, detokenize=decode)]})[0]
     assert (stopped.tokens, stopped.finish_reason) == (without.tokens, STOP_STRING) == (reply[: c + 1], STOP_STRING)
     assert stopped_steps == steps[:k] + [steps[k][: j + 1]]
+
+
+def test_greedy_with_speculation_in_a_batch_of_32_is_the_reply_without(real):
+    # 32 prompts (the ends of the 8 sessions' first prompts, cut at 4 places), 24 at once and 8 joining
+    # later, replies of 12 to 24 tokens; compared with the same batch without speculation
+    prompts = [prompt[-n:] for n in (160, 200, 240, 280) for prompt in real.prompts]
+    requests = [DecodeRequest(p, SamplingParams(max_tokens=12 + 4 * (i % 4))) for i, p in enumerate(prompts)]
+    joins = {0: requests[:24], 4: requests[24:]}
+    plain = drive(real.engine(False), joins)
+    speculated = drive(real.engine(True), joins)
+    assert [speculated[i].tokens for i in range(32)] == [plain[i].tokens for i in range(32)]
+    assert sum(r.accepted_drafts for r in speculated.values()) > 0
