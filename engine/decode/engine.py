@@ -38,7 +38,9 @@ rejection sampling against the request's own distribution and generator) and add
 the tokens appended one by one so a stop inside the accepted run ends the reply there. The KV then forgets
 the rejected positions (`RequestKV.rollback`: full layers by length, the window ring by restoring the slots
 the drafts overwrote). Greedy replies are the same tokens as without speculation; sampled ones are
-distributed the same, and a seeded one does not depend on its batch (it is scheduled alone).
+distributed the same, and a seeded one does not depend on its batch (it is scheduled alone) while the
+pool has room: where it runs out, drafts are cut to the pages a sequence holds, and after a preemption the
+token that follows the recompute is sampled without drafts, so its draws, not their distribution, change.
 """
 
 from __future__ import annotations
