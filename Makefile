@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PROTO_OUT := kvstore/proto/kvstore_pb2.py
 DECODE_PROTO_OUT := engine/serving/proto/decode_pb2.py
 
-.PHONY: demo test test-processes test-connectors test-multihost test-deploy lint bench proto clean install
+.PHONY: demo test test-processes test-connectors test-multihost test-deploy test-speculative lint bench proto clean install
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -41,6 +41,10 @@ test: install
 # whole kvstore-api processes on the real model: signals, process counts, two instances on one daemon (~3 min)
 test-processes: install
 	$(BIN)/python -m pytest -q -m processes tests/engine/api/test_processes.py
+
+# speculative decoding on the real Gemma 3 270M: greedy identical to plain decoding alone and in batches of 8 and 32
+test-speculative: install
+	$(BIN)/python -m pytest -q -m speculative tests/engine/decode/test_speculative_real.py
 
 # three daemon hosts and two engine hosts in network namespaces joined by a bridge: the real model's prefill and
 # decode across them with tokens and TLS, a link taken down and a slow, lossy link (needs root)
