@@ -35,7 +35,6 @@ lint: install
 
 # unit + integration + crash tests; benchmarks and slow work are marked `bench` and left out.
 test: install
-	deploy/peers.sh etcd-server dnsmasq-base
 	$(BIN)/python -m pytest -q -n 2 --dist loadgroup tests
 
 # whole kvstore-api processes on the real model: signals, process counts, two instances on one daemon (~3 min)
@@ -44,12 +43,15 @@ test-processes: install
 
 # speculative decoding on the real Gemma 3 270M: greedy identical to plain decoding alone and in batches of 8 and 32
 test-speculative: install
-	$(BIN)/python -m pytest -q -m speculative tests/engine/decode/test_speculative_real.py
+	$(BIN)/python -m pytest -q -n 2 -m speculative tests/engine/decode/test_speculative.py \
+		tests/engine/decode/test_speculative_real.py
 
-# three daemon hosts and two engine hosts in network namespaces joined by a bridge: the real model's prefill and
-# decode across them with tokens and TLS, a link taken down and a slow, lossy link (needs root)
+# many hosts: membership against a real etcd and dnsmasq, copies of hot blocks between daemons; then three daemon
+# hosts and two engine hosts in network namespaces joined by a bridge: the real model's prefill and decode across
+# them with tokens and TLS, a link taken down and a slow, lossy link (needs root)
 test-multihost: install
-	deploy/peers.sh iproute2 iptables
+	deploy/peers.sh etcd-server dnsmasq-base iproute2 iptables
+	$(BIN)/python -m pytest -q -n 2 -m multihost tests/kvstore/client/test_membership.py tests/kvstore/client/test_replicas.py
 	$(BIN)/python -m pytest -q -m multihost tests/multihost
 
 # deployment exercised: a real Prometheus scraping daemons and the API server, every dashboard query, the image

@@ -18,7 +18,7 @@ from kvstore.server.process import DaemonProcess
 from tests.peers import DnsServer, EtcdServer
 from tests.pki import make_pki
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.multihost]  # real etcd and dnsmasq: make test-multihost
 
 NS = Namespace("membership-test", KVLayout(num_layers=2, kv_heads=1, head_dim=16, dtype="float16"), block_tokens=16)
 

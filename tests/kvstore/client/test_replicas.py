@@ -12,6 +12,8 @@ from kvstore.client.placement import ranked
 from kvstore.client.replicas import Replicas
 from kvstore.server.hot_keys import HotKeys
 
+pytestmark = pytest.mark.multihost  # several daemons and clients copying between them: make test-multihost
+
 NS = Namespace("replica-test", KVLayout(num_layers=2, kv_heads=1, head_dim=64, dtype="float16"), block_tokens=16)
 
 
