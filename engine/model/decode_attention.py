@@ -72,13 +72,7 @@ class DecodeBatch:
 
     def full(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """q (B, heads, d), k and v (B, kv_heads, d) of full layer `layer`; returns (B, heads * d)."""
-        pages = self.kvs[0].pool.layers[layer]  # (num_pages, 2, block_tokens, kv_heads, d)
-        pages[self.page, 0, self.offset] = k
-        pages[self.page, 1, self.offset] = v
-        used = pages[self.tables]  # (B, pages, 2, block_tokens, kv_heads, d)
-        B, width, _, block, kv_heads, d = used.shape
-        keys = used[:, :, 0].reshape(B, width * block, kv_heads, d)
-        values = used[:, :, 1].reshape(B, width * block, kv_heads, d)
+        keys, values = _write_and_gather(self.kvs[0].pool.layers[layer], self.page, self.offset, self.tables, k, v)
         return _attend(q, keys, values, self.full_mask, scale)
 
     def sliding(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -89,6 +83,18 @@ class DecodeBatch:
             ring[1, slot] = value
         stacked = torch.stack([ring[:, : self.slots] for ring in rings])  # (B, 2, slots, kv_heads, d)
         return _attend(q, stacked[:, 0], stacked[:, 1], self.ring_mask, scale)
+
+
+def _write_and_gather(pages: torch.Tensor, page: torch.Tensor, offset: torch.Tensor, tables: torch.Tensor,
+                      k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write the new positions' k and v (N, kv_heads, d) into a full layer's pages (num_pages, 2, block_tokens,
+    kv_heads, d) at (page, offset), then gather each request's pages by its table: keys and values
+    (B, pages * block_tokens, kv_heads, d)."""
+    pages[page, 0, offset] = k
+    pages[page, 1, offset] = v
+    used = pages[tables]  # (B, pages, 2, block_tokens, kv_heads, d)
+    B, width, _, block, kv_heads, d = used.shape
+    return used[:, :, 0].reshape(B, width * block, kv_heads, d), used[:, :, 1].reshape(B, width * block, kv_heads, d)
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
@@ -171,13 +177,7 @@ class VerifyBatch:
 
     def full(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """q (T, heads, d), k and v (T, kv_heads, d) of full layer `layer`; returns (T, heads * d)."""
-        pages = self.kvs[0].pool.layers[layer]  # (num_pages, 2, block_tokens, kv_heads, d)
-        pages[self.page, 0, self.offset] = k
-        pages[self.page, 1, self.offset] = v
-        used = pages[self.tables]  # (B, pages, 2, block_tokens, kv_heads, d)
-        B, width, _, block, kv_heads, d = used.shape
-        keys = used[:, :, 0].reshape(B, width * block, kv_heads, d)
-        values = used[:, :, 1].reshape(B, width * block, kv_heads, d)
+        keys, values = _write_and_gather(self.kvs[0].pool.layers[layer], self.page, self.offset, self.tables, k, v)
         return self._attend(q, keys, values, self.full_mask, scale)
 
     def sliding(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
