@@ -57,8 +57,8 @@ class ClientConfig:
             raise ValueError(f"servers lists a daemon twice: {self.servers}")
         for name in ("timeout_s", "lookup_timeout_s", "down_backoff_s", "max_down_backoff_s",
                      "membership_refresh_s", "handoff_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"ClientConfig.{name} must be positive")
+            if not getattr(self, name) > 0:  # NaN too
+                raise ValueError(f"ClientConfig.{name} must be positive, got {getattr(self, name)}")
         if self.shared_memory not in ("auto", "on", "off"):
             raise ValueError(f"ClientConfig.shared_memory must be 'auto', 'on' or 'off', got {self.shared_memory!r}")
         if self.transport not in ("auto", "grpc"):

@@ -210,16 +210,17 @@ class ServerConfig:
             raise ValueError(f"log_level must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL, got {self.log_level!r}")
 
     def _check_registration(self) -> None:
-        if self.register is None:
-            return
-        from kvstore.etcd import parse_url
-
-        parse_url(self.register)  # ValueError with the shape it wants
+        # Checked with or without `register`: a config accepted now must not turn invalid when it is added.
         if not 0 <= self.leave_drain_s < math.inf:
             raise ValueError(f"leave_drain_s must be >= 0 seconds, got {self.leave_drain_s}")
         if not 1 <= self.register_ttl_s < math.inf:
             raise ValueError(f"register_ttl_s must be at least 1 second (etcd leases are whole seconds), "
                              f"got {self.register_ttl_s}")
+        if self.register is None:
+            return
+        from kvstore.etcd import parse_url
+
+        parse_url(self.register)  # ValueError with the shape it wants
         if self.advertise is None and (self.host in ("0.0.0.0", "::", "") or self.port == 0):
             raise ValueError("register needs advertise=host:port: the address clients reach this daemon at "
                              f"(host {self.host!r} and port {self.port} name no single address)")
