@@ -8,7 +8,8 @@ chat template, `engine.text.real_text`, each cut to --prompt-tokens so no paddin
 fp32 weights, in one process, interleaved per repeat:
 
     ours      DecodeEngine: the prompts submitted together, prefilled in the engine's steps, then decoded
-              one batched forward per step; the decode phase is from the first sampled token to the last
+              one batched forward per step, one token per sequence (speculation, on by default, is off here:
+              bench/speculative.py measures it); the decode phase is from the first sampled token to the last
     theirs    `generate(do_sample=False)` on the batch, timed with --tokens new tokens and with 1 (the
               prefill and first token); the decode phase is the difference
 
@@ -60,7 +61,7 @@ def ours(model: Decoder, batch: list[list[int]], tokens: int, block_tokens: int)
     """Seconds of the decode phase, and the tokens."""
     pages = len(batch) * -(-(len(batch[0]) + tokens) // block_tokens) + 1
     engine = DecodeEngine(model, None, DecodeConfig(kv_pages=pages, block_tokens=block_tokens,
-                                                    max_running=len(batch)))
+                                                    max_running=len(batch), speculative=False))
     for prompt in batch:
         engine.submit(DecodeRequest(prompt, SamplingParams(max_tokens=tokens)))
     results = sorted(engine.run(), key=lambda r: r.id)
@@ -74,7 +75,7 @@ def idle_gap_ms(model: Decoder, batch: list[list[int]], tokens: int, block_token
     """The median gap between consecutive decode steps' forwards, ms (the first two steps, prefill, left out)."""
     pages = len(batch) * -(-(len(batch[0]) + tokens) // block_tokens) + 1
     engine = DecodeEngine(model, None, DecodeConfig(kv_pages=pages, block_tokens=block_tokens,
-                                                    max_running=len(batch), overlap=overlap))
+                                                    max_running=len(batch), overlap=overlap, speculative=False))
     for i, prompt in enumerate(batch):
         engine.submit(DecodeRequest(prompt, SamplingParams(max_tokens=tokens, seed=i, **sampling)))
     engine.run()

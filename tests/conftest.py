@@ -2,9 +2,26 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from kvstore.server.process import DaemonProcess
+
+
+@pytest.fixture(scope="session", autouse=True)
+def profile_cache(tmp_path_factory):
+    """Speculative decoding is on by default and measures an SPS profile per model and machine at start-up
+    (engine/speculative/profile.py): the tests and the processes they start keep theirs in one folder of
+    this run (shared by the xdist workers), never in the user's ~/.cache."""
+    folder = tmp_path_factory.getbasetemp().parent / "profiles"
+    previous = os.environ.get("KVSTORE_PROFILE_CACHE")
+    os.environ["KVSTORE_PROFILE_CACHE"] = str(folder)
+    yield folder
+    if previous is None:
+        os.environ.pop("KVSTORE_PROFILE_CACHE", None)
+    else:
+        os.environ["KVSTORE_PROFILE_CACHE"] = previous
 
 
 @pytest.fixture

@@ -42,6 +42,10 @@ class ApiMetrics:
                                               ["tenant", "path", "window"], registry=r))
         self.completion_tokens = _Tenants(Counter("kvstore_api_completion_tokens", "Tokens generated", ["tenant"],
                                                   registry=r))
+        # speculative decoding: drafts verified, by whether they were accepted (each accepted one a token that
+        # took no forward of its own): accepted / all is the acceptance rate
+        self.drafts = _Tenants(Counter("kvstore_api_draft_tokens", "Draft tokens verified, by outcome",
+                                       ["tenant", "outcome"], registry=r))
         self.finished = _Tenants(Counter("kvstore_api_replies", "Replies, by how they ended", ["tenant", "reason"],
                                          registry=r))
         self.cancelled = _Tenants(Counter("kvstore_api_cancelled", "Replies cancelled because the client went away",

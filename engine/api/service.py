@@ -121,6 +121,8 @@ class Service:
                               text.stop_sequence, result.tokens)
                 self._finished(reply, started)
                 self.metrics.prefill_paths.labels(result.prefill_path or "none", result.window_source or "none").inc()
+                self.metrics.drafts.labels("accepted").inc(result.accepted_drafts)
+                self.metrics.drafts.labels("rejected").inc(result.drafted - result.accepted_drafts)
                 self._advise(tenant, traffic_class, ids + result.tokens, goes_on=bool(calls))
                 yield reply
                 return

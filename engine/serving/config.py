@@ -27,6 +27,7 @@ class InstanceConfig:
     threads: int = 1  # torch threads: several instances share a machine's cores, so one each by default
     max_message_bytes: int = MAX_MESSAGE_BYTES  # largest request received; past it, RESOURCE_EXHAUSTED
     exit_on_stdin_eof: bool = False  # shut down when stdin ends: children started on a pipe die with their parent
+    speculative: bool = True  # DecodeConfig.speculative: n-gram drafts verified on the DSpark schedule, lossless
     servers: tuple[str, ...] = ()  # the store's daemons (host:port); none: no store
     # Security, as the daemon's (kvstore/server/config.py): a token file, TLS, and mutual TLS
     auth_tokens: Path | None = None  # TOML token file (kvstore/server/auth.py); None: no authentication
@@ -54,8 +55,9 @@ class InstanceConfig:
             raise ValueError(f"InstanceConfig: port must be an integer in [0, 65535], got {self.port!r}")
         if not isinstance(self.host, str) or not self.host:
             raise ValueError(f"InstanceConfig: host must be a non-empty string, got {self.host!r}")
-        if not isinstance(self.exit_on_stdin_eof, bool):
-            raise ValueError(f"InstanceConfig: exit_on_stdin_eof must be True or False, got {self.exit_on_stdin_eof!r}")
+        for name in ("exit_on_stdin_eof", "speculative"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"InstanceConfig: {name} must be True or False, got {getattr(self, name)!r}")
         object.__setattr__(self, "servers", tuple(self.servers))
         if not all(isinstance(s, str) for s in self.servers):
             raise ValueError(f"InstanceConfig: servers must be host:port addresses or a discovery target, "
@@ -87,7 +89,7 @@ class InstanceConfig:
 
     def decode_config(self) -> DecodeConfig:
         return DecodeConfig(max_running=self.max_running, prefill_tokens_per_step=self.prefill_tokens_per_step,
-                            kv_pages=self.kv_pages, block_tokens=self.block_tokens)
+                            kv_pages=self.kv_pages, block_tokens=self.block_tokens, speculative=self.speculative)
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(InstanceConfig))
@@ -103,6 +105,8 @@ _HELP = {
     "threads": "torch threads (several instances on one machine: one each)",
     "max_message_bytes": "largest request accepted; a larger one ends RESOURCE_EXHAUSTED",
     "exit_on_stdin_eof": "shut down when stdin ends (a parent holding the pipe died or closed it)",
+    "speculative": "speculative decoding: n-gram drafts verified on the DSpark schedule, lossless (default: on; "
+                   "its SPS profile is measured at the first start on a machine and cached)",
     "servers": "the store's daemons, host:port,... or a dns:///, dns+srv:/// or etcd:// target (docs/deployment.md): "
                "prompts are prefilled through the store and replies saved; none: prompts are computed here and "
                "nothing is saved",
@@ -130,6 +134,8 @@ def parse_args(argv: Sequence[str] | None = None) -> InstanceConfig:
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=defaults[name],
                             help=f"{_HELP[name]} (default: {defaults[name]})")
     parser.add_argument("--exit-on-stdin-eof", action="store_true", help=_HELP["exit_on_stdin_eof"])
+    parser.add_argument("--speculative", action=argparse.BooleanOptionalAction, default=defaults["speculative"],
+                        help=_HELP["speculative"])
     parser.add_argument("--servers", default="", metavar="HOST:PORT,...", help=_HELP["servers"])
     for name in SECURITY_FILES:
         parser.add_argument("--" + name.replace("_", "-"), type=Path, default=None, metavar="FILE", help=_HELP[name])

@@ -19,7 +19,10 @@ GREEDY = SamplingParams(max_tokens=REPLY)
 
 
 def _engine(family, **config) -> DecodeEngine:
-    return DecodeEngine(family.model, None, DecodeConfig(**{"block_tokens": 16, "kv_pages": 64, **config}))
+    # the plain engine, one token per step: these tests count its forwards and tokens; speculation (on by
+    # default) is driven through the same cases in test_speculative.py
+    return DecodeEngine(family.model, None, DecodeConfig(**{"block_tokens": 16, "kv_pages": 64,
+                                                            "speculative": False, **config}))
 
 
 def _count_forwards(monkeypatch, model) -> list[list[int]]:
@@ -191,15 +194,20 @@ def test_overlap_gives_the_same_tokens_and_counts_the_gaps(family):
     """The next step's admission and pages prepared during the forward: same replies, with joins and
     preemptions (three sequences of 30 + 40 tokens need 15 of the pool's 8 pages of 16)."""
     prompts = [family.prompt(30), tokens(30, seed=1), tokens(30, seed=2)]
-    replies = []
+    replies = {}
     for overlap in (False, True):
-        engine = DecodeEngine(family.model, None, DecodeConfig(kv_pages=8, block_tokens=16, overlap=overlap))
-        results = drive(engine, {0: [DecodeRequest(prompts[0], SamplingParams(max_tokens=REPLY))],
-                                 2: [DecodeRequest(p, SamplingParams(max_tokens=REPLY, temperature=0.8, seed=i))
-                                     for i, p in enumerate(prompts[1:])]})
-        replies.append([r.tokens for r in results.values()])
-        assert sum(r.preemptions for r in results.values()) > 0
-        assert len(engine.idle_gaps_s) >= REPLY - 1 and min(engine.idle_gaps_s) >= 0
-        engine.close()
-    assert replies[0] == replies[1]
-    assert replies[0][0] == family.generate(prompts[0])
+        for speculative in (False, True):
+            engine = DecodeEngine(family.model, None, DecodeConfig(kv_pages=8, block_tokens=16, overlap=overlap,
+                                                                   speculative=speculative))
+            results = drive(engine, {0: [DecodeRequest(prompts[0], SamplingParams(max_tokens=REPLY))],
+                                     2: [DecodeRequest(p, SamplingParams(max_tokens=REPLY, temperature=0.8, seed=i))
+                                         for i, p in enumerate(prompts[1:])]})
+            replies[overlap, speculative] = [r.tokens for r in results.values()]
+            assert sum(r.preemptions for r in results.values()) > 0
+            # one token per step without speculation, so a gap between each two of a reply's forwards
+            assert len(engine.idle_gaps_s) >= (1 if speculative else REPLY - 1) and min(engine.idle_gaps_s) >= 0
+            engine.close()
+        assert replies[overlap, False][0] == replies[overlap, True][0] == family.generate(prompts[0])
+    # seeded sampling: the same with and without overlap (speculation may draw differently after a
+    # preemption: docs/engines.md, "Speculative decoding")
+    assert replies[False, False] == replies[True, False] and replies[False, True] == replies[True, True]

@@ -239,3 +239,10 @@ def test_an_instance_with_a_store_continues_a_handed_over_prompt(model_dir, daem
 def test_a_client_of_no_instance_says_so(tmp_path):
     with InstanceClient("127.0.0.1:1") as client, pytest.raises(InstanceError, match="UNAVAILABLE"):
         client.load(timeout_s=30)
+
+
+def test_speculation_is_on_by_default_and_a_flag_turns_it_off(model_dir):
+    from engine.serving.config import parse_args
+
+    assert parse_args(["--model", str(model_dir)]).decode_config().speculative
+    assert not parse_args(["--model", str(model_dir), "--no-speculative"]).decode_config().speculative
