@@ -5,7 +5,8 @@ of verifying more positions. On a GPU a forward of 1 or 64 tokens costs about th
 every verified position also pays for the output head (262k entries for Gemma 3), so SPS falls steeply
 with B. Hence measured, not assumed: at start-up a verification-shaped forward (chunks of up to γ + 1
 tokens after a context, logits at every position as verification needs) is timed at a few B, best of a
-few repeats, like the prefill's chunk cost fit (`engine.prefill.cost.measure`).
+few repeats, like the prefill's chunk cost fit (`engine.prefill.cost.measure`); a B timed slower than a
+larger one is timed again.
 
 The times are made non-decreasing in B (pool-adjacent-violators: more tokens never cost less, and a
 noisy sample must not tell the scheduler otherwise), interpolated linearly, and extrapolated past the
@@ -34,7 +35,7 @@ import torch
 from engine.model.decoder import Chunk, Decoder
 from engine.model.kv import PagePool, RequestKV
 
-FORMAT = 1  # of the cached file; bump when what is written or measured changes
+FORMAT = 2  # of the cached file; bump when what is written or measured changes
 CACHE_ENV = "KVSTORE_PROFILE_CACHE"
 GRID = (1, 2, 4, 8, 16, 32, 64, 128, 192)  # B timed: one request alone up to 32 requests verifying 5 drafts each
 PER_REQUEST = 6  # tokens per chunk: the last real token + γ = 5 drafts
@@ -142,35 +143,48 @@ def layout(b: int, per_request: int) -> list[int]:
 
 
 def measure(model: Decoder, grid: Sequence[int] = GRID, per_request: int = PER_REQUEST, context: int = CONTEXT,
-            repeats: int = 3) -> SpsProfile:
-    """Time a verification-shaped forward at each B of `grid`, best of `repeats` (after one warm-up)."""
+            repeats: int = 3, retimes: int = 2) -> SpsProfile:
+    """Time a verification-shaped forward at each B of `grid`, best of `repeats` (after one warm-up).
+
+    A B timed slower than a larger B is an outlier (more tokens never cost less): it is timed again, up to
+    `retimes` more rounds of `repeats`, keeping the best, before the fit pools what still disagrees. On a
+    shared machine one slow sample at B=1 would otherwise flatten the whole small-B end of the curve."""
     limit = model.config.max_position_embeddings
     context = max(0, min(context, limit - per_request))
     most = max(len(layout(b, per_request)) for b in grid)
     pages_each = -(-(context + per_request) // BLOCK_TOKENS)
     pool = PagePool(model.config, most * pages_each, BLOCK_TOKENS, model.dtype, model.device)
     synchronize = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
-    samples = []
-    for b in grid:
+
+    def best_time(b: int, warm_up: bool) -> float:
         sizes = layout(b, per_request)
         kvs = [RequestKV(model.config, pool) for _ in sizes]
         try:
             for kv, n in zip(kvs, sizes):
                 kv.reserve(context + n)
             best = math.inf
-            for attempt in range(repeats + 1):  # the first run warms allocations and kernels up, untimed
+            for attempt in range(repeats + warm_up):  # a first run warms allocations and kernels up, untimed
                 chunks = [Chunk(kv, torch.zeros(n, dtype=torch.long), context) for kv, n in zip(kvs, sizes)]
                 synchronize()
                 began = time.perf_counter()
                 model.forward(chunks, all_logits=True)  # verification scores every position
                 synchronize()
-                if attempt:
+                if attempt or not warm_up:
                     best = min(best, time.perf_counter() - began)
+            return best
         finally:
             for kv in kvs:
                 kv.release()
-        samples.append((b, best))
-    return SpsProfile.fitted(samples)
+
+    times = {b: best_time(b, True) for b in grid}
+    for _ in range(retimes):
+        ordered = sorted(times)
+        slow = [b for b, c in zip(ordered, ordered[1:]) if times[b] > times[c]]
+        if not slow:
+            break
+        for b in slow:
+            times[b] = min(times[b], best_time(b, False))
+    return SpsProfile.fitted(sorted(times.items()))
 
 
 def load_or_measure(model: Decoder, directory: Path | str | None = None, grid: Sequence[int] = GRID,
