@@ -72,6 +72,12 @@ def replay(requests: Sequence[Request], policy: str, capacity_blocks: int | None
     present: set = set()
     turns = conversation_turns(requests, block_tokens)
     signals = None if continuation_signal is None else continuation_signals(requests, continuation_signal, block_tokens)
+    # the policy's methods and the counters as locals: this loop runs once per block of a million-request trace
+    access = chooser.access if chooser is not None else None
+    insert = chooser.insert if chooser is not None else None
+    advise = chooser.advise if chooser is not None else None
+    room = capacity_blocks if chooser is not None and low_blocks is None else None
+    blocks = hit_blocks = tokens = hit_tokens = 0
 
     def evict(key) -> None:
         present.discard(key)
@@ -84,45 +90,59 @@ def replay(requests: Sequence[Request], policy: str, capacity_blocks: int | None
         now = request.timestamp_ms / 1000
         ids = request.hash_ids
         hit = 0
-        for key in ids:
-            if key not in present:
-                break
-            if ttl is not None and ttl.expired(key, now):
-                evict(key)
-                result.expiries += 1
-                break
-            hit += 1
-        _count(result, request, hit, block_tokens)
-        full = _full_blocks(request, block_tokens)
+        if ttl is None:
+            for key in ids:
+                if key not in present:
+                    break
+                hit += 1
+        else:
+            for key in ids:
+                if key not in present:
+                    break
+                if ttl.expired(key, now):
+                    evict(key)
+                    result.expiries += 1
+                    break
+                hit += 1
+        length = request.input_length
+        blocks += len(ids)
+        hit_blocks += hit
+        tokens += length
+        hit_tokens += _hit_tokens(len(ids), length, hit, block_tokens)
+        full = length // block_tokens
         hint = ReuseHint(min(hit, full), full, turns[number])  # what the engine tells the store with its puts
-        for key in reversed(ids[:hit]):  # read, leaf first
-            if chooser is not None:
-                chooser.access(key)
+        if hit:
+            if access is not None:
+                for position in range(hit - 1, -1, -1):  # read, leaf first
+                    access(ids[position])
             if ttl is not None:
-                ttl.touch(key, request.traffic_class, now)
+                for position in range(hit - 1, -1, -1):
+                    ttl.touch(ids[position], request.traffic_class, now)
         for position in range(full - 1, hit - 1, -1):  # computed and put, leaf first
             key = ids[position]
             if key in present:  # put again: its retention is extended, nothing more
                 if ttl is not None:
                     ttl.touch(key, request.traffic_class, now)
                 continue
-            if chooser is not None and low_blocks is None:
-                while len(present) >= capacity_blocks:
-                    _make_room(chooser, ttl, now, evict, result)
-            if chooser is not None:
-                chooser.insert(key, 1, ids[position - 1] if position else None, hint)
+            if room is not None:
+                while len(present) >= room:
+                    _make_room(chooser, ttl, now, present, result)
+            if insert is not None:
+                insert(key, 1, ids[position - 1] if position else None, hint)
             present.add(key)
-            if chooser is not None and low_blocks is not None and len(present) > capacity_blocks:
+            if low_blocks is not None and chooser is not None and len(present) > capacity_blocks:
                 while len(present) > low_blocks:
-                    _make_room(chooser, ttl, now, evict, result)
+                    _make_room(chooser, ttl, now, present, result)
             if ttl is not None:
                 ttl.touch(key, request.traffic_class, now)
-        if signals is not None and chooser is not None:  # the reply is done: the engine says what it knows
+        if signals is not None and advise is not None:  # the reply is done: the engine says what it knows
             advice = hint._replace(continues=signals[number])
             for key in ids[:full]:
-                chooser.advise(key, advice)
+                advise(key, advice)
         if progress is not None:
             progress(number + 1)
+    result.requests = len(requests)
+    result.blocks, result.hit_blocks, result.tokens, result.hit_tokens = blocks, hit_blocks, tokens, hit_tokens
     return result
 
 
@@ -135,19 +155,29 @@ def continuation_signals(requests: Sequence[Request], right: float, block_tokens
     return [bool(truth != flip) for truth, flip in zip(continued_requests(requests, block_tokens), flips)]
 
 
-def _make_room(chooser, ttl: _Retention | None, now: float, evict, result: ReplayResult) -> None:
+def _make_room(chooser, ttl: _Retention | None, now: float, present: set, result: ReplayResult) -> None:
     """Evict one block: an expired one if there is any, else the policy's choice."""
     victim = ttl.pop_expired(now) if ttl is not None else None
     if victim is not None:
         result.expiries += 1
+        chooser.remove(victim)
     else:
-        victim = chooser.pop_victim()
+        victim = chooser.pop_victim()  # which stops tracking it
         result.evictions += 1
-    evict(victim)
+    present.discard(victim)
+    if ttl is not None:
+        ttl.forget(victim)
 
 
 def _full_blocks(request: Request, block_tokens: int) -> int:
     return request.input_length // block_tokens
+
+
+def _hit_tokens(blocks: int, input_length: int, hit: int, block_tokens: int) -> int:
+    """Tokens of a leading run of `hit` of a prompt's `blocks` blocks: full ones, and the last one's own."""
+    if hit < blocks:
+        return hit * block_tokens
+    return input_length
 
 
 def _count(result: ReplayResult, request: Request, hit: int, block_tokens: int) -> None:
@@ -155,7 +185,7 @@ def _count(result: ReplayResult, request: Request, hit: int, block_tokens: int) 
     result.blocks += len(request.hash_ids)
     result.hit_blocks += hit
     result.tokens += request.input_length
-    result.hit_tokens += sum(request.block_tokens(i, block_tokens) for i in range(hit))
+    result.hit_tokens += _hit_tokens(len(request.hash_ids), request.input_length, hit, block_tokens)
 
 
 class _Retention:
