@@ -14,7 +14,7 @@ never cached, by any policy or bound: the next turn's version of it is longer an
 from __future__ import annotations
 
 import heapq
-import math
+from array import array
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -233,34 +233,27 @@ def _belady(requests: Sequence[Request], capacity_blocks: int | None, block_toke
     run hits, so among those the deepest block is the one to give up: evicting the root would cut off
     the whole run behind it. Blocks are ordered by (next use, depth), deepest first among equals."""
     result = ReplayResult("belady", capacity_blocks)
-    uses: dict = defaultdict(list)
-    for number, request in enumerate(requests):
-        for key in request.hash_ids:
-            uses[key].append(number)
-    cursor: dict = defaultdict(int)
-    rank: dict = {}  # key -> (next use, depth): the larger, the sooner it goes
+    starts, rank_of = _ranks(requests)
+    rank: dict = {}  # key -> its rank: (next use, depth) in one int, the larger the sooner it goes
     present: set = set()
-    farthest: list = []  # (-next use, -depth, key), stale entries skipped
-    never = math.inf
+    farthest: list = []  # (-rank, key), stale entries skipped
     for number, request in enumerate(requests):
         ids = request.hash_ids
         hit = 0
         while hit < len(ids) and ids[hit] in present:
             hit += 1
         _count(result, request, hit, block_tokens)
-        for depth, key in enumerate(ids):
-            cursor[key] += 1
-            positions = uses[key]
-            rank[key] = (positions[cursor[key]] if cursor[key] < len(positions) else never, depth)
+        for key, order in zip(ids, rank_of[starts[number]:starts[number + 1]]):
+            rank[key] = order
             if key in present:
-                heapq.heappush(farthest, (-rank[key][0], -depth, key))
+                heapq.heappush(farthest, (-order, key))
         for key in ids[hit:_full_blocks(request, block_tokens)]:
             if key in present:
                 continue
             if capacity_blocks is not None and len(present) >= capacity_blocks:
                 while True:
-                    negative_use, negative_depth, victim = farthest[0]
-                    if victim in present and (-negative_use, -negative_depth) == rank[victim]:
+                    negative, victim = farthest[0]
+                    if victim in present and -negative == rank[victim]:
                         break
                     heapq.heappop(farthest)
                 if rank[victim] <= rank[key]:
@@ -269,10 +262,43 @@ def _belady(requests: Sequence[Request], capacity_blocks: int | None, block_toke
                 present.discard(victim)
                 result.evictions += 1
             present.add(key)
-            heapq.heappush(farthest, (-rank[key][0], -rank[key][1], key))
+            heapq.heappush(farthest, (-rank[key], key))
+        if len(farthest) > 2 * len(present) + 4096:  # mostly stale: keep it linear in the blocks cached
+            farthest = _current(farthest, present, rank)
         if progress is not None:
             progress(number + 1)
     return result
+
+
+def _ranks(requests: Sequence[Request]) -> tuple[array, array]:
+    """Per block of every request, its rank once that request is served: the next request that uses it
+    (len(requests) if none: later than any) and its depth, as next use * (longest prompt + 1) + depth,
+    an int that orders as the pair does; in one flat array (8 bytes a block, not a list per block),
+    with where each request's blocks start in it."""
+    starts = array("q", [0])
+    for request in requests:
+        starts.append(starts[-1] + len(request.hash_ids))
+    depths = 1 + max((len(request.hash_ids) for request in requests), default=0)
+    never = len(requests)
+    ranks = array("q", bytes(8 * starts[-1]))
+    seen: dict = {}  # key -> the earliest request after this one that uses it
+    for number in range(len(requests) - 1, -1, -1):
+        ids, start = requests[number].hash_ids, starts[number]
+        for depth in range(len(ids) - 1, -1, -1):  # a key twice in one prompt: its next use is this one
+            key = ids[depth]
+            ranks[start + depth] = seen.get(key, never) * depths + depth
+            seen[key] = number
+    return starts, ranks
+
+
+def _current(farthest: list, present: set, rank: dict) -> list:
+    """The heap's entries still in force, one per block. A stale entry never comes back into force (a
+    block's next use only moves forward), and a block admitted again is pushed again, identically; so
+    the choices made from the rebuilt heap are the ones the full heap would have made."""
+    live = {key: entry for entry in farthest if (key := entry[1]) in present and -entry[0] == rank[key]}
+    heap = list(live.values())
+    heapq.heapify(heap)
+    return heap
 
 
 def reuse_statistics(requests: Sequence[Request]) -> dict:
