@@ -46,12 +46,15 @@ def read_trace(path: Path | str, block_tokens: int = 512, skip_bad: bool = False
     """The trace's requests in order; a bad line raises TraceError naming it, or is skipped with `skip_bad`.
     A request earlier than the one before it is a bad line: every replay's clock (TTLs, gaps) runs forward."""
     last_ms = 0
+    # JSON gives every hash id of every line an int of its own (28 bytes); a block appears in every prompt
+    # that holds it, so one object per distinct id keeps a million-request trace to a fraction
+    interned: dict[int, int] = {}
     with open(path, "rb") as f:  # decoded line by line, so a line that is not UTF-8 is named like any other
         for number, raw in enumerate(f, start=1):
             if not raw.strip():
                 continue
             try:
-                request = parse_line(raw.decode(), block_tokens)
+                request = parse_line(raw.decode(), block_tokens, interned)
                 if request.timestamp_ms < last_ms:
                     raise ValueError(f"timestamp {request.timestamp_ms} goes back from {last_ms}: the trace must "
                                      "be in time order (sort it by timestamp)")
@@ -64,7 +67,8 @@ def read_trace(path: Path | str, block_tokens: int = 512, skip_bad: bool = False
                     errors.append(f"{path}:{number}: {exc}")
 
 
-def parse_line(line: str, block_tokens: int) -> Request:
+def parse_line(line: str, block_tokens: int, interned: dict[int, int] | None = None) -> Request:
+    """One line's request; with `interned`, its hash ids are the ints kept there (added if new)."""
     try:
         record = json.loads(line)
     except json.JSONDecodeError as exc:
@@ -92,6 +96,8 @@ def parse_line(line: str, block_tokens: int) -> Request:
     traffic_class = record.get("traffic_class", "chat")
     if not isinstance(traffic_class, str) or not traffic_class:
         raise ValueError("traffic_class must be a non-empty string")
+    if interned is not None:
+        ids = [interned.setdefault(h, h) for h in ids]
     return Request(int(timestamp), length, output, tuple(ids), traffic_class)
 
 
