@@ -25,6 +25,7 @@ from kvstore.analytics.trace import Request, continued_requests, conversation_tu
 from kvstore.eviction import ReuseHint, make_policy
 
 Progress = Callable[[int], None]
+_STALE_SLACK = 4096  # Belady's heap entries beyond 2 per cached block before the stale ones are dropped
 
 
 @dataclass
@@ -263,7 +264,7 @@ def _belady(requests: Sequence[Request], capacity_blocks: int | None, block_toke
                 result.evictions += 1
             present.add(key)
             heapq.heappush(farthest, (-rank[key], key))
-        if len(farthest) > 2 * len(present) + 4096:  # mostly stale: keep it linear in the blocks cached
+        if len(farthest) > 2 * len(present) + _STALE_SLACK:  # mostly stale: keep it linear in the blocks cached
             farthest = _current(farthest, present, rank)
         if progress is not None:
             progress(number + 1)

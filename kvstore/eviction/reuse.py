@@ -49,6 +49,7 @@ _GAP_EDGES = [2 ** (i / 2) for i in range(64)]  # gap histogram bins, in operati
 _PRIOR_GAPS = 20.0
 _GHOSTS_PER_KEY = 4  # ghost entries kept per tracked key (at least _MIN_GHOSTS)
 _MIN_GHOSTS = 1024
+_STALE_PER_KEY, _STALE_SLACK = 4, 4096  # heap entries allowed (stale ones included) per tracked key, and more
 
 
 @functools.lru_cache(maxsize=4096)  # every put of one request has the same hint
@@ -139,6 +140,7 @@ class PrefixReuse(SizedPolicy):
         self._dirty: set[int] = set()  # classes to rescore
         self._all_dirty = False
         self._soonest = math.inf  # min(_until)
+        self._entries = 0  # heap entries, stale ones included
 
     def _heap(self, klass: int) -> list:
         heap = self._leaves.get(klass)
@@ -150,6 +152,9 @@ class PrefixReuse(SizedPolicy):
             self._until.append(math.inf)
             self._own_part.append(None)
         self._dirty.add(klass)
+        self._entries += 1  # the caller pushes one
+        if self._entries > _STALE_PER_KEY * len(self._size) + _STALE_SLACK:
+            self._compact()
         return heap
 
     # -- what is observed ---------------------------------------------------------------------------
@@ -283,6 +288,7 @@ class PrefixReuse(SizedPolicy):
             if self._last.get(key) == last and self._class[key] == klass and self._tree.is_leaf(key):
                 break
             heapq.heappop(heap)  # stale: used since, evicted, re-classed or no longer a leaf
+            self._entries -= 1
         if not heap:
             self._score[place] = self._until[place] = math.inf
             self._own_part[place] = None
@@ -323,11 +329,24 @@ class PrefixReuse(SizedPolicy):
             return None
         klass = self._classes[self._score.index(best)]  # the first of equals, as a scan in order finds
         _, key = heapq.heappop(self._leaves[klass])
+        self._entries -= 1
         self._ghosts[key] = (self._last[key], self._class[key])
         while len(self._ghosts) > max(_MIN_GHOSTS, _GHOSTS_PER_KEY * len(self._size)):
             self._ghosts.popitem(last=False)
         self.remove(key)
         return key
+
+    def _compact(self) -> None:
+        """Rebuild the heaps from their entries in force, once mostly stale (each use of a leaf pushes
+        one), so that memory follows the blocks tracked. A stale entry never comes back into force but
+        with an identical entry pushed (a block's last use only moves forward; a block that is a leaf
+        again, or advised back into a class, is pushed again), so every choice stays the same."""
+        self._entries = 0
+        for klass, heap in self._leaves.items():
+            heap[:] = sorted({(last, key) for last, key in heap if self._last.get(key) == last
+                              and self._class[key] == klass and self._tree.is_leaf(key)})
+            self._entries += len(heap)
+        self._dirty.update(self._leaves)
 
     def remove(self, key) -> None:
         if key not in self._size:

@@ -7,8 +7,10 @@ import random
 
 import pytest
 
+from kvstore.analytics import simulate
 from kvstore.analytics.simulate import replay
 from kvstore.analytics.trace import CONVERSATION_TRACE, Request, read_trace
+from kvstore.eviction import reuse
 
 pytestmark = pytest.mark.unit
 
@@ -132,6 +134,15 @@ def test_every_policy_decides_as_it_did_on_the_conversation_trace(policy, conver
 def conversation() -> list[Request]:
     """The first 1,500 requests of the shipped Mooncake trace: long prompts, real sharing."""
     return list(itertools.islice(read_trace(CONVERSATION_TRACE), 1500))
+
+
+@pytest.mark.parametrize("policy, variant, share", [case for case in CASES if case[0] in ("prefix-reuse", "belady")])
+def test_dropping_stale_heap_entries_at_once_changes_no_decision(policy, variant, share, monkeypatch):
+    # with no slack the heaps are rebuilt from their entries in force whenever stale ones outnumber them
+    monkeypatch.setattr(reuse, "_STALE_SLACK", 0)
+    monkeypatch.setattr(reuse, "_STALE_PER_KEY", 0.5)
+    monkeypatch.setattr(simulate, "_STALE_SLACK", 0)
+    assert figures(seeded_trace(), policy, variant, share) == PINNED[policy, variant, share]
 
 
 def test_the_infinite_cache_as_it_did():
