@@ -8,15 +8,15 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from kvstore.analytics.simulate import access_statistics
-from kvstore.analytics.trace import TraceError
+from kvstore.analytics.trace import TraceError, decode
 
 
 def read_access_log(path: Path, skip_bad: bool = False, errors: list[str] | None = None) -> Iterator[tuple]:
     """(time_ms, op, key, traffic_class, result, tier, bytes) per line; a bad line names itself."""
-    with open(path) as f:
-        for number, line in enumerate(f, start=1):
-            fields = line.rstrip("\n").split("\t")
+    with open(path, "rb") as f:  # decoded line by line: a line that is not UTF-8 is named, or skipped
+        for number, raw in enumerate(f, start=1):
             try:
+                fields = decode(raw).rstrip("\n").split("\t")
                 if len(fields) != 7:
                     raise ValueError(f"{len(fields)} fields; an access log line has 7")
                 time_ms, op, key, traffic_class, result, tier, nbytes = fields
