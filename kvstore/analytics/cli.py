@@ -67,6 +67,8 @@ def add_parser(subparsers) -> None:
     log.add_argument("paths", type=Path, nargs="+", help="access log files")
     log.add_argument("--json", type=Path, help="write every figure here")
     log.add_argument("--skip-bad", action="store_true", help="skip malformed lines (and count them)")
+    log.add_argument("--block-tokens", type=int, default=512,
+                     help="tokens per block of the namespace logged, for token counts (the log records blocks)")
     log.set_defaults(run=run_log)
 
 
@@ -74,7 +76,9 @@ def run_log(args: argparse.Namespace) -> int:
     for path in args.paths:
         if not path.is_file():
             raise ValueError(f"{path} is not a file")
-    report = summarize(args.paths, args.skip_bad)
+    if args.block_tokens < 1:
+        raise ValueError(f"--block-tokens must be at least 1, got {args.block_tokens}")
+    report = summarize(args.paths, args.skip_bad, args.block_tokens)
     print(render_log(report))
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))

@@ -103,3 +103,32 @@ def _read(fd: int) -> bytes:
         return os.read(fd, 65536)
     except OSError:  # the terminal's other end is closed: all read
         return b""
+
+
+def test_the_access_log_report_weighs_blocks_and_tokens_and_labels_each(tmp_path):
+    rows = [("lookup", "a1", "-", "hit", "-", 0), ("lookup", "a2", "-", "hit", "-", 0),
+            ("lookup", "a3", "-", "missing", "-", 0), ("lookup", "a4", "-", "missing", "-", 0),  # a call: 2 of 4
+            ("lookup", "b1", "-", "hit", "-", 0), ("lookup", "b2", "-", "hit", "-", 0),
+            ("lookup", "b3", "-", "hit", "-", 0),  # another: 3 of 3
+            *[("get", key, "chat", "hit", "dram", 4096) for key in ("a1", "a2", "b1")],
+            ("get", "b2", "chat", "expired", "-", 0),
+            *[("get", key, "agent", "hit", "ssd", 4096) for key in ("c1", "c2")],
+            ("put", "a3", "chat", "stored", "-", 5000), ("put", "a4", "chat", "exists", "-", 0)]
+    log = tmp_path / "access.log"
+    log.write_text("".join(f"{1000 + i}\t" + "\t".join(map(str, row)) + "\n" for i, row in enumerate(rows)))
+    out = tmp_path / "log.json"
+    done = replay_cli("log", str(log), "--block-tokens", "16", "--json", str(out))
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.read_text())
+    # 5 of the 7 blocks looked up were found; each is a full block of 16 tokens: 80 of 112 tokens
+    assert (report["lookup_hits"], report["blocks_looked_up"]) == (5, 7)
+    assert (report["lookup_tokens_found"], report["tokens_looked_up"]) == (80, 112)
+    assert report["block_hit_rate"] == report["token_hit_rate"] == 5 / 7
+    chat = report["by_class"]["chat"]
+    assert (chat["hits"], chat["misses"], chat["tokens_served"], chat["tokens_asked"]) == (3, 1, 48, 64)
+    assert chat["token_hit_rate"] == 0.75 and report["by_class"]["agent"]["token_hit_rate"] == 1.0
+    assert "71.43% of blocks (blocks found in the cached leading run / blocks looked up)" in done.stdout
+    assert "71.43% of tokens (80 tokens found / 112 looked up, at 16 a block" in done.stdout
+    assert "75.00% of blocks read (served / asked), 75.00% of tokens (48 / 64)" in done.stdout
+    assert "may not be flushed yet" in done.stdout, "just written: its daemon could still be running"
+    assert replay_cli("log", str(log), "--block-tokens", "0").returncode == 2
