@@ -1,15 +1,18 @@
 """How fast `kvstore analytics replay` goes, and in how much memory: every policy, Belady and the infinite cache.
 
-    python bench/replay_speed.py [--requests 1000000] [--capacity 5%,20%] [--repeats 3] [--json out.json]
+    python bench/replay_speed.py [--requests 200000] [--capacity 5%,20%] [--repeats 3] [--policies ...]
+                                 [--json out.json]
+    python bench/replay_speed.py --requests 1000000 --repeats 1    # the million-request check
 
-Generates a seeded trace in the Mooncake format (below; --requests of them, one million by default),
-reads it with `read_trace` as the CLI does, and replays it through each policy at each capacity (a share
-of its unique full blocks), --repeats times; then the same on the shipped conversation trace (12,031
-requests, long prompts that mostly miss: the hardest per request). Prints, per policy and capacity,
-requests per second (median and the spread, min-max, over the repeats), the ratio to LRU's median in the
-same run, whether it meets 20,000 requests/s, and the peak memory of its replays above the loaded trace
-(each policy's replays run in a forked child: its peak RSS less the RSS it started with). Writes nothing
-unless --json PATH. The default run takes about 10 minutes on two cores; `--requests 200000` one fifth.
+Generates a seeded trace in the Mooncake format (below; --requests of them), reads it with `read_trace`
+as the CLI does, and replays it through each policy at each capacity (a share of its unique full blocks),
+--repeats times; then the same on the shipped conversation trace (12,031 requests, long prompts that
+mostly miss: the hardest per request). Prints, per policy and capacity, requests per second (median and
+the spread, min-max, over the repeats), the ratio to LRU's median in the same run, whether it meets
+20,000 requests/s, and the peak memory of its replays above the loaded trace (each policy's replays run
+in a forked child: its peak RSS less the RSS it started with). Writes nothing unless --json PATH.
+The default run (200,000 requests, 3 repeats) takes about 7 minutes on two busy cores; a million
+requests with one repeat about 15 (PrefixReuse, at about 5,000 requests/s, is most of it).
 
 The generated workload, seeded, sessions interleaved in time:
 * 40% agent sessions: one of 20 tool-definition prefixes of 8-24 blocks (Zipf-chosen, so a few are
@@ -133,11 +136,11 @@ def in_child(work):
     return message["result"], message["peak"]
 
 
-def measure(name: str, requests: list, shares: list[float], repeats: int) -> list[dict]:
+def measure(name: str, requests: list, shares: list[float], repeats: int, policies: list[str]) -> list[dict]:
     unique = len({k for r in requests for k in r.hash_ids[: r.input_length // 512]})
     print(f"\n{name}: {len(requests):,} requests, {unique:,} unique full blocks", flush=True)
     rows = []
-    for policy in (*POLICIES, "belady", "infinite"):
+    for policy in policies:
         for share in (shares if policy != "infinite" else [None]):
             capacity = None if share is None else max(1, int(unique * share))
 
@@ -153,12 +156,11 @@ def measure(name: str, requests: list, shares: list[float], repeats: int) -> lis
             speeds = measured["speeds"]
             rows.append({"policy": policy, "capacity": "all" if share is None else f"{share:.0%}",
                          "capacity_blocks": capacity, "requests_per_s": statistics.median(speeds),
-                         "min": min(speeds), "max": max(speeds), "peak_mib_above_trace": peak,
+                         "min": min(speeds), "max": max(speeds), "peak_mib_above_trace": max(0.0, peak),
                          "token_hit_rate": measured["token_hit_rate"]})
             print(f"  {policy:>12} at {rows[-1]['capacity']:>4}: {rows[-1]['requests_per_s']:>9,.0f} req/s", flush=True)
     for row in rows:
-        lru = next(r for r in rows if r["policy"] == "lru" and r["capacity"] == row["capacity"]) \
-            if row["capacity"] != "all" else None
+        lru = next((r for r in rows if r["policy"] == "lru" and r["capacity"] == row["capacity"]), None)
         row["ratio_to_lru"] = row["requests_per_s"] / lru["requests_per_s"] if lru else None
         row["meets_target"] = row["requests_per_s"] >= TARGET
     print(f"{'policy':>12} {'capacity':>8} {'req/s':>9} {'spread':>17} {'x LRU':>6} {'>=20k':>6} "
@@ -173,12 +175,14 @@ def measure(name: str, requests: list, shares: list[float], repeats: int) -> lis
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--requests", type=int, default=1_000_000, help="requests in the generated trace")
+    parser.add_argument("--requests", type=int, default=200_000, help="requests in the generated trace")
     parser.add_argument("--capacity", default="5%,20%", help="shares of the unique full blocks")
     parser.add_argument("--repeats", type=int, default=3, help="replays per policy and capacity")
+    parser.add_argument("--policies", default=",".join((*POLICIES, "belady", "infinite")), help="comma-separated")
     parser.add_argument("--json", type=Path, help="write every figure here")
     args = parser.parse_args()
     shares = [float(item.strip().rstrip("%")) / 100 for item in args.capacity.split(",") if item.strip()]
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     report: dict = {"repeats": args.repeats, "target_requests_per_s": TARGET}
     with tempfile.TemporaryDirectory() as scratch:
         path = Path(scratch) / "generated.jsonl"
@@ -194,11 +198,12 @@ def main() -> None:
     print(f"generated {args.requests:,} requests ({size / 2**20:,.0f} MiB of JSON) in {generated_s:.0f} s; read in "
           f"{read_s:.1f} s ({len(requests) / read_s:,.0f} lines/s), {loaded:,.0f} MiB resident for the requests "
           f"({sum(len(r.hash_ids) for r in requests) / len(requests):.1f} blocks each)")
+    rows = measure("generated trace", requests, shares, args.repeats, policies)
     report["generated"] = {"requests": len(requests), "json_mib": size / 2**20, "read_s": read_s,
-                           "trace_mib": loaded, "rows": measure("generated trace", requests, shares, args.repeats)}
+                           "trace_mib": loaded, "rows": rows}
     del requests
     conversation = list(read_trace(CONVERSATION_TRACE))
-    report["conversation"] = {"rows": measure("conversation trace", conversation, shares, args.repeats)}
+    report["conversation"] = {"rows": measure("conversation trace", conversation, shares, args.repeats, policies)}
     slowest = min((row for part in ("generated", "conversation") for row in report[part]["rows"]),
                   key=lambda row: row["requests_per_s"])
     report["every_policy_meets_target_generated"] = all(row["meets_target"] for row in report["generated"]["rows"])
