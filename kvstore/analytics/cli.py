@@ -67,6 +67,8 @@ def add_parser(subparsers) -> None:
     log.add_argument("paths", type=Path, nargs="+", help="access log files")
     log.add_argument("--json", type=Path, help="write every figure here")
     log.add_argument("--skip-bad", action="store_true", help="skip malformed lines (and count them)")
+    log.add_argument("--block-tokens", type=int, default=512,
+                     help="tokens per block of the namespace logged, for token counts (the log records blocks)")
     log.set_defaults(run=run_log)
 
 
@@ -74,7 +76,9 @@ def run_log(args: argparse.Namespace) -> int:
     for path in args.paths:
         if not path.is_file():
             raise ValueError(f"{path} is not a file")
-    report = summarize(args.paths, args.skip_bad)
+    if args.block_tokens < 1:
+        raise ValueError(f"--block-tokens must be at least 1, got {args.block_tokens}")
+    report = summarize(args.paths, args.skip_bad, args.block_tokens)
     print(render_log(report))
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
@@ -125,6 +129,23 @@ class ProgressLine:
             print(f"\r  {self.label}: {done:,}/{self.total:,} requests", end=end, file=sys.stderr, flush=True)
 
 
+class DoneLine:
+    """For a stderr that is not a terminal (a log, a pipe): no rewriting, one line once a replay is done."""
+
+    def __init__(self, label: str, total: int) -> None:
+        self.label, self.total, self.started = label, total, time.monotonic()
+
+    def __call__(self, done: int) -> None:
+        if done == self.total:
+            print(f"  {self.label}: {done:,} requests in {time.monotonic() - self.started:,.1f} s", file=sys.stderr,
+                  flush=True)
+
+
+def progress(label: str, total: int) -> ProgressLine | DoneLine:
+    """A progress bar on a terminal; elsewhere a line per replay, without the carriage returns of a bar."""
+    return ProgressLine(label, total) if sys.stderr.isatty() else DoneLine(label, total)
+
+
 def run_replay(args: argparse.Namespace) -> int:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     unknown = [p for p in policies if p not in POLICIES]
@@ -137,7 +158,8 @@ def run_replay(args: argparse.Namespace) -> int:
     for line in skipped[:10]:
         print(f"skipped {line}", file=sys.stderr)
     if not requests:
-        raise ValueError(f"{args.trace} holds no request")
+        raise ValueError(f"{args.trace} holds no request"
+                         + (f" ({len(skipped):,} bad lines skipped)" if skipped else ""))
     unique = len({key for r in requests for key in r.hash_ids[: r.input_length // args.block_tokens]})
     capacities = parse_capacities(args.capacity, unique, args.block_bytes)
     infinite = replay(requests, "infinite", None, args.block_tokens, ttl)
@@ -146,7 +168,7 @@ def run_replay(args: argparse.Namespace) -> int:
         row = {"capacity": label, "capacity_blocks": blocks}
         for policy in [*policies, "belady"]:
             row[policy] = replay(requests, policy, blocks, args.block_tokens, ttl,
-                                 ProgressLine(f"{policy} at {label}", len(requests)),
+                                 progress(f"{policy} at {label}", len(requests)),
                                  continuation_signal=args.continuation_signal).as_dict()
         rows.append(row)
     print(f"\n{args.trace}: {len(requests):,} requests, {sum(r.input_length for r in requests):,} input tokens, "
@@ -177,7 +199,7 @@ def run_replay(args: argparse.Namespace) -> int:
         label, blocks = capacities[0]
         simulated = rows[0][policies[0]]
         driven = replay_through_daemons(requests, args.servers, args.payload_bytes, args.block_tokens,
-                                        ProgressLine(f"daemons at {args.servers}", len(requests)),
+                                        progress(f"daemons at {args.servers}", len(requests)),
                                         args.continuation_signal, security_settings(args)).as_dict()
         report["daemons"] = driven
         print(f"through the daemons: {driven['token_hit_rate']:.2%} of tokens, {driven['block_hit_rate']:.2%} of "

@@ -8,15 +8,15 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from kvstore.analytics.simulate import access_statistics
-from kvstore.analytics.trace import TraceError
+from kvstore.analytics.trace import TraceError, decode
 
 
 def read_access_log(path: Path, skip_bad: bool = False, errors: list[str] | None = None) -> Iterator[tuple]:
     """(time_ms, op, key, traffic_class, result, tier, bytes) per line; a bad line names itself."""
-    with open(path) as f:
-        for number, line in enumerate(f, start=1):
-            fields = line.rstrip("\n").split("\t")
+    with open(path, "rb") as f:  # decoded line by line: a line that is not UTF-8 is named, or skipped
+        for number, raw in enumerate(f, start=1):
             try:
+                fields = decode(raw).rstrip("\n").split("\t")
                 if len(fields) != 7:
                     raise ValueError(f"{len(fields)} fields; an access log line has 7")
                 time_ms, op, key, traffic_class, result, tier, nbytes = fields
@@ -30,7 +30,11 @@ def read_access_log(path: Path, skip_bad: bool = False, errors: list[str] | None
                     errors.append(f"{path}:{number}: {exc}")
 
 
-def summarize(paths: Sequence[Path], skip_bad: bool = False) -> dict:
+def summarize(paths: Sequence[Path], skip_bad: bool = False, block_tokens: int = 512) -> dict:
+    """The figures of the logs at `paths`. The log records blocks, not tokens: token counts are blocks x
+    `block_tokens` (the namespace's), which is exact, as the store only ever keeps and looks up full blocks;
+    so a token-weighted rate over what was looked up or read equals the block rate, and a prompt's partial
+    last block, never looked up, is in neither (the simulator's token hit rate divides by prompt tokens)."""
     gets: dict = defaultdict(Counter)  # class -> hit / miss
     tiers: Counter = Counter()
     causes: Counter = Counter()
@@ -67,9 +71,14 @@ def summarize(paths: Sequence[Path], skip_bad: bool = False) -> dict:
         "written_s_ago": min((time.time() - p.stat().st_mtime for p in paths), default=None),
         "blocks_looked_up": looked_up, "lookup_hits": lookups[True],
         "block_hit_rate": lookups[True] / looked_up if looked_up else 0.0,
+        "block_tokens": block_tokens, "tokens_looked_up": looked_up * block_tokens,
+        "lookup_tokens_found": lookups[True] * block_tokens,
+        "token_hit_rate": lookups[True] / looked_up if looked_up else 0.0,  # the same tokens in every block
         "gets": sum(c["hit"] + c["miss"] for c in gets.values()),
-        "by_class": {cls: {"hits": c["hit"], "misses": c["miss"],
-                           "hit_rate": c["hit"] / (c["hit"] + c["miss"]) if c["hit"] + c["miss"] else 0.0}
+        "by_class": {cls: {"hits": c["hit"], "misses": c["miss"], "tokens_served": c["hit"] * block_tokens,
+                           "tokens_asked": (c["hit"] + c["miss"]) * block_tokens,
+                           "hit_rate": c["hit"] / (c["hit"] + c["miss"]) if c["hit"] + c["miss"] else 0.0,
+                           "token_hit_rate": c["hit"] / (c["hit"] + c["miss"]) if c["hit"] + c["miss"] else 0.0}
                      for cls, c in sorted(gets.items())},
         "hits_by_tier": dict(tiers), "misses_by_cause": dict(causes),
         "puts_by_class": {cls: dict(c) for cls, c in sorted(puts.items())},
@@ -82,13 +91,18 @@ RECENT_S = 60.0  # a log written this recently may belong to a daemon still runn
 
 
 def render(report: dict) -> str:
+    tokens = report["block_tokens"]
     lines = [f"{report['blocks_looked_up']:,} blocks looked up over {report['span_s']:,.0f} s: prefix hit rate "
-             f"{report['block_hit_rate']:.2%} (blocks found in the cached leading run / blocks looked up; lookups "
-             f"ask for full blocks, so within a namespace this is also the share of looked-up tokens found); "
+             f"{report['block_hit_rate']:.2%} of blocks (blocks found in the cached leading run / blocks looked up), "
+             f"{report['token_hit_rate']:.2%} of tokens ({report['lookup_tokens_found']:,} tokens found / "
+             f"{report['tokens_looked_up']:,} looked up, at {tokens:,} a block: the log counts blocks, all full, so "
+             f"the two agree; a prompt's partial last block is never looked up, nor counted here); "
              f"{report['gets']:,} blocks read "
              f"({report['bytes_served'] / 2**20:,.0f} MiB served, {report['bytes_stored'] / 2**20:,.0f} MiB stored)"]
     for cls, row in report["by_class"].items():
-        lines.append(f"  reads of class {cls:<8} {row['hits']:,} served, {row['misses']:,} failed")
+        lines.append(f"  reads of class {cls:<8} {row['hits']:,} served, {row['misses']:,} failed: "
+                     f"{row['hit_rate']:.2%} of blocks read (served / asked), {row['token_hit_rate']:.2%} of tokens "
+                     f"({row['tokens_served']:,} / {row['tokens_asked']:,})")
     if report["hits_by_tier"]:
         lines.append("  hits by tier:    " + ", ".join(f"{t} {n:,}" for t, n in sorted(report["hits_by_tier"].items())))
     if report["misses_by_cause"]:

@@ -14,7 +14,7 @@ never cached, by any policy or bound: the next turn's version of it is longer an
 from __future__ import annotations
 
 import heapq
-import math
+from array import array
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -25,6 +25,7 @@ from kvstore.analytics.trace import Request, continued_requests, conversation_tu
 from kvstore.eviction import ReuseHint, make_policy
 
 Progress = Callable[[int], None]
+_STALE_SLACK = 4096  # Belady's heap entries beyond 2 per cached block before the stale ones are dropped
 
 
 @dataclass
@@ -72,6 +73,12 @@ def replay(requests: Sequence[Request], policy: str, capacity_blocks: int | None
     present: set = set()
     turns = conversation_turns(requests, block_tokens)
     signals = None if continuation_signal is None else continuation_signals(requests, continuation_signal, block_tokens)
+    # the policy's methods and the counters as locals: this loop runs once per block of a million-request trace
+    access = chooser.access if chooser is not None else None
+    insert = chooser.insert if chooser is not None else None
+    advise = chooser.advise if chooser is not None else None
+    room = capacity_blocks if chooser is not None and low_blocks is None else None
+    blocks = hit_blocks = tokens = hit_tokens = 0
 
     def evict(key) -> None:
         present.discard(key)
@@ -84,45 +91,59 @@ def replay(requests: Sequence[Request], policy: str, capacity_blocks: int | None
         now = request.timestamp_ms / 1000
         ids = request.hash_ids
         hit = 0
-        for key in ids:
-            if key not in present:
-                break
-            if ttl is not None and ttl.expired(key, now):
-                evict(key)
-                result.expiries += 1
-                break
-            hit += 1
-        _count(result, request, hit, block_tokens)
-        full = _full_blocks(request, block_tokens)
+        if ttl is None:
+            for key in ids:
+                if key not in present:
+                    break
+                hit += 1
+        else:
+            for key in ids:
+                if key not in present:
+                    break
+                if ttl.expired(key, now):
+                    evict(key)
+                    result.expiries += 1
+                    break
+                hit += 1
+        length = request.input_length
+        blocks += len(ids)
+        hit_blocks += hit
+        tokens += length
+        hit_tokens += _hit_tokens(len(ids), length, hit, block_tokens)
+        full = length // block_tokens
         hint = ReuseHint(min(hit, full), full, turns[number])  # what the engine tells the store with its puts
-        for key in reversed(ids[:hit]):  # read, leaf first
-            if chooser is not None:
-                chooser.access(key)
+        if hit:
+            if access is not None:
+                for position in range(hit - 1, -1, -1):  # read, leaf first
+                    access(ids[position])
             if ttl is not None:
-                ttl.touch(key, request.traffic_class, now)
+                for position in range(hit - 1, -1, -1):
+                    ttl.touch(ids[position], request.traffic_class, now)
         for position in range(full - 1, hit - 1, -1):  # computed and put, leaf first
             key = ids[position]
             if key in present:  # put again: its retention is extended, nothing more
                 if ttl is not None:
                     ttl.touch(key, request.traffic_class, now)
                 continue
-            if chooser is not None and low_blocks is None:
-                while len(present) >= capacity_blocks:
-                    _make_room(chooser, ttl, now, evict, result)
-            if chooser is not None:
-                chooser.insert(key, 1, ids[position - 1] if position else None, hint)
+            if room is not None:
+                while len(present) >= room:
+                    _make_room(chooser, ttl, now, present, result)
+            if insert is not None:
+                insert(key, 1, ids[position - 1] if position else None, hint)
             present.add(key)
-            if chooser is not None and low_blocks is not None and len(present) > capacity_blocks:
+            if low_blocks is not None and chooser is not None and len(present) > capacity_blocks:
                 while len(present) > low_blocks:
-                    _make_room(chooser, ttl, now, evict, result)
+                    _make_room(chooser, ttl, now, present, result)
             if ttl is not None:
                 ttl.touch(key, request.traffic_class, now)
-        if signals is not None and chooser is not None:  # the reply is done: the engine says what it knows
+        if signals is not None and advise is not None:  # the reply is done: the engine says what it knows
             advice = hint._replace(continues=signals[number])
             for key in ids[:full]:
-                chooser.advise(key, advice)
+                advise(key, advice)
         if progress is not None:
             progress(number + 1)
+    result.requests = len(requests)
+    result.blocks, result.hit_blocks, result.tokens, result.hit_tokens = blocks, hit_blocks, tokens, hit_tokens
     return result
 
 
@@ -135,19 +156,29 @@ def continuation_signals(requests: Sequence[Request], right: float, block_tokens
     return [bool(truth != flip) for truth, flip in zip(continued_requests(requests, block_tokens), flips)]
 
 
-def _make_room(chooser, ttl: _Retention | None, now: float, evict, result: ReplayResult) -> None:
+def _make_room(chooser, ttl: _Retention | None, now: float, present: set, result: ReplayResult) -> None:
     """Evict one block: an expired one if there is any, else the policy's choice."""
     victim = ttl.pop_expired(now) if ttl is not None else None
     if victim is not None:
         result.expiries += 1
+        chooser.remove(victim)
     else:
-        victim = chooser.pop_victim()
+        victim = chooser.pop_victim()  # which stops tracking it
         result.evictions += 1
-    evict(victim)
+    present.discard(victim)
+    if ttl is not None:
+        ttl.forget(victim)
 
 
 def _full_blocks(request: Request, block_tokens: int) -> int:
     return request.input_length // block_tokens
+
+
+def _hit_tokens(blocks: int, input_length: int, hit: int, block_tokens: int) -> int:
+    """Tokens of a leading run of `hit` of a prompt's `blocks` blocks: full ones, and the last one's own."""
+    if hit < blocks:
+        return hit * block_tokens
+    return input_length
 
 
 def _count(result: ReplayResult, request: Request, hit: int, block_tokens: int) -> None:
@@ -155,7 +186,7 @@ def _count(result: ReplayResult, request: Request, hit: int, block_tokens: int) 
     result.blocks += len(request.hash_ids)
     result.hit_blocks += hit
     result.tokens += request.input_length
-    result.hit_tokens += sum(request.block_tokens(i, block_tokens) for i in range(hit))
+    result.hit_tokens += _hit_tokens(len(request.hash_ids), request.input_length, hit, block_tokens)
 
 
 class _Retention:
@@ -203,34 +234,27 @@ def _belady(requests: Sequence[Request], capacity_blocks: int | None, block_toke
     run hits, so among those the deepest block is the one to give up: evicting the root would cut off
     the whole run behind it. Blocks are ordered by (next use, depth), deepest first among equals."""
     result = ReplayResult("belady", capacity_blocks)
-    uses: dict = defaultdict(list)
-    for number, request in enumerate(requests):
-        for key in request.hash_ids:
-            uses[key].append(number)
-    cursor: dict = defaultdict(int)
-    rank: dict = {}  # key -> (next use, depth): the larger, the sooner it goes
+    starts, rank_of = _ranks(requests)
+    rank: dict = {}  # key -> its rank: (next use, depth) in one int, the larger the sooner it goes
     present: set = set()
-    farthest: list = []  # (-next use, -depth, key), stale entries skipped
-    never = math.inf
+    farthest: list = []  # (-rank, key), stale entries skipped
     for number, request in enumerate(requests):
         ids = request.hash_ids
         hit = 0
         while hit < len(ids) and ids[hit] in present:
             hit += 1
         _count(result, request, hit, block_tokens)
-        for depth, key in enumerate(ids):
-            cursor[key] += 1
-            positions = uses[key]
-            rank[key] = (positions[cursor[key]] if cursor[key] < len(positions) else never, depth)
+        for key, order in zip(ids, rank_of[starts[number]:starts[number + 1]]):
+            rank[key] = order
             if key in present:
-                heapq.heappush(farthest, (-rank[key][0], -depth, key))
+                heapq.heappush(farthest, (-order, key))
         for key in ids[hit:_full_blocks(request, block_tokens)]:
             if key in present:
                 continue
             if capacity_blocks is not None and len(present) >= capacity_blocks:
                 while True:
-                    negative_use, negative_depth, victim = farthest[0]
-                    if victim in present and (-negative_use, -negative_depth) == rank[victim]:
+                    negative, victim = farthest[0]
+                    if victim in present and -negative == rank[victim]:
                         break
                     heapq.heappop(farthest)
                 if rank[victim] <= rank[key]:
@@ -239,10 +263,43 @@ def _belady(requests: Sequence[Request], capacity_blocks: int | None, block_toke
                 present.discard(victim)
                 result.evictions += 1
             present.add(key)
-            heapq.heappush(farthest, (-rank[key][0], -rank[key][1], key))
+            heapq.heappush(farthest, (-rank[key], key))
+        if len(farthest) > 2 * len(present) + _STALE_SLACK:  # mostly stale: keep it linear in the blocks cached
+            farthest = _current(farthest, present, rank)
         if progress is not None:
             progress(number + 1)
     return result
+
+
+def _ranks(requests: Sequence[Request]) -> tuple[array, array]:
+    """Per block of every request, its rank once that request is served: the next request that uses it
+    (len(requests) if none: later than any) and its depth, as next use * (longest prompt + 1) + depth,
+    an int that orders as the pair does; in one flat array (8 bytes a block, not a list per block),
+    with where each request's blocks start in it."""
+    starts = array("q", [0])
+    for request in requests:
+        starts.append(starts[-1] + len(request.hash_ids))
+    depths = 1 + max((len(request.hash_ids) for request in requests), default=0)
+    never = len(requests)
+    ranks = array("q", bytes(8 * starts[-1]))
+    seen: dict = {}  # key -> the earliest request after this one that uses it
+    for number in range(len(requests) - 1, -1, -1):
+        ids, start = requests[number].hash_ids, starts[number]
+        for depth in range(len(ids) - 1, -1, -1):  # a key twice in one prompt: its next use is this one
+            key = ids[depth]
+            ranks[start + depth] = seen.get(key, never) * depths + depth
+            seen[key] = number
+    return starts, ranks
+
+
+def _current(farthest: list, present: set, rank: dict) -> list:
+    """The heap's entries still in force, one per block. A stale entry never comes back into force (a
+    block's next use only moves forward), and a block admitted again is pushed again, identically; so
+    the choices made from the rebuilt heap are the ones the full heap would have made."""
+    live = {key: entry for entry in farthest if (key := entry[1]) in present and -entry[0] == rank[key]}
+    heap = list(live.values())
+    heapq.heapify(heap)
+    return heap
 
 
 def reuse_statistics(requests: Sequence[Request]) -> dict:

@@ -20,6 +20,9 @@ CONVERSATION_TRACE = Path(__file__).resolve().parents[2] / "traces" / "conversat
 CONVERSATION_TRACE_SHA256 = "b8cbb061a85206d729d91cdc2981f43c9e0d99209dce588d3af5f7934408b9df"
 
 
+GZIP_MAGIC = b"\x1f\x8b"
+
+
 class TraceError(ValueError):
     def __init__(self, path: Path | str, line: int, message: str) -> None:
         super().__init__(f"{path}:{line}: {message}")
@@ -46,12 +49,18 @@ def read_trace(path: Path | str, block_tokens: int = 512, skip_bad: bool = False
     """The trace's requests in order; a bad line raises TraceError naming it, or is skipped with `skip_bad`.
     A request earlier than the one before it is a bad line: every replay's clock (TTLs, gaps) runs forward."""
     last_ms = 0
+    # JSON gives every hash id of every line an int of its own (28 bytes); a block appears in every prompt
+    # that holds it, so one object per distinct id keeps a million-request trace to a fraction
+    interned: dict[int, int] = {}
     with open(path, "rb") as f:  # decoded line by line, so a line that is not UTF-8 is named like any other
+        if f.read(2) == GZIP_MAGIC and not skip_bad:  # no line of it would make sense: say what it is
+            raise TraceError(path, 1, "a gzip-compressed file: decompress it first (gunzip)")
+        f.seek(0)
         for number, raw in enumerate(f, start=1):
             if not raw.strip():
                 continue
             try:
-                request = parse_line(raw.decode(), block_tokens)
+                request = parse_line(decode(raw), block_tokens, interned)
                 if request.timestamp_ms < last_ms:
                     raise ValueError(f"timestamp {request.timestamp_ms} goes back from {last_ms}: the trace must "
                                      "be in time order (sort it by timestamp)")
@@ -64,7 +73,19 @@ def read_trace(path: Path | str, block_tokens: int = 512, skip_bad: bool = False
                     errors.append(f"{path}:{number}: {exc}")
 
 
-def parse_line(line: str, block_tokens: int) -> Request:
+def decode(raw: bytes) -> str:
+    """A line as text; ValueError saying where it is not UTF-8 (a binary file, most likely)."""
+    if b"\0" in raw:  # UTF-8, but no text has it
+        raise ValueError(f"not text (a NUL byte at column {raw.index(0) + 1}): a binary file?")
+    try:
+        return raw.decode()
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"not UTF-8 text (byte 0x{raw[exc.start]:02x} at column {exc.start + 1}): "
+                         "a binary file?") from None
+
+
+def parse_line(line: str, block_tokens: int, interned: dict[int, int] | None = None) -> Request:
+    """One line's request; with `interned`, its hash ids are the ints kept there (added if new)."""
     try:
         record = json.loads(line)
     except json.JSONDecodeError as exc:
@@ -92,6 +113,8 @@ def parse_line(line: str, block_tokens: int) -> Request:
     traffic_class = record.get("traffic_class", "chat")
     if not isinstance(traffic_class, str) or not traffic_class:
         raise ValueError("traffic_class must be a non-empty string")
+    if interned is not None:
+        ids = [interned.setdefault(h, h) for h in ids]
     return Request(int(timestamp), length, output, tuple(ids), traffic_class)
 
 

@@ -31,7 +31,10 @@ a trace: the class edges are round numbers and every probability is learned.
 from __future__ import annotations
 
 import bisect
+import functools
 import heapq
+import itertools
+import math
 from collections import OrderedDict
 
 from kvstore.eviction.base import ReuseHint, SizedPolicy
@@ -46,8 +49,10 @@ _GAP_EDGES = [2 ** (i / 2) for i in range(64)]  # gap histogram bins, in operati
 _PRIOR_GAPS = 20.0
 _GHOSTS_PER_KEY = 4  # ghost entries kept per tracked key (at least _MIN_GHOSTS)
 _MIN_GHOSTS = 1024
+_STALE_PER_KEY, _STALE_SLACK = 4, 4096  # heap entries allowed (stale ones included) per tracked key, and more
 
 
+@functools.lru_cache(maxsize=4096)  # every put of one request has the same hint
 def reuse_class(hint: ReuseHint | None) -> int:
     """0 without a hint; else one of 27 (cached fraction x length x turn), refined by the advice."""
     if hint is None or hint.blocks <= 0:
@@ -67,18 +72,33 @@ def with_advice(klass: int, continues: bool | None) -> int:
 
 
 class _Gaps:
-    """A histogram of gaps between uses; survival(a) = share of gaps longer than a."""
+    """A histogram of gaps between uses; survival(a) = share of gaps longer than a.
+
+    Every count is a whole number (each gap adds one), so the share longer than any age is kept as
+    suffix sums, rebuilt once after a change: exactly the sums of the bins, in whatever order added."""
 
     def __init__(self) -> None:
         self.counts = [0.0] * (len(_GAP_EDGES) + 1)
         self.total = 0.0
+        self._longer: list[float] | None = None  # _longer[b] = sum(counts[b:]), None once stale
 
     def add(self, gap: int) -> None:
         self.counts[bisect.bisect_right(_GAP_EDGES, gap)] += 1
         self.total += 1
+        self._longer = None
 
     def longer_than(self, age: int) -> float:
-        return sum(self.counts[bisect.bisect_right(_GAP_EDGES, age):])
+        return self.longer_in(bisect.bisect_right(_GAP_EDGES, age))
+
+    def longer_in(self, bin: int) -> float:
+        """The gaps in bin `bin` or later (bin = bisect_right(_GAP_EDGES, age))."""
+        longer = self._longer
+        if longer is None:
+            longer = list(itertools.accumulate(reversed(self.counts)))
+            longer.reverse()
+            longer.append(0.0)
+            self._longer = longer
+        return longer[bin]
 
     @staticmethod
     def of(counts: list) -> _Gaps:
@@ -86,8 +106,13 @@ class _Gaps:
             raise ValueError(f"{len(counts)} gap bins, expected {len(_GAP_EDGES) + 1}")
         gaps = _Gaps()
         gaps.counts = [float(c) for c in counts]
+        if not all(c >= 0 and c.is_integer() for c in gaps.counts):
+            raise ValueError("gap bins are counts: whole numbers, none negative")
         gaps.total = sum(gaps.counts)
         return gaps
+
+
+_NO_GAPS = _Gaps()  # what a class has learned before its first gap
 
 
 class PrefixReuse(SizedPolicy):
@@ -103,6 +128,34 @@ class PrefixReuse(SizedPolicy):
         self._gaps: dict[int, _Gaps] = {}
         self._all_gaps = _Gaps()
         self._now = 0
+        # The choice, kept between evictions: a class's score changes only when what it learned, its
+        # oldest leaf, or the histogram bin of that leaf's age does, and pop_victim rescores only those
+        # classes (all of them once the all-class gaps change). Classes in the order of _leaves, as the
+        # scan of every class did, so that ties go the same way.
+        self._index: dict[int, int] = {}  # class -> its place in _leaves
+        self._classes: list[int] = []  # the classes of _leaves, in its order
+        self._score: list[float] = []  # per place: the reuse probability of the class's oldest leaf (inf: none)
+        self._own_part: list[tuple | None] = []  # per place: _own(class, bin) and the bin, None: no leaf
+        self._until: list[float] = []  # per place: the operation count at which that score goes stale
+        self._dirty: set[int] = set()  # classes to rescore
+        self._all_dirty = False
+        self._soonest = math.inf  # min(_until)
+        self._entries = 0  # heap entries, stale ones included
+
+    def _heap(self, klass: int) -> list:
+        heap = self._leaves.get(klass)
+        if heap is None:
+            heap = self._leaves[klass] = []
+            self._index[klass] = len(self._score)
+            self._classes.append(klass)
+            self._score.append(math.inf)
+            self._until.append(math.inf)
+            self._own_part.append(None)
+        self._dirty.add(klass)
+        self._entries += 1  # the caller pushes one
+        if self._entries > _STALE_PER_KEY * len(self._size) + _STALE_SLACK:
+            self._compact()
+        return heap
 
     # -- what is observed ---------------------------------------------------------------------------
 
@@ -116,6 +169,8 @@ class PrefixReuse(SizedPolicy):
             self._learn_reuse(*ghost)
         self._track(key, size)
         self._tree.add(key, parent)
+        if parent in self._class:  # no longer a leaf
+            self._dirty.add(self._class[parent])
         self._use(key, self.classify(hint))
 
     def classify(self, hint: ReuseHint | None) -> int:
@@ -138,10 +193,12 @@ class PrefixReuse(SizedPolicy):
         self._now += 1
         self._track(key, size)
         self._tree.add(key, parent)
+        if parent in self._class:  # no longer a leaf
+            self._dirty.add(self._class[parent])
         self._last[key] = self._now
         self._class[key] = klass = klass if 0 <= klass < _CLASSES else 0
         if self._tree.is_leaf(key):
-            heapq.heappush(self._leaves.setdefault(klass, []), (self._now, key))
+            heapq.heappush(self._heap(klass), (self._now, key))
 
     def snapshot(self) -> dict:
         return {"policy": "prefix-reuse", "now": self._now, "uses": dict(self._uses), "reuses": dict(self._reuses),
@@ -161,6 +218,7 @@ class PrefixReuse(SizedPolicy):
         if not all(0 <= k < _CLASSES for k in (*uses, *reuses, *gaps)) or now < 0:
             raise ValueError("a prefix-reuse snapshot with classes this version does not have")
         self._uses, self._reuses, self._gaps, self._all_gaps, self._now = uses, reuses, gaps, all_gaps, now
+        self._dirty.update(self._leaves)
 
     def advise(self, key, hint: ReuseHint) -> None:
         if key not in self._size or self._tree.branches(key) > 1:
@@ -174,65 +232,128 @@ class PrefixReuse(SizedPolicy):
         # was restored without what was learned)
         self._uses[old] = max(0.0, self._uses.get(old, 0.0) - 1)
         self._uses[new] = self._uses.get(new, 0.0) + 1
+        self._dirty.add(old)
+        self._dirty.add(new)
         if self._tree.is_leaf(key):
-            heapq.heappush(self._leaves.setdefault(new, []), (self._last[key], key))
+            heapq.heappush(self._heap(new), (self._last[key], key))
 
     def _use(self, key, klass: int) -> None:
         self._last[key] = self._now
         self._class[key] = klass
         self._uses[klass] = self._uses.get(klass, 0.0) + 1
+        self._dirty.add(klass)
         if self._tree.is_leaf(key):
-            heapq.heappush(self._leaves.setdefault(klass, []), (self._now, key))
+            heapq.heappush(self._heap(klass), (self._now, key))
 
     def _learn_reuse(self, last: int, klass: int) -> None:
         self._reuses[klass] = self._reuses.get(klass, 0.0) + 1
         gap = self._now - last
         self._gaps.setdefault(klass, _Gaps()).add(gap)
         self._all_gaps.add(gap)
+        self._dirty.add(klass)
+        self._all_dirty = True  # every class's survival leans on the all-class gaps
 
     # -- the choice ---------------------------------------------------------------------------------
 
     def reuse_probability(self, klass: int, age: int) -> float:
         """P(used again | class, unused for `age` operations), from what was learned so far."""
+        return self._probability(klass, bisect.bisect_right(_GAP_EDGES, age))
+
+    def _probability(self, klass: int, bin: int) -> float:
+        return self._combine(*self._own(klass, bin), bin)
+
+    def _own(self, klass: int, bin: int) -> tuple[float, float, float]:
+        """What the class alone contributes: p, its gaps longer than the age, and their total + prior."""
         uses = self._uses.get(klass, 0.0)
         p = (self._reuses.get(klass, 0.0) + 0.5) / (uses + 1.0)  # a half-use prior keeps p inside (0, 1)
         p = min(p, 0.999)
-        gaps = self._gaps.get(klass) or _Gaps()
-        shared = self._all_gaps.longer_than(age) / self._all_gaps.total if self._all_gaps.total else 1.0
-        survival = (gaps.longer_than(age) + _PRIOR_GAPS * shared) / (gaps.total + _PRIOR_GAPS)
+        gaps = self._gaps.get(klass) or _NO_GAPS
+        return p, gaps.longer_in(bin), gaps.total + _PRIOR_GAPS
+
+    def _combine(self, p: float, longer: float, weight: float, bin: int) -> float:
+        every = self._all_gaps
+        shared = every.longer_in(bin) / every.total if every.total else 1.0
+        survival = (longer + _PRIOR_GAPS * shared) / weight
         alive = p * survival
         return alive / (1 - p + alive)
 
+    def _rescore(self, klass: int) -> None:
+        """Drop the stale entries off the class's heap and score its oldest leaf."""
+        place = self._index.get(klass)
+        if place is None:  # a class none of whose blocks was ever a leaf
+            return
+        heap = self._leaves[klass]
+        while heap:
+            last, key = heap[0]
+            if self._last.get(key) == last and self._class[key] == klass and self._tree.is_leaf(key):
+                break
+            heapq.heappop(heap)  # stale: used since, evicted, re-classed or no longer a leaf
+            self._entries -= 1
+        if not heap:
+            self._score[place] = self._until[place] = math.inf
+            self._own_part[place] = None
+            return
+        last = heap[0][0]
+        bin = bisect.bisect_right(_GAP_EDGES, self._now - last)
+        own = self._own_part[place] = (*self._own(klass, bin), bin)
+        self._score[place] = self._combine(*own)
+        # the score holds until the age reaches the next bin's edge
+        self._until[place] = last + math.ceil(_GAP_EDGES[bin]) if bin < len(_GAP_EDGES) else math.inf
+
     def pop_victim(self):
-        best = None
-        for klass, heap in self._leaves.items():
-            while heap:
-                last, key = heap[0]
-                if self._last.get(key) == last and self._class[key] == klass and self._tree.is_leaf(key):
-                    break
-                heapq.heappop(heap)  # stale: used since, evicted, re-classed or no longer a leaf
-            if heap:
-                score = self.reuse_probability(klass, self._now - heap[0][0])
-                if best is None or score < best[0]:
-                    best = (score, klass)
-        if best is None:
+        now = self._now
+        stale = self._dirty
+        if now >= self._soonest:
+            stale |= {klass for klass, place in self._index.items() if self._until[place] <= now}
+        for klass in stale:
+            self._rescore(klass)
+        if self._all_dirty:  # only the all-class gaps changed for the rest: _combine again, inlined
+            score, classes, every = self._score, self._classes, self._all_gaps
+            total = every.total
+            for place, own in enumerate(self._own_part):
+                if own is not None and classes[place] not in stale:
+                    p, longer, weight, bin = own
+                    shared = every.longer_in(bin) / total if total else 1.0
+                    alive = p * ((longer + _PRIOR_GAPS * shared) / weight)
+                    score[place] = alive / (1 - p + alive)
+            self._all_dirty = False
+        if stale:
+            self._dirty = set()
+            self._soonest = min(self._until, default=math.inf)
+        best = min(self._score, default=math.inf)
+        if best == math.inf:
             if self._size:  # only reachable if the tree has a cycle, which chained keys cannot form
                 key = next(iter(self._size))
                 self.remove(key)
                 return key
             return None
-        _, key = heapq.heappop(self._leaves[best[1]])
+        klass = self._classes[self._score.index(best)]  # the first of equals, as a scan in order finds
+        _, key = heapq.heappop(self._leaves[klass])
+        self._entries -= 1
         self._ghosts[key] = (self._last[key], self._class[key])
         while len(self._ghosts) > max(_MIN_GHOSTS, _GHOSTS_PER_KEY * len(self._size)):
             self._ghosts.popitem(last=False)
         self.remove(key)
         return key
 
+    def _compact(self) -> None:
+        """Rebuild the heaps from their entries in force, once mostly stale (each use of a leaf pushes
+        one), so that memory follows the blocks tracked. A stale entry never comes back into force but
+        with an identical entry pushed (a block's last use only moves forward; a block that is a leaf
+        again, or advised back into a class, is pushed again), so every choice stays the same."""
+        self._entries = 0
+        for klass, heap in self._leaves.items():
+            heap[:] = sorted({(last, key) for last, key in heap if self._last.get(key) == last
+                              and self._class[key] == klass and self._tree.is_leaf(key)})
+            self._entries += len(heap)
+        self._dirty.update(self._leaves)
+
     def remove(self, key) -> None:
         if key not in self._size:
             return
         self._untrack(key)
+        self._dirty.add(self._class[key])
         del self._last[key], self._class[key]
         parent = self._tree.remove(key)
         if parent is not None:  # the parent is a leaf now: a candidate
-            heapq.heappush(self._leaves.setdefault(self._class[parent], []), (self._last[parent], parent))
+            heapq.heappush(self._heap(self._class[parent]), (self._last[parent], parent))

@@ -112,6 +112,10 @@ def test_live_and_access_log_reports(daemons, tmp_path, small_trace):
     assert report_run.returncode == 0, report_run.stderr
     report = json.loads(out.read_text())
     assert report["lookup_hits"] == simulated.hit_blocks and report["blocks_looked_up"] == full_blocks
+    # token-weighted, over the full blocks looked up (512 tokens each, the driven replay's)
+    assert report["lookup_tokens_found"] == simulated.hit_blocks * 512
+    assert report["tokens_looked_up"] == full_blocks * 512
+    assert f"{report['token_hit_rate']:.2%} of tokens ({simulated.hit_blocks * 512:,} tokens found" in report_run.stdout
     assert report["by_class"]["chat"]["hits"] == simulated.hit_blocks, "every hit was then read"
     assert report["hits_by_tier"]["dram"] > 0 and report["puts_by_class"]["chat"]["stored"] > 0
     log.write_text(log.read_text() + "garbage line\n")
