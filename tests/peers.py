@@ -5,6 +5,7 @@ Each runs as a child that dies with the test process (PR_SET_PDEATHSIG) and is s
 
 from __future__ import annotations
 
+import ctypes
 import signal
 import socket
 import subprocess
@@ -12,7 +13,12 @@ import time
 import urllib.request
 from pathlib import Path
 
-from kvstore.server.process import die_with_parent
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """preexec_fn: the child gets SIGTERM when the process that started it ends, however it ends."""
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import os
 import random
 import signal
@@ -13,14 +12,6 @@ import time
 from pathlib import Path
 
 BIND_ATTEMPTS = 10  # starts tried when the daemon's port turns out taken
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-def die_with_parent() -> None:
-    """preexec_fn: the child gets SIGTERM when the thread that started it ends, however it ends (SIGKILL
-    included: a demo killed by a timeout must not leave its daemons behind). Start children from a
-    thread that lives as long as they should."""
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class DaemonProcess:
@@ -65,8 +56,7 @@ class DaemonProcess:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "kvstore.server.main", "--data-dir", str(self.data_dir),
                  "--port", str(self.port), "--port-file", str(port_file), "--data-port", "0", *self.args],
-                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env, **(extra_env or {})},
-                preexec_fn=die_with_parent)
+                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env, **(extra_env or {})})
         deadline = time.monotonic() + timeout_s
         while not port_file.exists():
             if self.proc.poll() is not None:
