@@ -26,10 +26,8 @@ from __future__ import annotations
 import asyncio
 import faulthandler
 import logging
-import os
 import signal
 import sys
-import threading
 from collections.abc import Sequence
 from typing import TextIO
 
@@ -47,6 +45,7 @@ from engine.serving.proto import SERVICE
 from engine.serving.service import DecodeService, verb_of
 from kvstore.server.auth import AuthConfigError, Authenticator
 from kvstore.server.grpc_auth import TokenInterceptor, server_credentials
+from kvstore.stdin_watch import watch_stdin
 
 log = logging.getLogger("engine.serving.instance")
 
@@ -112,8 +111,7 @@ async def _serve(config: InstanceConfig, model: Decoder, prefill: PrefillEngine 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     if config.exit_on_stdin_eof:
-        threading.Thread(target=_watch_stdin, args=(lambda: loop.call_soon_threadsafe(stop.set),),
-                         name="stdin", daemon=True).start()
+        watch_stdin(lambda: loop.call_soon_threadsafe(stop.set))
     print(f"READY {port}", file=ready, flush=True)
     await stop.wait()
     await checks.enter_graceful_shutdown()
@@ -124,17 +122,6 @@ async def _serve(config: InstanceConfig, model: Decoder, prefill: PrefillEngine 
         await asyncio.to_thread(prefill.flush, GRACE_S)  # the replies' blocks still on their way to the store
         prefill.client.close()
     return status[0]
-
-
-def _watch_stdin(ended) -> None:
-    # the raw descriptor, not sys.stdin: a daemon thread blocked inside a buffered reader aborts the
-    # interpreter's exit (it cannot take the buffer's lock)
-    try:
-        while os.read(sys.stdin.fileno(), 4096):
-            pass
-    except (OSError, ValueError):
-        pass
-    ended()
 
 
 def _warn_if_exposed(config: InstanceConfig, tokens: bool, tls: bool) -> None:

@@ -102,6 +102,9 @@ class ServerConfig:
     grpc_connection_idle_s: float = 300.0  # a gRPC connection without a call this long is closed (GOAWAY)
     fd_reserve: int = 1024  # descriptors no connection may take: segment files, the index, logs
     log_level: str = "INFO"
+    # Shut down as on SIGTERM when stdin ends: a daemon started on a pipe ends with its parent, however
+    # the parent ends (kvstore/server/process.py starts every child so).
+    exit_on_stdin_eof: bool = False
 
     # Membership in etcd (docs/deployment.md): "etcd://HOST:2379/PREFIX" registers this daemon under PREFIX
     # while it serves, for clients given the same target; None: clients list the daemons or use DNS.
@@ -209,6 +212,8 @@ class ServerConfig:
                 raise ValueError(f"{name} must be a positive number of seconds, got {getattr(self, name)}")
         self._check_caller_limits()
         self._check_registration()
+        if not isinstance(self.exit_on_stdin_eof, bool):
+            raise ValueError(f"exit_on_stdin_eof must be true or false, got {self.exit_on_stdin_eof!r}")
         if not isinstance(self.log_level, str) or self.log_level.upper() not in logging.getLevelNamesMapping():
             raise ValueError(f"log_level must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL, got {self.log_level!r}")
 
@@ -285,6 +290,8 @@ def _coerce(name: str, value: Any) -> Any:
                 value = dict(item.split("=", 1) for item in value.split(",") if item)
             return {str(k).strip(): v for k, v in dict(value).items()}
         kind = _FIELDS[name].type
+        if kind == "bool":
+            return _boolean(value)
         if "int" in kind:
             return int(value)
         if "float" in kind:
@@ -294,6 +301,17 @@ def _coerce(name: str, value: Any) -> Any:
         return value
     except (TypeError, ValueError, OverflowError) as exc:
         raise ValueError(f"setting {name}: {exc}") from exc
+
+
+_BOOLEANS = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
+
+
+def _boolean(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in _BOOLEANS:
+        return _BOOLEANS[value.strip().lower()]
+    raise ValueError(f"expected true or false, got {value!r}")
 
 
 def load_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> ServerConfig:

@@ -25,6 +25,7 @@ from kvstore.server.registration import Registration
 from kvstore.server.security import Security
 from kvstore.server.service import KVStoreService
 from kvstore.server.store import BlockStore, DataDirInUse
+from kvstore.stdin_watch import watch_stdin
 
 log = logging.getLogger("kvstore.server")
 
@@ -104,6 +105,8 @@ async def serve(config: ServerConfig, stop: asyncio.Event | None = None) -> None
             loop.add_signal_handler(sig, stop.set)
         except (NotImplementedError, RuntimeError):  # not the main thread (tests)
             pass
+    if config.exit_on_stdin_eof:
+        watch_stdin(lambda: loop.call_soon_threadsafe(stop.set))
     maintenance = asyncio.create_task(store.retention.run())
     registration = None
     if config.register is not None:  # only once serving: a client that sees the entry can use it

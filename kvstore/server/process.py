@@ -55,11 +55,14 @@ class DaemonProcess:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "kvstore.server.main", "--data-dir", str(self.data_dir),
-                 "--port", str(self.port), "--port-file", str(port_file), "--data-port", "0", *self.args],
+                 "--port", str(self.port), "--port-file", str(port_file), "--data-port", "0",
+                 "--exit-on-stdin-eof", "true", *self.args],
+                stdin=subprocess.PIPE,  # held open until stop() or kill(): if this process dies, the daemon ends
                 stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env, **(extra_env or {})})
         deadline = time.monotonic() + timeout_s
         while not port_file.exists():
             if self.proc.poll() is not None:
+                self._close_stdin()
                 raise RuntimeError(f"kvstore-server exited with {self.proc.returncode}:\n{self.log()}")
             if time.monotonic() > deadline:
                 self.kill()
@@ -78,17 +81,25 @@ class DaemonProcess:
         if self.proc and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait()
+        self._close_stdin()
 
     def stop(self, timeout_s: float = 20.0) -> int:
         """SIGTERM and wait for the graceful shutdown; the exit code."""
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                return self.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self.kill()
-                raise
-        return self.proc.returncode if self.proc else 0
+        try:
+            if self.proc and self.proc.poll() is None:
+                self.proc.send_signal(signal.SIGTERM)
+                try:
+                    return self.proc.wait(timeout=timeout_s)
+                except subprocess.TimeoutExpired:
+                    self.kill()
+                    raise
+            return self.proc.returncode if self.proc else 0
+        finally:
+            self._close_stdin()
+
+    def _close_stdin(self) -> None:
+        if self.proc and self.proc.stdin and not self.proc.stdin.closed:
+            self.proc.stdin.close()
 
     def rss_bytes(self) -> int:
         with open(f"/proc/{self.proc.pid}/status") as f:

@@ -87,7 +87,8 @@ def assert_readable(daemon: DaemonProcess, items) -> None:
     with KVClient(ClientConfig((daemon.address,), timeout_s=10, transport="grpc")) as client:
         for block, payload in items:
             got = client.get([block])
-            assert got and got[0].payload == payload, "a block stored after the disk filled is not readable"
+            assert got and got[0].payload == payload, \
+                f"a block stored after the disk filled is not readable; the daemon's log:\n{daemon.log()[-6000:]}"
 
 
 @pytest.fixture

@@ -38,6 +38,7 @@ def test_classes_from_a_flag():
     (["--max-block-bytes", "1GiB", "--max-inflight-put-bytes", "64MiB"], "max_inflight_put_bytes"),
     (["--sweep-interval-s", "soon"], "duration"),
     (["--register-ttl-s", "0.5"], "register_ttl_s"),
+    (["--exit-on-stdin-eof", "maybe"], "true or false"),
 ])
 def test_bad_values_say_what_to_change(argv, message):
     with pytest.raises(ValueError, match=message):
@@ -74,3 +75,8 @@ def test_the_shipped_example_config_is_valid():
     config = load_config(["--config", str(example)], environ={})
     assert config.classes == {"agent": 3 * 86400.0, "chat": 7 * 86400.0, "handoff": 600.0, "window": 3600.0}
     assert config.data_port == 50052
+
+
+@pytest.mark.parametrize(("typed", "meant"), [("true", True), ("ON", True), ("1", True), ("no", False), ("off", False)])
+def test_switches_take_the_words_operators_write(typed, meant):
+    assert load_config(["--exit-on-stdin-eof", typed], environ={}).exit_on_stdin_eof is meant

@@ -1,0 +1,50 @@
+"""DaemonProcess's children end with the process that started them, however it ends (kvstore/stdin_watch.py)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from kvstore.server.process import DaemonProcess
+
+pytestmark = pytest.mark.integration
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as stat:  # a zombie waiting for init to reap it has ended
+        return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_a_daemon_ends_when_its_parent_is_killed(tmp_path):
+    # what a demo killed by a timeout (SIGKILL: no handler runs) does to the daemons it started
+    script = ("import sys, time\nfrom pathlib import Path\nfrom kvstore.server.process import DaemonProcess\n"
+              f"d = DaemonProcess(Path({str(tmp_path)!r}) / 'd', Path({str(tmp_path)!r})).start()\n"
+              "print(d.proc.pid, flush=True)\ntime.sleep(600)\n")
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    daemon = int(parent.stdout.readline())
+    assert _alive(daemon)
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 20
+    while _alive(daemon):
+        assert time.monotonic() < deadline, "the daemon outlived its killed parent"
+        time.sleep(0.05)
+
+
+def test_the_end_of_stdin_is_a_graceful_shutdown(tmp_path):
+    daemon = DaemonProcess(tmp_path / "d", tmp_path).start()
+    try:
+        daemon.proc.stdin.close()  # what the kernel does when the parent dies
+        assert daemon.proc.wait(timeout=30) == 0
+        assert "stopped cleanly" in daemon.log()
+    finally:
+        daemon.kill()
