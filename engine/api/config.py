@@ -24,8 +24,8 @@ class ApiConfig:
     block_tokens: int = 64
     max_running: int = 32
     # Speculative decoding (DecodeConfig.speculative): n-gram drafts verified on the DSpark schedule, lossless;
-    # its SPS profile is measured at the first start on a machine and cached; off by default for now (--speculative)
-    speculative: bool = False
+    # its SPS profile is measured at the first start on a machine and cached; --no-speculative turns it off
+    speculative: bool = True
     # The prefill's chunk cost model (a, b, c of engine.prefill.cost.ChunkCost); None: fitted at start-up by
     # timing forwards (about 20 s on 2 cores, more on a loaded machine)
     chunk_cost: tuple[float, float, float] | None = None

@@ -377,7 +377,7 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = "kvstore-api") -> 
                              "this machine, as the start-up line prints it; default: fit it at start-up (about 20 s)")
     parser.add_argument("--speculative", action=argparse.BooleanOptionalAction, default=defaults.speculative,
                         help="speculative decoding: n-gram drafts verified on the DSpark schedule, lossless "
-                             "(default: off; its SPS profile is measured at the first start on a machine and cached)")
+                             "(default: on; its SPS profile is measured at the first start on a machine and cached)")
     args = parser.parse_args(argv)
     keys = {}
     for item in args.api_key:

@@ -34,13 +34,13 @@ sequence's n-gram drafter proposes up to γ tokens; the DSpark schedule, from th
 confidences and the SPS(B) profile, picks how many of each decoding sequence to verify; its chunk becomes
 [last token, d_1..d_ℓ], scored at every position in the step's one forward (short chunks batched,
 `engine.model.decode_attention.VerifyBatch`). Verification accepts a prefix (greedy: the argmax's; sampled:
-rejection sampling against the request's own distribution and generator) and adds the target's own token,
+the drafts equal to the target's own draws, made in turn with the request's generator as a plain step makes
+them: rejection sampling for a deterministic drafter, `engine.speculative.verify`) and adds the target's token,
 the tokens appended one by one so a stop inside the accepted run ends the reply there. The KV then forgets
 the rejected positions (`RequestKV.rollback`: full layers by length, the window ring by restoring the slots
-the drafts overwrote). Greedy replies are the same tokens as without speculation; sampled ones are
-distributed the same, and a seeded one does not depend on its batch (it is scheduled alone) while the
-pool has room: where it runs out, drafts are cut to the pages a sequence holds, and after a preemption the
-token that follows the recompute is sampled without drafts, so its draws, not their distribution, change.
+the drafts overwrote). Greedy replies are the same tokens as without speculation, and so are seeded
+sampled ones: each token costs one draw, whatever was drafted, verified, cut for lack of pages or preempted
+(up to floating point: a verifying forward batches positions differently from a plain step).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ import torch
 
 from engine.decode.config import DecodeConfig
 from engine.decode.request import CANCELLED, DecodeError, DecodeRequest, DecodeResult
-from engine.decode.sampling import make_generator, probabilities, sample
+from engine.decode.sampling import make_generator, sample
 from engine.decode.saving import ReplySaver
 from engine.decode.sequence import DecodeSequence
 from engine.model.decoder import Chunk, Decoder
@@ -66,7 +66,7 @@ from engine.speculative.calibration import Calibration, Record
 from engine.speculative.drafter import DraftToken, NGramDrafter
 from engine.speculative.profile import load_or_measure
 from engine.speculative.schedule import schedule
-from engine.speculative.verify import Verdict, verify_greedy, verify_sampled
+from engine.speculative.verify import Verdict, verify_drawn, verify_greedy
 from engine.text.token_ids import checked_token_ids
 
 RESUME_FLUSH_S = 2.0  # how long a resumption waits for the store writes queued before it (its state's)
@@ -344,22 +344,11 @@ class DecodeEngine:
         else:
             sps = self._sps
             survivals = [self._calibration.survivals([d.confidence for d in drafts]) for drafts in proposals]
-            lengths = [0] * len(decoding)
-            # A sampled request's draws follow from how many drafts it verifies; were that chosen jointly
-            # with its neighbours, its seeded tokens would change with the batch (their distribution would
-            # not). So each sampled request is scheduled alone, as if it were the step's only one; the
-            # greedy ones, whose tokens no ℓ changes, share the DSpark choice, paying for the rest of B.
-            sampled = [n for n, i in enumerate(decoding) if not batch.sequences[i].params.greedy]
-            for n in sampled:
-                lengths[n] = schedule([survivals[n]], sps).lengths[0]
-            greedy = sorted(set(range(len(decoding))) - set(sampled))
-            # the step's other tokens (prompt chunks, sampled requests' chunks) share the forward: B counts
-            # them, the greedy ones' expected gain does not
-            others = sum(len(chunk.tokens) for chunk in batch.chunks) - len(decoding) + \
-                sum(1 + lengths[n] for n in sampled)
-            chosen = schedule([survivals[n] for n in greedy], (lambda b: sps(b + others)) if others else sps)
-            for n, length in zip(greedy, chosen.lengths):
-                lengths[n] = length
+            # No ℓ changes a request's tokens (greedy: the argmax; seeded sampling: one draw per token, as
+            # without drafts), so every decoding sequence shares the one DSpark choice. B counts the step's
+            # other tokens too (prompt chunks): they share the forward, not the drafts' expected gain.
+            others = sum(len(chunk.tokens) for chunk in batch.chunks) - len(decoding)
+            lengths = schedule(survivals, (lambda b: sps(b + others)) if others else sps).lengths
         for i, drafts, length in zip(decoding, proposals, lengths):
             if not length:
                 continue
@@ -447,12 +436,12 @@ class DecodeEngine:
         last token and drafts 1..i), append the accepted drafts and the target's own token one by one (a stop
         inside the accepted run ends the reply there, as without speculation), and take the KV back to the
         positions kept. The finish reason, or None."""
-        ids = torch.tensor([d.token for d in drafts], device=logits.device)  # (ℓ,)
         if sequence.params.greedy:
+            ids = torch.tensor([d.token for d in drafts], device=logits.device)  # (ℓ,)
             verdict: Verdict = verify_greedy(ids, logits)
-        else:  # against the very distribution `sample` draws from, with the request's own generator
-            probs = torch.stack([probabilities(row, sequence.params) for row in logits])  # (1 + ℓ, vocab)
-            verdict = verify_sampled(ids, probs, sequence.generator)
+        else:  # each row drawn as `sample` draws a plain step's token, with the request's own generator
+            params, generator = [sequence.params], [sequence.generator]
+            verdict = verify_drawn([d.token for d in drafts], lambda i: sample(logits[i:i + 1], params, generator)[0])
         sequence.drafted += len(drafts)
         sequence.accepted += verdict.accepted
         self.draft_records.append(Record(tuple(d.confidence for d in drafts), verdict.accepted))

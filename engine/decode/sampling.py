@@ -114,16 +114,6 @@ def _draw(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | 
     return int(tokens[torch.multinomial(weights, 1, generator=generator)])
 
 
-def probabilities(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """The distribution a sampled row draws from, dense over the vocabulary (vocab,), summing to 1: what
-    speculative verification (`engine.speculative.verify.verify_sampled`) accepts drafts against, from the
-    same temperature -> top-k -> top-p as `sample`, so its tokens are distributed as `sample`'s."""
-    tokens, weights = candidates(logits, p)
-    dense = torch.zeros(logits.shape[-1], dtype=torch.float32, device=logits.device)
-    dense[tokens] = weights / weights.sum()
-    return dense
-
-
 def candidates(logits: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
     """The tokens temperature -> top-k -> top-p leaves (n,), likeliest first, and their weights (n,)
     (proportional to the probabilities, zero where top-p cut), found without sorting the vocabulary:

@@ -27,7 +27,7 @@ class InstanceConfig:
     threads: int = 1  # torch threads: several instances share a machine's cores, so one each by default
     max_message_bytes: int = MAX_MESSAGE_BYTES  # largest request received; past it, RESOURCE_EXHAUSTED
     exit_on_stdin_eof: bool = False  # shut down when stdin ends: children started on a pipe die with their parent
-    speculative: bool = False  # DecodeConfig.speculative: n-gram drafts verified on the DSpark schedule, lossless
+    speculative: bool = True  # DecodeConfig.speculative: n-gram drafts verified on the DSpark schedule, lossless
     servers: tuple[str, ...] = ()  # the store's daemons (host:port); none: no store
     # Security, as the daemon's (kvstore/server/config.py): a token file, TLS, and mutual TLS
     auth_tokens: Path | None = None  # TOML token file (kvstore/server/auth.py); None: no authentication
@@ -105,7 +105,7 @@ _HELP = {
     "threads": "torch threads (several instances on one machine: one each)",
     "max_message_bytes": "largest request accepted; a larger one ends RESOURCE_EXHAUSTED",
     "exit_on_stdin_eof": "shut down when stdin ends (a parent holding the pipe died or closed it)",
-    "speculative": "speculative decoding: n-gram drafts verified on the DSpark schedule, lossless (default: off; "
+    "speculative": "speculative decoding: n-gram drafts verified on the DSpark schedule, lossless (default: on; "
                    "its SPS profile is measured at the first start on a machine and cached)",
     "servers": "the store's daemons, host:port,... or a dns:///, dns+srv:/// or etcd:// target (docs/deployment.md): "
                "prompts are prefilled through the store and replies saved; none: prompts are computed here and "

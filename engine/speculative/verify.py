@@ -9,9 +9,13 @@ step always makes progress.
 * Greedy: accept d_i while it equals the target's argmax at row i-1; then append that argmax.
 * Sampling (Leviathan et al., Chen et al.): accept d_i with probability min(1, p(d_i) / q(d_i)); at the
   first rejection draw from the residual max(0, p − q), normalised; with all accepted draw the bonus from
-  p at row ℓ. For a deterministic drafter (n-gram lookup) q is a point mass at d_i, so the acceptance
-  probability is p(d_i) and the residual is p with d_i removed, renormalised. The emitted tokens are
-  then distributed exactly as the target's own samples.
+  p at row ℓ (`verify_sampled`). The emitted tokens are then distributed exactly as the target's own samples.
+* Sampling with a deterministic drafter (n-gram lookup, what the engine runs): q is a point mass at d_i,
+  so the rule above accepts with probability p(d_i) and its residual is p without d_i, renormalised. Drawing
+  the target's own token at each row and accepting d_i while it equals the draw (`verify_drawn`) is that
+  same rule under a coupling that shares the draws: the same acceptance probability, the same residual,
+  and one draw per emitted token from the very function plain decoding samples with, so a seeded reply is
+  the one decoding without speculation gives, whatever the schedule chose to verify.
 
 p is the distribution the request samples from (after temperature, top-k and top-p,
 `engine.decode.sampling.candidates`), given dense over the vocabulary.
@@ -19,6 +23,7 @@ p is the distribution the request samples from (after temperature, top-k and top
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +42,19 @@ def verify_greedy(drafts: torch.Tensor, logits: torch.Tensor) -> Verdict:
     matches = (best[:-1] == drafts).int()  # (ℓ,)
     accepted = int(matches.cumprod(0).sum())  # the length of the run of matches from the start
     return Verdict(accepted, drafts[:accepted].tolist() + [int(best[accepted])])
+
+
+def verify_drawn(drafts: Sequence[int], draw: Callable[[int], int]) -> Verdict:
+    """drafts d_1..d_ℓ of a deterministic drafter; draw(i) samples the target's token at row i (advancing
+    the request's generator). Rows are drawn in order, and only until the first draw that differs from its
+    draft: that draw is the correction, and with every draft matched the draw at row ℓ is the bonus."""
+    tokens: list[int] = []
+    for i, draft in enumerate(drafts):
+        token = draw(i)
+        if token != draft:
+            return Verdict(i, tokens + [token])
+        tokens.append(token)
+    return Verdict(len(tokens), tokens + [draw(len(tokens))])
 
 
 def verify_sampled(drafts: torch.Tensor, probs: torch.Tensor, generator: torch.Generator | None,

@@ -136,7 +136,6 @@ QUIET = {
     "Puts refused or lost": "the disk never fills and every write-behind put succeeds",
     "Engine load": "the engines are idle when the queries run",
     "Advised conversations": "no conversation is advised of (that needs an ended or idle session)",
-    "Speculative drafts": "kvstore-api speculates only with --speculative (off by default for now)",
 }
 
 

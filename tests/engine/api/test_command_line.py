@@ -38,7 +38,7 @@ def test_options_reach_the_config():
     assert (config.block_tokens, config.max_running, config.kv_pages, config.tokenize_workers) == (32, 4, 9, 1)
     assert config.chunk_cost == (1.0, 2.0, 0.0)
     assert config.metrics_keys == ("ops",) and config.reserve == 1
-    assert not config.speculative  # off by default for now
+    assert config.speculative  # on by default
     assert parse_args(["--speculative"]).speculative and not parse_args(["--no-speculative"]).speculative
 
 

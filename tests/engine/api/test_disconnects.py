@@ -28,4 +28,7 @@ def test_a_stream_whose_client_leaves_during_its_prefill_is_cancelled_before_a_t
     assert _wait(lambda: _sample(metrics(), "kvstore_api_cancelled_total") == cancelled + 1, timeout_s=60)
     assert _sample(metrics(), "kvstore_api_time_to_first_token_seconds_count") == first_tokens, \
         "the request ran to its first token after its client had gone"
-    assert _wait(lambda: served.service.runner.load["running"] == 0 and served.service.runner.load["waiting"] == 0)
+    # a liveness bound, not a speed claim: the prefill chunk in flight when the client left ends first (on a
+    # loaded 2-core machine a chunk of the real model can take longer than the 20 s default)
+    assert _wait(lambda: served.service.runner.load["running"] == 0 and served.service.runner.load["waiting"] == 0,
+                 timeout_s=120)

@@ -41,6 +41,38 @@ def test_a_stream_gives_the_same_text_and_its_usage(served):
     assert usage is not None and usage.completion_tokens == 10
 
 
+def test_a_speculative_stream_gives_the_text_of_decoding_without_speculation(served):
+    """The served engine speculates (the default); a prompt that repeats itself gets drafts accepted, and
+    the streamed text is the greedy reply of an engine that does not speculate."""
+    from engine.decode import DecodeConfig, DecodeEngine, DecodeRequest, SamplingParams
+    from engine.text.chat_prompt import encode_chat
+
+    runner, tokenizer = served.service.runner, served.tokenizer
+    assert runner.engine.config.speculative
+    line = "for item in items: total += item.price * item.count"
+    messages = [{"role": "user", "content": f"Repeat this line three times:\n{line}\n{line}\n{line}"}]
+    accepted_before = _metric(served, "kvstore_api_draft_tokens_total", outcome="accepted")
+    parts = []
+    for chunk in served.openai().chat.completions.create(model="gemma-3-270m", messages=messages, max_tokens=32,
+                                                         temperature=0, stream=True):
+        parts += [choice.delta.content or "" for choice in chunk.choices]
+    assert _metric(served, "kvstore_api_draft_tokens_total", outcome="accepted") > accepted_before, \
+        "no draft accepted"
+    plain = DecodeEngine(runner.prefill.model, None, DecodeConfig(kv_pages=16, speculative=False))
+    plain.submit(DecodeRequest(encode_chat(tokenizer, messages), SamplingParams(max_tokens=32)))
+    (expected,) = plain.run()
+    assert "".join(parts) == tokenizer.decode(expected.tokens)
+
+
+def _metric(served, name: str, **labels: str) -> float:
+    """The operator's scrape of one counter, summed over tenants."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = served.service.metrics.exposition(None).decode()
+    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()))
+
+
 def test_seeded_sampling_is_reproducible(served):
     client = served.openai()
     replies = [client.chat.completions.create(model="gemma-3-270m", messages=QUESTION, max_tokens=8, temperature=0.9,

@@ -269,15 +269,18 @@ def steep(b: int) -> float:
     return 1.0 / (1.0 + 0.25 * b)
 
 
-def test_seeded_sampling_with_speculation_is_the_same_alone_and_batched(family):
-    """A sampled request's ℓ is chosen from its own confidences alone, so its draws, and so its tokens, do
-    not depend on what shares its steps (greedy neighbours still share the DSpark choice)."""
+def test_seeded_sampling_with_speculation_is_the_reply_without_alone_and_batched(family):
+    """Each token costs one draw of the request's generator, drafted or not: a seeded reply is the one
+    decoding without speculation gives, whatever the schedule verified and whatever shares its steps."""
     prompt = looping(family) if family.kind == "qwen3" else repeating(30, seed=2)
     params = [SamplingParams(temperature=t, top_k=k, top_p=p, seed=s, max_tokens=REPLY)
               for t, k, p, s in ((1.0, 2, 1.0, 7), (0.8, 0, 0.9, 8), (0.5, 3, 1.0, 9))]
-    alone = [drive(_engine(family, sps=steep), {0: [DecodeRequest(prompt, p)]})[0] for p in params]
+    plain = [drive(_engine(family, speculative=False), {0: [DecodeRequest(prompt, p)]})[0].tokens for p in params]
+    for schedule in (dict(sps=steep), dict(sps=flat), dict(fixed_drafts=1), dict(fixed_drafts=5)):
+        alone = [drive(_engine(family, **schedule), {0: [DecodeRequest(prompt, p)]})[0] for p in params]
+        assert [r.tokens for r in alone] == plain, schedule
+        assert sum(r.accepted_drafts for r in alone) > 0 and sum(r.drafted for r in alone) > 0
     neighbours = [DecodeRequest(repeating(n, seed=n), GREEDY) for n in (12, 24, 40)]
     sampled = [DecodeRequest(prompt, p) for p in params]
     batched = drive(_engine(family, sps=steep), {0: neighbours[:2] + sampled[:1], 2: sampled[1:], 3: neighbours[2:]})
-    assert [batched[i].tokens for i in (2, 3, 4)] == [r.tokens for r in alone]
-    assert sum(r.accepted_drafts for r in alone) > 0
+    assert [batched[i].tokens for i in (2, 3, 4)] == plain

@@ -241,8 +241,8 @@ def test_a_client_of_no_instance_says_so(tmp_path):
         client.load(timeout_s=30)
 
 
-def test_a_flag_turns_speculation_on(model_dir):
+def test_speculation_is_on_by_default_and_a_flag_turns_it_off(model_dir):
     from engine.serving.config import parse_args
 
-    assert not parse_args(["--model", str(model_dir)]).decode_config().speculative
-    assert parse_args(["--model", str(model_dir), "--speculative"]).decode_config().speculative
+    assert parse_args(["--model", str(model_dir)]).decode_config().speculative
+    assert not parse_args(["--model", str(model_dir), "--no-speculative"]).decode_config().speculative

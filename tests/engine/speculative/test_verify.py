@@ -1,4 +1,5 @@
-"""The acceptance rules: greedy matches the argmax rule; rejection sampling reproduces the target's distribution."""
+"""The acceptance rules: greedy matches the argmax rule; rejection sampling reproduces the target's distribution,
+and with a deterministic drafter (drawing the target's own tokens) even the plain sampler's seeded tokens."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import math
 
 import torch
 
-from engine.speculative.verify import residual, verify_greedy, verify_sampled
+from engine.speculative.verify import residual, verify_drawn, verify_greedy, verify_sampled
 
 V = 3  # a small vocabulary, so every sequence of L tokens is a cell with many samples
 L = 3  # tokens per sampled sequence
@@ -47,7 +48,7 @@ def draft_of(prev: int) -> int:
     return (prev + 1) % V if prev < V else 0  # a deterministic drafter, right only sometimes
 
 
-def sample_sequences(P: torch.Tensor, generator: torch.Generator, naive: bool = False) -> torch.Tensor:
+def sample_sequences(P: torch.Tensor, generator: torch.Generator, rule: str = "rejection") -> torch.Tensor:
     """TRIALS sequences of L tokens, decoded speculatively with 2 drafts a step; counts per cell (V**L,)."""
     counts = torch.zeros(V**L, dtype=torch.long)
     for _ in range(TRIALS):
@@ -57,8 +58,10 @@ def sample_sequences(P: torch.Tensor, generator: torch.Generator, naive: bool = 
             drafts = [draft_of(last)]
             drafts.append(draft_of(drafts[-1]))
             probs = P[[last, *drafts]]  # (3, V): the target's rows after last, after draft 1, after draft 2
-            if naive:
+            if rule == "naive":
                 out += naive_verify(torch.tensor(drafts), probs, generator)
+            elif rule == "drawn":
+                out += verify_drawn(drafts, lambda i: int(torch.multinomial(probs[i], 1, generator=generator))).tokens
             else:
                 out += verify_sampled(torch.tensor(drafts), probs, generator).tokens
         counts[sum(t * V**i for i, t in enumerate(out[:L]))] += 1
@@ -96,8 +99,40 @@ def test_speculative_sampling_reproduces_the_targets_distribution() -> None:
     counts = sample_sequences(P, torch.Generator().manual_seed(1))
     assert chi_square(counts, probs) < limit
     # the same test catches a rule that is not lossless
-    wrong = sample_sequences(P, torch.Generator().manual_seed(1), naive=True)
+    wrong = sample_sequences(P, torch.Generator().manual_seed(1), rule="naive")
     assert chi_square(wrong, probs) > limit
+
+
+def test_drawing_the_targets_tokens_reproduces_its_distribution_and_accepts_as_often() -> None:
+    P = markov_target(0)
+    counts = sample_sequences(P, torch.Generator().manual_seed(5), rule="drawn")
+    assert chi_square(counts, exact(P)) < chi_square_limit(V**L - 1)
+    # the same acceptance probability as the rejection rule: p(d) for a point-mass drafter
+    probs = P[[V, 0, 1]]
+    drawn = lambda g: verify_drawn([0, 1], lambda i: int(torch.multinomial(probs[i], 1, generator=g)))
+    for name, verify in (("rejection", lambda g: verify_sampled(torch.tensor([0, 1]), probs, g)), ("drawn", drawn)):
+        generator = torch.Generator().manual_seed(6)
+        first = sum(verify(generator).accepted >= 1 for _ in range(TRIALS)) / TRIALS
+        assert abs(first - float(probs[0, 0])) < 4 * math.sqrt(0.25 / TRIALS), name
+
+
+def test_drawing_the_targets_tokens_gives_the_plain_samplers_seeded_tokens() -> None:
+    """One draw per emitted token, in order: the tokens do not depend on what was drafted."""
+    P = markov_target(7)
+
+    def decode(seed: int, drafter) -> list[int]:
+        generator, out = torch.Generator().manual_seed(seed), []
+        while len(out) < 12:
+            last = out[-1] if out else V
+            drafts = drafter(last)
+            rows = [last, *drafts]  # the target's row after last, after d1, ...
+            out += verify_drawn(drafts, lambda i: int(torch.multinomial(P[rows[i]], 1, generator=generator))).tokens
+        return out[:12]
+
+    for seed in range(20):
+        plain = decode(seed, lambda last: [])
+        assert decode(seed, lambda last: [draft_of(last), draft_of(draft_of(last))]) == plain
+        assert decode(seed, lambda last: [draft_of(last)] * 3) == plain
 
 
 def test_a_drafter_with_its_own_distribution_is_corrected_by_the_residual() -> None:
