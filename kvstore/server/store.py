@@ -23,6 +23,7 @@ import logging
 import math
 import os
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -71,6 +72,10 @@ class BlockStore:
         self.names = Names(config)
         self.access = AccessTimes(self.policy, self.names.ttl_ms)
         self._pending: dict[bytes, asyncio.Future] = {}  # key -> done when the put writing it ends
+        # victims whose removal did not commit (a full disk), with their bytes: first in line at the next
+        # eviction, as the policy chose them. Given back to the policy they would count as new blocks, and a
+        # full disk that refuses commit after commit would turn its order round: the newest blocks evicted.
+        self._victims_again: deque[tuple[bytes, int]] = deque()
         self.retention = Retention(self, config, self.metrics, clock)
         self._executor = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvstore-io")
         self._lock_fd: int | None = None
@@ -379,15 +384,19 @@ class BlockStore:
         return self.index.commit_bytes(keys)
 
     def next_victim(self) -> tuple[bytes, int] | None:
+        while self._victims_again:
+            key, size = self._victims_again.popleft()
+            if key not in self.policy and self.index.get(key) is not None:  # not removed or put again since
+                return key, size
         tracked = self.policy.tracked_bytes
         key = self.policy.pop_victim()
         return None if key is None else (key, tracked - self.policy.tracked_bytes)
 
     def track_again(self, keys: Sequence[bytes]) -> None:
-        """Track again the victims whose removal did not commit, so they can still be evicted later."""
-        for key, entry in zip(keys, self.index.get_many(keys)):
-            if entry is not None and key not in self.policy:
-                self.policy.restore(key, entry.record_len, entry.parent or None, entry.policy_class)
+        """Keep the victims whose removal did not commit first in line, in their order, to be evicted later."""
+        again = [(key, entry.record_len) for key, entry in zip(keys, self.index.get_many(keys))
+                 if entry is not None and key not in self.policy]
+        self._victims_again.extendleft(reversed(again))
 
     def segment_of(self, key: bytes) -> Segment | None:
         entry = self.index.get(key)

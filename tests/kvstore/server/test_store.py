@@ -361,3 +361,19 @@ async def test_a_removal_cut_short_by_a_full_disk_accounts_for_the_commits_that_
     assert sum(s.live_bytes for s in store.segments.segments.values()) == store.accounting.live_bytes
     assert store.accounting.class_blocks[left[0].class_id] == 4
     assert [r[0].key in store.policy for r in recs] == [False] * 16 + [True] * 4
+
+
+async def test_victims_whose_removal_did_not_commit_stay_first_in_line(open_store):
+    # A full disk refused the commits: given back to the policy as new blocks, the oldest would outlive
+    # the newest, and pass after pass of refusals evicted what was just written (the full-disk fault test).
+    store = await open_store(hot_tier_bytes=0)
+    recs = records(4)
+    await put_all(store, recs)
+    keys = [r[0].key for r in recs]
+    first, second = store.next_victim()[0], store.next_victim()[0]
+    assert (first, second) == (keys[0], keys[1])  # least recently used first
+    store.track_again([first, second])
+    assert [store.next_victim()[0] for _ in range(3)] == keys[:3], "the refused victims come first, in order"
+    store.track_again(keys[:3])
+    assert await store.delete([keys[0]]) == 1
+    assert store.next_victim()[0] == keys[1], "a victim removed meanwhile is skipped"
