@@ -2,7 +2,8 @@
 without it, token for token, on real prompts: agent sessions (a tool result the base model quotes back,
 where the n-gram drafter's drafts are accepted in runs) and chat; alone, and 8 joining at different steps
 with replies of different lengths leaving early, and 32; a stop string and a stop token inside an accepted run end
-the reply where they end it without speculation."""
+the reply where they end it without speculation; and seeded sampled replies are the replies without it too
+(each token is one draw of the request's generator, drafted or not)."""
 
 from __future__ import annotations
 
@@ -87,6 +88,18 @@ def test_greedy_with_speculation_alone_is_the_reply_without(real):
         assert result.tokens == real.plain(prompt, params).tokens
         assert result.accepted_drafts > 0 and max(map(len, steps)) > 1  # drafts were accepted in runs
         assert result.drafted > result.accepted_drafts  # and some rejected: rolled back
+
+
+def test_seeded_sampling_with_speculation_alone_and_batched_is_the_reply_without(real):
+    params = [SamplingParams(max_tokens=REPLY, temperature=t, top_k=k, top_p=p, seed=seed)
+              for t, k, p, seed in ((0.7, 40, 0.95, 1), (1.0, 0, 0.9, 2), (0.3, 0, 1.0, 3), (0.8, 20, 1.0, 4))]
+    prompts = real.prompts[:4]  # agent, chat, agent, chat
+    alone = [_steps(real, prompt, p)[0] for prompt, p in zip(prompts[:2], params[:2])]
+    assert [r.tokens for r in alone] == [real.plain(prompt, p).tokens for prompt, p in zip(prompts[:2], params[:2])]
+    requests = [DecodeRequest(prompt, p) for prompt, p in zip(prompts, params)]
+    batched = drive(real.engine(True), {0: requests[:2], 2: requests[2:3], 5: requests[3:]})
+    assert [batched[i].tokens for i in range(4)] == [real.plain(prompt, p).tokens for prompt, p in zip(prompts, params)]
+    assert sum(r.accepted_drafts for r in batched.values()) > 0
 
 
 def test_greedy_with_speculation_batched_with_joins_and_leaves_is_the_reply_without(real):
