@@ -39,7 +39,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.api.advice import Advisor  # noqa: E402
-from kvstore.analytics.cli import ProgressLine  # noqa: E402
+from kvstore.analytics.cli import progress as progress_line  # noqa: E402
 from kvstore.analytics.simulate import continuation_signals, replay  # noqa: E402
 from kvstore.analytics.trace import CONVERSATION_TRACE, Request, conversation_turns, read_trace  # noqa: E402
 from kvstore.block import Block, KVLayout, Namespace  # noqa: E402
@@ -86,7 +86,8 @@ def drive(requests: Sequence[Request], blocks: Sequence[list[Block]], capacity: 
           hooks: Callable[[KVClient], tuple[Before | None, After | None]]) -> float:
     """Token hit rate of the requests served through a fresh daemon with room for `capacity` blocks."""
     turns = conversation_turns(requests, BLOCK_TOKENS)
-    payload, progress = bytes(NAMESPACE.block_bytes), ProgressLine(label, len(requests))
+    # a rewritten line on a terminal only: in a log or a pipe the carriage returns would pile up
+    payload, progress = bytes(NAMESPACE.block_bytes), progress_line(label, len(requests))
     hit_tokens = tokens = 0
     with tempfile.TemporaryDirectory() as tmp:
         daemon = DaemonProcess(Path(tmp) / "daemon", Path(tmp), [

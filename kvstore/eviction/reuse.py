@@ -46,6 +46,7 @@ _TURN_EDGES = (0, 1, 4)  # earlier turns of the conversation
 _ADVICE = {None: 0, True: 1, False: 2}  # the engine said nothing, that the conversation goes on, that it ended
 _CLASSES = (1 + 3 * 3 * 3) * len(_ADVICE)  # (no hint, or fraction x length x turn) x advice
 _GAP_EDGES = [2 ** (i / 2) for i in range(64)]  # gap histogram bins, in operations: sqrt(2) apart
+_EDGE_STEPS = [math.ceil(edge) for edge in _GAP_EDGES]  # the first whole age past each edge
 _PRIOR_GAPS = 20.0
 _GHOSTS_PER_KEY = 4  # ghost entries kept per tracked key (at least _MIN_GHOSTS)
 _MIN_GHOSTS = 1024
@@ -83,7 +84,10 @@ class _Gaps:
         self._longer: list[float] | None = None  # _longer[b] = sum(counts[b:]), None once stale
 
     def add(self, gap: int) -> None:
-        self.counts[bisect.bisect_right(_GAP_EDGES, gap)] += 1
+        self.add_in(bisect.bisect_right(_GAP_EDGES, gap))
+
+    def add_in(self, bin: int) -> None:
+        self.counts[bin] += 1
         self.total += 1
         self._longer = None
 
@@ -93,12 +97,19 @@ class _Gaps:
     def longer_in(self, bin: int) -> float:
         """The gaps in bin `bin` or later (bin = bisect_right(_GAP_EDGES, age))."""
         longer = self._longer
+        if longer is None:  # one bin asked for since the last change: a sum (exact, as whole numbers are)
+            return sum(self.counts[bin:])
+        return longer[bin]
+
+    def suffix_sums(self) -> list[float]:
+        """longer_in for every bin, at once (for rescoring many classes)."""
+        longer = self._longer
         if longer is None:
             longer = list(itertools.accumulate(reversed(self.counts)))
             longer.reverse()
             longer.append(0.0)
             self._longer = longer
-        return longer[bin]
+        return longer
 
     @staticmethod
     def of(counts: list) -> _Gaps:
@@ -138,7 +149,14 @@ class PrefixReuse(SizedPolicy):
         self._own_part: list[tuple | None] = []  # per place: _own(class, bin) and the bin, None: no leaf
         self._until: list[float] = []  # per place: the operation count at which that score goes stale
         self._dirty: set[int] = set()  # classes to rescore
-        self._all_dirty = False
+        # When only the all-class gaps changed, the scores of the other classes are not recomputed while
+        # the oldest leaf with the lowest one is certainly still the choice: each gap added moves the
+        # all-class survival of any bin by at most 1 / (gaps), so a score by at most its slope times that
+        # (_drift sums those moves; _drift_exact is its value when every score was last exact).
+        self._slope: list[float] = []  # per place: a bound on d score / d all-class survival
+        self._max_slope = 0.0  # max(_slope) since every score was last exact
+        self._drift = 0.0
+        self._drift_exact = 0.0
         self._soonest = math.inf  # min(_until)
         self._entries = 0  # heap entries, stale ones included
 
@@ -151,6 +169,7 @@ class PrefixReuse(SizedPolicy):
             self._score.append(math.inf)
             self._until.append(math.inf)
             self._own_part.append(None)
+            self._slope.append(0.0)
         self._dirty.add(klass)
         self._entries += 1  # the caller pushes one
         if self._entries > _STALE_PER_KEY * len(self._size) + _STALE_SLACK:
@@ -167,10 +186,12 @@ class PrefixReuse(SizedPolicy):
         ghost = self._ghosts.pop(key, None)
         if ghost is not None:
             self._learn_reuse(*ghost)
-        self._track(key, size)
+        self._size[key] = size  # _track, _tree.add and _use inlined: this runs for every block put
+        self._bytes += size
         self._tree.add(key, parent)
-        if parent in self._class:  # no longer a leaf
-            self._dirty.add(self._class[parent])
+        above = self._class.get(parent)
+        if above is not None:  # the parent is tracked: no longer a leaf
+            self._dirty.add(above)
         self._use(key, self.classify(hint))
 
     def classify(self, hint: ReuseHint | None) -> int:
@@ -178,11 +199,12 @@ class PrefixReuse(SizedPolicy):
         return reuse_class(hint)
 
     def access(self, key) -> None:
-        if key not in self._size:
+        klass = self._class.get(key)
+        if klass is None:  # untracked
             return
         self._now += 1
-        self._learn_reuse(self._last[key], self._class[key])
-        self._use(key, self._class[key])
+        self._learn_reuse(self._last[key], klass)
+        self._use(key, klass)
 
     def class_of(self, key) -> int:
         return self._class.get(key, 0)
@@ -219,6 +241,7 @@ class PrefixReuse(SizedPolicy):
             raise ValueError("a prefix-reuse snapshot with classes this version does not have")
         self._uses, self._reuses, self._gaps, self._all_gaps, self._now = uses, reuses, gaps, all_gaps, now
         self._dirty.update(self._leaves)
+        self._drift_exact = -math.inf  # all-class gaps of another run: no score is near its old value
 
     def advise(self, key, hint: ReuseHint) -> None:
         if key not in self._size or self._tree.branches(key) > 1:
@@ -238,20 +261,27 @@ class PrefixReuse(SizedPolicy):
             heapq.heappush(self._heap(new), (self._last[key], key))
 
     def _use(self, key, klass: int) -> None:
-        self._last[key] = self._now
+        now = self._now
+        self._last[key] = now
         self._class[key] = klass
-        self._uses[klass] = self._uses.get(klass, 0.0) + 1
+        uses = self._uses
+        uses[klass] = uses.get(klass, 0.0) + 1
         self._dirty.add(klass)
-        if self._tree.is_leaf(key):
-            heapq.heappush(self._heap(klass), (self._now, key))
+        if not self._tree.branches(key):  # a leaf
+            heapq.heappush(self._heap(klass), (now, key))
 
     def _learn_reuse(self, last: int, klass: int) -> None:
-        self._reuses[klass] = self._reuses.get(klass, 0.0) + 1
-        gap = self._now - last
-        self._gaps.setdefault(klass, _Gaps()).add(gap)
-        self._all_gaps.add(gap)
+        reuses = self._reuses
+        reuses[klass] = reuses.get(klass, 0.0) + 1
+        bin = bisect.bisect_right(_GAP_EDGES, self._now - last)
+        gaps = self._gaps.get(klass)
+        if gaps is None:
+            gaps = self._gaps[klass] = _Gaps()
+        gaps.add_in(bin)
+        every = self._all_gaps
+        every.add_in(bin)
         self._dirty.add(klass)
-        self._all_dirty = True  # every class's survival leans on the all-class gaps
+        self._drift += 1.0 / every.total  # every class's survival leans on the all-class gaps
 
     # -- the choice ---------------------------------------------------------------------------------
 
@@ -278,14 +308,15 @@ class PrefixReuse(SizedPolicy):
         return alive / (1 - p + alive)
 
     def _rescore(self, klass: int) -> None:
-        """Drop the stale entries off the class's heap and score its oldest leaf."""
+        """Drop the stale entries off the class's heap and score its oldest leaf (_own and _combine
+        inlined: this runs a few times per eviction)."""
         place = self._index.get(klass)
         if place is None:  # a class none of whose blocks was ever a leaf
             return
-        heap = self._leaves[klass]
+        heap, last_use, class_of, is_leaf = self._leaves[klass], self._last, self._class, self._tree.is_leaf
         while heap:
             last, key = heap[0]
-            if self._last.get(key) == last and self._class[key] == klass and self._tree.is_leaf(key):
+            if last_use.get(key) == last and class_of[key] == klass and is_leaf(key):
                 break
             heapq.heappop(heap)  # stale: used since, evicted, re-classed or no longer a leaf
             self._entries -= 1
@@ -295,32 +326,34 @@ class PrefixReuse(SizedPolicy):
             return
         last = heap[0][0]
         bin = bisect.bisect_right(_GAP_EDGES, self._now - last)
-        own = self._own_part[place] = (*self._own(klass, bin), bin)
-        self._score[place] = self._combine(*own)
+        p = (self._reuses.get(klass, 0.0) + 0.5) / (self._uses.get(klass, 0.0) + 1.0)
+        p = min(p, 0.999)
+        gaps = self._gaps.get(klass) or _NO_GAPS
+        longer, weight = gaps.longer_in(bin), gaps.total + _PRIOR_GAPS
+        self._own_part[place] = (p, longer, weight, bin)
+        every = self._all_gaps
+        shared = every.longer_in(bin) / every.total if every.total else 1.0
+        alive = p * ((longer + _PRIOR_GAPS * shared) / weight)
+        self._score[place] = alive / (1 - p + alive)
+        # d score / d shared = (1 - p) (20 p / weight) / (1 - p + alive)^2, at most 20 p / (weight (1 - p))
+        slope = self._slope[place] = _PRIOR_GAPS * p / (weight * (1 - p))
+        if slope > self._max_slope:
+            self._max_slope = slope
         # the score holds until the age reaches the next bin's edge
-        self._until[place] = last + math.ceil(_GAP_EDGES[bin]) if bin < len(_GAP_EDGES) else math.inf
+        self._until[place] = last + _EDGE_STEPS[bin] if bin < len(_GAP_EDGES) else math.inf
 
     def pop_victim(self):
         now = self._now
         stale = self._dirty
         if now >= self._soonest:
-            stale |= {klass for klass, place in self._index.items() if self._until[place] <= now}
+            classes = self._classes
+            stale |= {classes[place] for place, until in enumerate(self._until) if until <= now}
         for klass in stale:
             self._rescore(klass)
-        if self._all_dirty:  # only the all-class gaps changed for the rest: _combine again, inlined
-            score, classes, every = self._score, self._classes, self._all_gaps
-            total = every.total
-            for place, own in enumerate(self._own_part):
-                if own is not None and classes[place] not in stale:
-                    p, longer, weight, bin = own
-                    shared = every.longer_in(bin) / total if total else 1.0
-                    alive = p * ((longer + _PRIOR_GAPS * shared) / weight)
-                    score[place] = alive / (1 - p + alive)
-            self._all_dirty = False
         if stale:
             self._dirty = set()
             self._soonest = min(self._until, default=math.inf)
-        best = min(self._score, default=math.inf)
+        best = self._choice(stale) if self._drift != self._drift_exact else min(self._score, default=math.inf)
         if best == math.inf:
             if self._size:  # only reachable if the tree has a cycle, which chained keys cannot form
                 key = next(iter(self._size))
@@ -335,6 +368,53 @@ class PrefixReuse(SizedPolicy):
             self._ghosts.popitem(last=False)
         self.remove(key)
         return key
+
+    def _choice(self, fresh: set[int]) -> float:
+        """The lowest score, exact, once the all-class gaps changed since the scores of the classes not in
+        `fresh` (just rescored) were: those are rescored only if one of them could be the lowest."""
+        score, index = self._score, self._index
+        fresh = {index[klass] for klass in fresh if klass in index}
+        bound = self._max_slope * (self._drift - self._drift_exact) + 1e-9  # and for rounding
+        for _ in range(4):
+            best = min(score, default=math.inf)
+            if best == math.inf:
+                return best
+            place = score.index(best)
+            if place in fresh:
+                break
+            score[place] = self._arithmetic(place)
+            fresh.add(place)
+        else:
+            return self._rescore_all()
+        score[place] = math.inf
+        runner_up = min(score)
+        score[place] = best
+        if runner_up - bound > best:  # no other class can be as low: the choice is `place`, exactly
+            return best
+        return self._rescore_all()
+
+    def _arithmetic(self, place: int) -> float:
+        """_combine for a class whose own part is unchanged, inlined (the all-class gaps changed)."""
+        p, longer, weight, bin = self._own_part[place]
+        every = self._all_gaps
+        shared = every.longer_in(bin) / every.total if every.total else 1.0
+        alive = p * ((longer + _PRIOR_GAPS * shared) / weight)
+        return alive / (1 - p + alive)
+
+    def _rescore_all(self) -> float:
+        """Every score with the all-class gaps as they are: the arithmetic of _combine, inlined."""
+        score, every = self._score, self._all_gaps
+        total = every.total
+        longer_all = every.suffix_sums()
+        for place, own in enumerate(self._own_part):
+            if own is not None:
+                p, longer, weight, bin = own
+                shared = longer_all[bin] / total if total else 1.0
+                alive = p * ((longer + _PRIOR_GAPS * shared) / weight)
+                score[place] = alive / (1 - p + alive)
+        self._drift_exact = self._drift
+        self._max_slope = max(self._slope, default=0.0)
+        return min(score, default=math.inf)
 
     def _compact(self) -> None:
         """Rebuild the heaps from their entries in force, once mostly stale (each use of a leaf pushes

@@ -10,7 +10,7 @@ import pytest
 from kvstore.analytics import simulate
 from kvstore.analytics.simulate import replay
 from kvstore.analytics.trace import CONVERSATION_TRACE, Request, read_trace
-from kvstore.eviction import reuse
+from kvstore.eviction import adaptive, reuse
 
 pytestmark = pytest.mark.unit
 
@@ -46,7 +46,7 @@ VARIANTS = {  # name -> replay keyword arguments
     "watermarks": {"low_blocks": "low"},
     "advised": {"continuation_signal": 0.8},
 }
-POLICIES = ("lru", "s3fifo", "sieve", "prefix-lfu", "prefix-reuse", "belady")
+POLICIES = ("lru", "s3fifo", "sieve", "prefix-lfu", "prefix-reuse", "adaptive", "belady")
 
 # (policy, variant, capacity share) -> (hit blocks, hit tokens, evictions, expiries), by the old implementation
 PINNED: dict = {
@@ -90,6 +90,24 @@ PINNED: dict = {
     ('prefix-reuse', 'watermarks', 0.2): (2284, 1169408, 2750, 0),
     ('prefix-reuse', 'advised', 0.05): (1258, 644096, 3890, 0),
     ('prefix-reuse', 'advised', 0.2): (2650, 1356800, 2361, 0),
+    # adaptive's figures were recorded from commit 9681722, before its speed work
+    ('adaptive', 'plain', 0.05): (996, 509952, 4149, 0),
+    ('adaptive', 'plain', 0.2): (2235, 1144320, 2778, 0),
+    ('adaptive', 'ttl', 0.05): (996, 509952, 4142, 7),
+    ('adaptive', 'ttl', 0.2): (2236, 1144832, 2592, 172),
+    ('adaptive', 'watermarks', 0.05): (1022, 523264, 4137, 0),
+    ('adaptive', 'watermarks', 0.2): (2189, 1120768, 2838, 0),
+    ('adaptive', 'advised', 0.05): (1004, 514048, 4140, 0),
+    ('adaptive', 'advised', 0.2): (2489, 1274368, 2508, 0),
+    # with shadows of 32 blocks, so that keys are sampled (at 5% and 20% the shadows see 62% and 15% of them)
+    ('adaptive-sampled', 'plain', 0.05): (955, 488960, 4184, 0),
+    ('adaptive-sampled', 'plain', 0.2): (2182, 1117184, 2826, 0),
+    ('adaptive-sampled', 'ttl', 0.05): (955, 488960, 4174, 10),
+    ('adaptive-sampled', 'ttl', 0.2): (2154, 1102848, 2689, 132),
+    ('adaptive-sampled', 'watermarks', 0.05): (911, 466432, 4221, 0),
+    ('adaptive-sampled', 'watermarks', 0.2): (2142, 1096704, 2882, 0),
+    ('adaptive-sampled', 'advised', 0.05): (926, 474112, 4220, 0),
+    ('adaptive-sampled', 'advised', 0.2): (2227, 1140224, 2782, 0),
     ('belady', 'plain', 0.05): (1947, 996864, 1224, 0),
     ('belady', 'plain', 0.2): (3583, 1834496, 997, 0),
     ('lru', 'conversation'): (1717, 879104, 37030, 0),
@@ -97,6 +115,7 @@ PINNED: dict = {
     ('sieve', 'conversation'): (2085, 1067520, 36662, 0),
     ('prefix-lfu', 'conversation'): (1785, 913920, 36962, 0),
     ('prefix-reuse', 'conversation'): (2157, 1104384, 36590, 0),
+    ('adaptive', 'conversation'): (1753, 897536, 36994, 0),
     ('belady', 'conversation'): (8469, 4336128, 11402, 0),
     'infinite': (415, 5435, 2728980, 4177, 2138624),
 }
@@ -130,13 +149,23 @@ def test_every_policy_decides_as_it_did_on_the_conversation_trace(policy, conver
     assert figures(conversation, policy, "plain", 0.05) == PINNED[policy, "conversation"]
 
 
+@pytest.mark.parametrize("variant, share", [(v, s) for v in VARIANTS for s in (0.05, 0.2)])
+def test_adaptive_with_sampled_shadows_decides_as_it_did(variant, share, monkeypatch):
+    # the trace's capacities are below SHADOW_BLOCKS, where every key is sampled: smaller shadows sample
+    monkeypatch.setattr(adaptive, "SHADOW_BLOCKS", 32)
+    assert figures(seeded_trace(), "adaptive", variant, share) == PINNED["adaptive-sampled", variant, share]
+
+
 @pytest.fixture(scope="module")
 def conversation() -> list[Request]:
     """The first 1,500 requests of the shipped Mooncake trace: long prompts, real sharing."""
     return list(itertools.islice(read_trace(CONVERSATION_TRACE), 1500))
 
 
-@pytest.mark.parametrize("policy, variant, share", [case for case in CASES if case[0] in ("prefix-reuse", "belady")])
+HEAPED = ("prefix-reuse", "adaptive", "belady")  # the policies that skip stale heap entries
+
+
+@pytest.mark.parametrize("policy, variant, share", [case for case in CASES if case[0] in HEAPED])
 def test_dropping_stale_heap_entries_at_once_changes_no_decision(policy, variant, share, monkeypatch):
     # with no slack the heaps are rebuilt from their entries in force whenever stale ones outnumber them
     monkeypatch.setattr(reuse, "_STALE_SLACK", 0)
