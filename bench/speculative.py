@@ -57,7 +57,7 @@ def prompts(tokenizer, kind: str, count: int, length: int, first: int = 0) -> li
 def config(mode: str, profile: SpsProfile, calibration: Calibration | None = None) -> DecodeConfig:
     common = dict(kv_pages=512, block_tokens=64, max_running=64)
     if mode == "nospec":
-        return DecodeConfig(**common)
+        return DecodeConfig(speculative=False, **common)
     if mode == "dspark":
         return DecodeConfig(speculative=True, sps=profile, calibration=calibration, **common)
     return DecodeConfig(speculative=True, fixed_drafts=int(mode.removeprefix("fixed")), **common)
