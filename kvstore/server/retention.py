@@ -322,20 +322,34 @@ class Retention:
 
     async def _compact(self, target_disk_bytes: float) -> None:
         store, accounting = self.store, self.store.accounting
-        candidates = sorted((s for s in store.all_segments() if s.sealed), key=lambda s: s.garbage_ratio, reverse=True)
+        await self._empty_segments(target_disk_bytes, evict_live=False)
+        if self.disk_full and accounting.disk_bytes > target_disk_bytes:
+            # Emptying a segment now evicts its live records rather than copying them. The eviction policy
+            # chooses them first (its victims leave their segments dead); only then is any garbage worth a
+            # segment's live records, oldest segment first. Else a little garbage (a copy the full disk cut
+            # short) in the segment of the newest blocks would cost them all.
+            await self.evict_bytes(min(accounting.live_bytes, accounting.disk_bytes - target_disk_bytes))
+            await self._empty_segments(target_disk_bytes, evict_live=True)
+        if accounting.disk_bytes > target_disk_bytes:
+            # Garbage in the open segments is reachable only once they are sealed.
+            for segment in [s for s in store.all_segments() if not s.sealed and s.garbage_ratio > 0]:
+                await store.seal_segment(segment)
+
+    async def _empty_segments(self, target_disk_bytes: float, evict_live: bool) -> None:
+        """Empty the sealed segments that are mostly dead, and, while the files pass the target, those with
+        any garbage (on a full disk, only if `evict_live`: their live records are evicted, not copied)."""
+        accounting = self.store.accounting
+        candidates = sorted((s for s in self.store.all_segments() if s.sealed), key=lambda s: s.garbage_ratio,
+                            reverse=True)
         if self.disk_full:
             # Their live records will be evicted, not copied: the dead files first, then the oldest,
             # whose records were written longest ago (the newest are the likeliest to be read again).
             candidates.sort(key=lambda s: (s.live_bytes > 0, s.id))
         for segment in candidates:
-            under_pressure = accounting.disk_bytes > target_disk_bytes
+            under_pressure = accounting.disk_bytes > target_disk_bytes and (evict_live or not self.disk_full)
             if (segment.garbage_ratio >= self.config.compaction_min_garbage
                     or (under_pressure and segment.garbage_ratio > 0)):
                 await self._empty_segment(segment, "garbage")
-        if accounting.disk_bytes > target_disk_bytes:
-            # Garbage in the open segments is reachable only once they are sealed.
-            for segment in [s for s in store.all_segments() if not s.sealed and s.garbage_ratio > 0]:
-                await store.seal_segment(segment)
 
     async def _empty_segment(self, segment: Segment, reason: str) -> None:
         """Move the segment's live blocks forward (dropping expired ones), then delete the file.

@@ -377,3 +377,20 @@ async def test_victims_whose_removal_did_not_commit_stay_first_in_line(open_stor
     store.track_again(keys[:3])
     assert await store.delete([keys[0]]) == 1
     assert store.next_victim()[0] == keys[1], "a victim removed meanwhile is skipped"
+
+
+async def test_a_full_disk_lets_the_policy_choose_what_compaction_evicts(open_store):
+    """On a full disk compaction cannot copy, so emptying a segment evicts its live records. The eviction
+    policy's victims go first, and leave their segments dead: a little garbage (a copy the full disk cut
+    short) in the segment of the newest blocks must not cost them all."""
+    record_bytes = sum(map(len, records(1)[0][1::2]))
+    store = await open_store(segment_bytes=4 * record_bytes, compaction_min_garbage=0.5, hot_tier_bytes=0,
+                             eviction_policy="lru")
+    recs = records(13)  # segments of four: three sealed, the newest open
+    await put_all(store, recs)
+    assert await store.delete([recs[8][0].key]) == 1  # the newest sealed segment, a quarter dead
+    store.retention.disk_full = True
+    await store.retention._compact(store.accounting.disk_bytes - 4 * record_bytes)  # one segment to free
+    assert store.lookup([recs[0][0].key]) == 0, "the least recently used blocks went"
+    for block, _, _, payload in recs[4:8] + recs[9:]:
+        assert await read_all(store, block.key) == payload
