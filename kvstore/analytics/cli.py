@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -23,6 +24,7 @@ from kvstore.analytics.drive import replay_through_daemons
 from kvstore.analytics.live import run_live
 from kvstore.analytics.logs import render as render_log
 from kvstore.analytics.logs import summarize
+from kvstore.analytics.parallel import Job, Progress, replay_many
 from kvstore.analytics.simulate import replay, reuse_statistics
 from kvstore.analytics.trace import read_trace
 from kvstore.client.config import add_security_flags, security_settings
@@ -46,6 +48,8 @@ def add_parser(subparsers) -> None:
     play.add_argument("--plot", type=Path, help="draw hit rate against capacity into this PNG")
     play.add_argument("--json", type=Path, help="write every figure here")
     play.add_argument("--skip-bad", action="store_true", help="skip malformed trace lines (and count them)")
+    play.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                      help="replays run at once, one process each (default: one per core); memory grows with it")
     play.add_argument("--servers", help="also drive the trace through these running daemons (host:port,...) and "
                                         "set their hit rate beside the simulator's at the first --capacity")
     play.add_argument("--payload-bytes", type=parse_size, default=4096, help="payload per block with --servers")
@@ -142,11 +146,39 @@ class DoneLine:
 
 
 def progress(label: str, total: int) -> ProgressLine | DoneLine:
-    """A progress bar on a terminal; elsewhere a line per replay, without the carriage returns of a bar."""
+    """A progress bar on a terminal; elsewhere a line once done, without the carriage returns of a bar."""
     return ProgressLine(label, total) if sys.stderr.isatty() else DoneLine(label, total)
 
 
+class ReplaysProgress(Progress):
+    """Many replays: one bar on a terminal, rewritten in place; elsewhere a line per replay done."""
+
+    def __init__(self, replays: int, requests_each: int) -> None:
+        self.replays, self.each, self.done = replays, requests_each, 0
+        self.tty, self.started, self.last = sys.stderr.isatty(), time.monotonic(), 0.0
+
+    def requests(self, replayed: int) -> None:
+        now = time.monotonic()
+        if self.tty and now - self.last > 0.25:
+            self.last = now
+            self._bar(replayed, "")
+
+    def finished(self, job: Job, seconds: float) -> None:
+        self.done += 1
+        if not self.tty:
+            print(f"  {job.policy} at {job.label}: {self.each:,} requests in {seconds:,.1f} s", file=sys.stderr,
+                  flush=True)
+        elif self.done == self.replays:
+            self._bar(self.replays * self.each, "\n")
+
+    def _bar(self, replayed: int, end: str) -> None:
+        print(f"\r  {self.done}/{self.replays} replays, {replayed:,}/{self.replays * self.each:,} requests, "
+              f"{time.monotonic() - self.started:,.0f} s", end=end, file=sys.stderr, flush=True)
+
+
 def run_replay(args: argparse.Namespace) -> int:
+    if args.jobs < 1:
+        raise ValueError(f"--jobs must be at least 1, got {args.jobs}")
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:
@@ -163,14 +195,12 @@ def run_replay(args: argparse.Namespace) -> int:
     unique = len({key for r in requests for key in r.hash_ids[: r.input_length // args.block_tokens]})
     capacities = parse_capacities(args.capacity, unique, args.block_bytes)
     infinite = replay(requests, "infinite", None, args.block_tokens, ttl)
-    rows = []
-    for label, blocks in capacities:
-        row = {"capacity": label, "capacity_blocks": blocks}
-        for policy in [*policies, "belady"]:
-            row[policy] = replay(requests, policy, blocks, args.block_tokens, ttl,
-                                 progress(f"{policy} at {label}", len(requests)),
-                                 continuation_signal=args.continuation_signal).as_dict()
-        rows.append(row)
+    jobs = [Job(policy, blocks, label) for label, blocks in capacities for policy in [*policies, "belady"]]
+    results = iter(replay_many(requests, jobs, args.jobs, ReplaysProgress(len(jobs), len(requests)),
+                               block_tokens=args.block_tokens, ttl_s=ttl,
+                               continuation_signal=args.continuation_signal))
+    rows = [{"capacity": label, "capacity_blocks": blocks, **{p: next(results) for p in [*policies, "belady"]}}
+            for label, blocks in capacities]
     print(f"\n{args.trace}: {len(requests):,} requests, {sum(r.input_length for r in requests):,} input tokens, "
           f"{unique:,} unique full blocks; infinite cache: {infinite.token_hit_rate:.2%} of tokens"
           + (f"; {len(skipped)} bad lines skipped" if skipped else ""))

@@ -95,7 +95,7 @@ def test_no_progress_bar_unless_stderr_is_a_terminal(tmp_path):
         os.close(leader)
         if follower is not None:
             os.close(follower)
-    assert done.returncode == 0 and b"\r  lru at 2: 20/20 requests" in written
+    assert done.returncode == 0 and b"\r  2/2 replays, 40/40 requests" in written  # lru and belady
 
 
 def _read(fd: int) -> bytes:
