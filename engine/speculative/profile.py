@@ -5,7 +5,7 @@ of verifying more positions. On a GPU a forward of 1 or 64 tokens costs about th
 every verified position also pays for the output head (262k entries for Gemma 3), so SPS falls steeply
 with B. Hence measured, not assumed: at start-up a verification-shaped forward (chunks of up to γ + 1
 tokens after a context, logits at every position as verification needs) is timed at a few B, best of a
-few repeats, like the prefill's chunk cost fit (`engine.prefill.cost.measure`); a B timed slower than a
+few rounds over them, like the prefill's chunk cost fit (`engine.prefill.cost.measure`); a B timed slower than a
 larger one is timed again.
 
 The times are made non-decreasing in B (pool-adjacent-violators: more tokens never cost less, and a
@@ -35,7 +35,7 @@ import torch
 from engine.model.decoder import Chunk, Decoder
 from engine.model.kv import PagePool, RequestKV
 
-FORMAT = 2  # of the cached file; bump when what is written or measured changes
+FORMAT = 3  # of the cached file; bump when what is written or measured changes
 CACHE_ENV = "KVSTORE_PROFILE_CACHE"
 GRID = (1, 2, 4, 8, 16, 32, 64, 128, 192)  # B timed: one request alone up to 32 requests verifying 5 drafts each
 PER_REQUEST = 6  # tokens per chunk: the last real token + γ = 5 drafts
@@ -144,7 +144,8 @@ def layout(b: int, per_request: int) -> list[int]:
 
 def measure(model: Decoder, grid: Sequence[int] = GRID, per_request: int = PER_REQUEST, context: int = CONTEXT,
             repeats: int = 3, retimes: int = 2) -> SpsProfile:
-    """Time a verification-shaped forward at each B of `grid`, best of `repeats` (after one warm-up).
+    """Time a verification-shaped forward at each B of `grid`, best of `repeats` rounds over the grid
+    (after one warm-up each).
 
     A B timed slower than a larger B is an outlier (more tokens never cost less): it is timed again, up to
     `retimes` more rounds of `repeats`, keeping the best, before the fit pools what still disagrees. On a
@@ -156,34 +157,41 @@ def measure(model: Decoder, grid: Sequence[int] = GRID, per_request: int = PER_R
     pool = PagePool(model.config, most * pages_each, BLOCK_TOKENS, model.dtype, model.device)
     synchronize = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
 
-    def best_time(b: int, warm_up: bool) -> float:
+    def timed(b: int) -> float:
         sizes = layout(b, per_request)
         kvs = [RequestKV(model.config, pool) for _ in sizes]
         try:
             for kv, n in zip(kvs, sizes):
                 kv.reserve(context + n)
-            best = math.inf
-            for attempt in range(repeats + warm_up):  # a first run warms allocations and kernels up, untimed
-                chunks = [Chunk(kv, torch.zeros(n, dtype=torch.long), context) for kv, n in zip(kvs, sizes)]
-                synchronize()
-                began = time.perf_counter()
-                model.forward(chunks, all_logits=True)  # verification scores every position
-                synchronize()
-                if attempt or not warm_up:
-                    best = min(best, time.perf_counter() - began)
-            return best
+            chunks = [Chunk(kv, torch.zeros(n, dtype=torch.long), context) for kv, n in zip(kvs, sizes)]
+            synchronize()
+            began = time.perf_counter()
+            model.forward(chunks, all_logits=True)  # verification scores every position
+            synchronize()
+            return time.perf_counter() - began
         finally:
             for kv in kvs:
                 kv.release()
 
-    times = {b: best_time(b, True) for b in grid}
+    def best_of_rounds(bs: Sequence[int]) -> dict[int, float]:
+        """Best of `repeats` rounds, each timing every B once: a slow spell of a shared machine then costs
+        one round of every B, not every sample of the B timed during it."""
+        best = dict.fromkeys(bs, math.inf)
+        for _ in range(repeats):
+            for b in bs:
+                best[b] = min(best[b], timed(b))
+        return best
+
+    for b in grid:  # a first run warms allocations and kernels up, untimed
+        timed(b)
+    times = best_of_rounds(grid)
     for _ in range(retimes):
         ordered = sorted(times)
         slow = [b for b, c in zip(ordered, ordered[1:]) if times[b] > times[c]]
         if not slow:
             break
-        for b in slow:
-            times[b] = min(times[b], best_time(b, False))
+        for b, again in best_of_rounds(slow).items():
+            times[b] = min(times[b], again)
     return SpsProfile.fitted(sorted(times.items()))
 
 

@@ -57,7 +57,8 @@ def test_a_speculative_stream_gives_the_text_of_decoding_without_speculation(ser
                                                          temperature=0, stream=True):
         parts += [choice.delta.content or "" for choice in chunk.choices]
     assert _metric(served, "kvstore_api_draft_tokens_total", outcome="accepted") > accepted_before, \
-        "no draft accepted"
+        (f"no draft accepted; {_metric(served, 'kvstore_api_draft_tokens_total', outcome='rejected')} rejected "
+         f"in all; the schedule's SPS profile: {runner.engine._sps}")
     plain = DecodeEngine(runner.prefill.model, None, DecodeConfig(kv_pages=16, speculative=False))
     plain.submit(DecodeRequest(encode_chat(tokenizer, messages), SamplingParams(max_tokens=32)))
     (expected,) = plain.run()

@@ -71,19 +71,20 @@ def test_layout_spreads_b_over_verification_chunks() -> None:
 
 
 def test_a_b_timed_slower_than_a_larger_b_is_timed_again(tiny_decoder: Decoder, monkeypatch) -> None:
-    # B = 1's first timed forwards stall for 1 s (another process took the core): without timing it again
-    # the fit would pool it with every larger B, at >= 0.25 s each, and flatten the small-B end
+    # B = 1's timed forwards stall for 1 s (another process took the core): without timing it again the
+    # fit would pool it with every larger B, at >= 0.25 s each, and flatten the small-B end
     from engine.speculative.profile import measure
 
     forward, calls = tiny_decoder.forward, []
 
     def stalled(chunks, *args, **kwargs):
         calls.append(sum(len(c.tokens) for c in chunks))
-        if len(calls) in (2, 3):  # after B = 1's warm-up: both of its timed repeats
+        if len(calls) - 1 in (len(GRID), 2 * len(GRID)):  # after every B's warm-up: B = 1 in both timed rounds
             time.sleep(1.0)
         return forward(chunks, *args, **kwargs)
 
     monkeypatch.setattr(tiny_decoder, "forward", stalled)
     profile = measure(tiny_decoder, GRID, context=32, repeats=2)
-    assert calls[:3] == [1, 1, 1] and calls.count(1) > 3  # timed again
+    rounds = list(GRID) * 3  # warm-up, then two rounds over the grid, each B once a round
+    assert calls[:len(rounds)] == [sum(layout(b, 6)) for b in rounds] and calls.count(1) > 3  # timed again
     assert profile.seconds[0] < 0.2 and profile.seconds[0] <= profile.seconds[1]
