@@ -11,10 +11,15 @@ sessions' first prompts, --prompt-tokens each), greedy, --tokens reply tokens ea
     nospec     DecodeConfig(speculative=False)
     fixed<k>   the n-gram drafter's drafts, min(k, proposed) verified every step, k = 1, 3, 5
     dspark     the DSpark schedule over the SPS(B) profile measured on this machine (cached)
+    hindsight  the same schedule told, for each draft, whether it will be accepted (confidence 1 while the
+               drafts match nospec's reply, 0 from the first that does not): the most any calibration of
+               these drafts could get from DSpark's rule on this machine's SPS(B), so `hindsight_vs_fixed5`
+               bounds what `dspark_vs_fixed5` can reach with this drafter
 
-Reported per run: decode tokens/s (the reply tokens after every request has its first one, over the time
-from then to the last), the mean accepted drafts per verification and tokens per request step; and
-`dspark_vs_fixed5_<kind>_b<B>`, `dspark_vs_nospec_<kind>_b<B>`. Every run's tokens are checked against
+Reported per mode: the median over --repeats interleaved runs (and their spread) of decode tokens/s (the
+reply tokens after every request has its first one, over the time from then to the last), the mean accepted
+drafts per verification and tokens per request step; and `dspark_vs_fixed5_<kind>_b<B>`,
+`dspark_vs_nospec_<kind>_b<B>` and `hindsight_vs_fixed5_<kind>_b<B>`. Every run's tokens are checked against
 nospec's (speculation is lossless: greedy tokens must be identical). The SPS profile is printed first,
 then the calibration DSpark runs with: per-position temperatures fitted on fixed-5 verifications of other
 prompts (other sessions' topics, 8 of each kind), with each position's ECE before and after and AUROC.
@@ -24,18 +29,53 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.decode import DecodeConfig, DecodeEngine, DecodeRequest, DecodeResult, SamplingParams  # noqa: E402
+from engine.decode.sequence import DecodeSequence  # noqa: E402
 from engine.model.decoder import Decoder  # noqa: E402
 from engine.speculative.calibration import Calibration, Record, fit, report  # noqa: E402
+from engine.speculative.drafter import DraftToken, NGramDrafter  # noqa: E402
 from engine.speculative.profile import SpsProfile, format_profile, load_or_measure  # noqa: E402
 
-MODES = ("nospec", "fixed1", "fixed3", "fixed5", "dspark")
+MODES = ("nospec", "fixed1", "fixed3", "fixed5", "dspark", "hindsight")
+
+
+class HindsightDrafter(NGramDrafter):
+    """The n-gram drafter's drafts, each with the confidence hindsight gives it: 1 while the drafts are the
+    tokens greedy decoding produces next (`full`: prompt + nospec's reply), 0 from the first that is not."""
+
+    def __init__(self, full: list[int], gamma: int) -> None:
+        super().__init__(gamma)
+        self.full = full
+
+    def propose(self, limit: int | None = None) -> list[DraftToken]:
+        at, right, out = self.index.length, True, []
+        for k, draft in enumerate(super().propose(limit)):
+            right = right and at + k < len(self.full) and self.full[at + k] == draft.token
+            out.append(replace(draft, confidence=1.0 if right else 0.0))
+        return out
+
+
+class HindsightEngine(DecodeEngine):
+    """A decode engine whose drafters know the reply (`replies`: prompt -> nospec's reply tokens)."""
+
+    def __init__(self, model: Decoder, config: DecodeConfig, replies: dict[tuple[int, ...], list[int]]) -> None:
+        super().__init__(model, None, config)
+        self.replies = replies
+
+    def _sequence(self, request: DecodeRequest) -> DecodeSequence:
+        sequence = super()._sequence(request)
+        prompt = list(request.prompt)
+        sequence.drafter = HindsightDrafter(prompt + self.replies[tuple(prompt)], self.config.gamma)
+        sequence.drafter.extend(sequence.tokens)
+        return sequence
 
 
 def prompts(tokenizer, kind: str, count: int, length: int, first: int = 0) -> list[list[int]]:
@@ -60,12 +100,20 @@ def config(mode: str, profile: SpsProfile, calibration: Calibration | None = Non
         return DecodeConfig(speculative=False, **common)
     if mode == "dspark":
         return DecodeConfig(speculative=True, sps=profile, calibration=calibration, **common)
+    if mode == "hindsight":  # confidences of 0 and 1 are survivals as they are: no calibration
+        return DecodeConfig(speculative=True, sps=profile, calibration=Calibration(()), **common)
     return DecodeConfig(speculative=True, fixed_drafts=int(mode.removeprefix("fixed")), **common)
 
 
 def run(model: Decoder, batch: list[list[int]], tokens: int, mode: str, profile: SpsProfile,
-        calibration: Calibration | None = None) -> dict:
-    engine = DecodeEngine(model, None, config(mode, profile, calibration))
+        calibration: Calibration | None = None, replies: list[list[int]] | None = None) -> dict:
+    """One decode of `batch`; `replies` (nospec's, in batch order) for the hindsight mode."""
+    if mode == "hindsight":
+        if replies is None:
+            raise ValueError("the hindsight mode needs nospec's replies: run nospec first")
+        engine = HindsightEngine(model, config(mode, profile), {tuple(p): r for p, r in zip(batch, replies)})
+    else:
+        engine = DecodeEngine(model, None, config(mode, profile, calibration))
     for prompt in batch:
         engine.submit(DecodeRequest(prompt, SamplingParams(max_tokens=tokens)))
     began = time.perf_counter()
@@ -111,8 +159,11 @@ def main() -> None:
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--prompt-tokens", type=int, default=400)
     parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each mode, interleaved; medians reported")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
     from engine.checkpoints.real_model import load_real_model
 
     folder, tokenizer = load_real_model()
@@ -128,25 +179,32 @@ def main() -> None:
     for kind in kinds:
         for b in (int(x) for x in args.batches.split(",")):
             batch = prompts(tokenizer, kind, b, args.prompt_tokens)
-            runs = {}
-            for mode in modes:
-                runs[mode] = run(model, batch, args.tokens, mode, profile, calibration)
-                r = runs[mode]
-                same = "" if mode == modes[0] else \
-                    f" same_tokens={r['tokens'] == runs[modes[0]]['tokens']}"
-                print(f"{kind} b{b} {mode:>7}: {r['tokens_per_s']:7.2f} tok/s, mean accepted "
-                      f"{r['mean_accepted']:.2f} over {r['verifications']} verifications, "
-                      f"{r['accepted']}/{r['drafted']} drafts{same}", flush=True)
-            for mode in modes[1:]:
-                if runs[mode]["tokens"] != runs[modes[0]]["tokens"]:
-                    print(f"LOSSLESS CHECK FAILED: {kind} b{b} {mode} differs from {modes[0]}", flush=True)
-            for name, run_ in runs.items():
-                out["runs"][f"{kind}_b{b}_{name}"] = {k: v for k, v in run_.items() if k not in ("tokens", "records")}
-            for base in ("fixed5", "nospec"):
-                if "dspark" in runs and base in runs:
-                    ratio = runs["dspark"]["tokens_per_s"] / runs[base]["tokens_per_s"]
-                    out[f"dspark_vs_{base}_{kind}_b{b}"] = ratio
-                    print(f"dspark_vs_{base}_{kind}_b{b} = {ratio:.3f}", flush=True)
+            repeats: dict[str, list[dict]] = {mode: [] for mode in modes}
+            for repeat in range(args.repeats):  # interleaved, so a slow spell of the machine hits every mode
+                for mode in modes:
+                    replies = repeats["nospec"][0]["tokens"] if repeats.get("nospec") else None
+                    r = run(model, batch, args.tokens, mode, profile, calibration, replies)
+                    repeats[mode].append(r)
+                    same = repeats[modes[0]][0]["tokens"] == r["tokens"]
+                    print(f"{kind} b{b} #{repeat + 1} {mode:>9}: {r['tokens_per_s']:7.2f} tok/s, mean accepted "
+                          f"{r['mean_accepted']:.2f} over {r['verifications']} verifications, "
+                          f"{r['accepted']}/{r['drafted']} drafts, same tokens as {modes[0]}: {same}", flush=True)
+                    if not same:
+                        print(f"LOSSLESS CHECK FAILED: {kind} b{b} {mode} differs from {modes[0]}", flush=True)
+            median = {}
+            for mode, runs in repeats.items():
+                speeds = sorted(r["tokens_per_s"] for r in runs)
+                median[mode] = statistics.median(speeds)
+                last = {k: v for k, v in runs[-1].items() if k not in ("tokens", "records", "tokens_per_s")}
+                out["runs"][f"{kind}_b{b}_{mode}"] = {**last, "tokens_per_s": median[mode],
+                                                      "tokens_per_s_min": speeds[0], "tokens_per_s_max": speeds[-1]}
+                print(f"{kind} b{b} {mode:>9}: median {median[mode]:7.2f} tok/s (spread {speeds[0]:.2f}-"
+                      f"{speeds[-1]:.2f} over {len(speeds)})", flush=True)
+            for ours, base in (("dspark", "fixed5"), ("dspark", "nospec"), ("hindsight", "fixed5")):
+                if ours in median and base in median:
+                    ratio = median[ours] / median[base]
+                    out[f"{ours}_vs_{base}_{kind}_b{b}"] = ratio
+                    print(f"{ours}_vs_{base}_{kind}_b{b} = {ratio:.3f}", flush=True)
     if args.json:
         args.json.write_text(json.dumps(out, indent=2))
 

@@ -8,8 +8,9 @@ of request r are all accepted), verifying ℓ_r drafts of each costs one forward
 and is expected to yield τ = Σ_r (1 + Σ_{j ≤ ℓ_r} a_{r,j}) tokens (the target's own token always comes).
 Throughput is Θ = τ · SPS(B), SPS being target forward steps per second at B tokens. Greedily: sort all
 (r, j) by a_{r,j}, highest first; from ℓ = 0, admit candidates in that order while Θ rises and stop at the
-first that does not. The choice reads only survivals, never a token not yet sampled, which keeps it
-lossless. Since a_{r,j} ≤ a_{r,j-1} (a product of factors ≤ 1), admitted drafts of a request form a
+first that does not (DSpark's early stop), or, by default here, take the prefix of that order with the
+highest Θ (the same choice on a smooth SPS curve, a better one where SPS has steps: see `schedule`).
+The choice reads only survivals, never a token not yet sampled, which keeps it lossless. Since a_{r,j} ≤ a_{r,j-1} (a product of factors ≤ 1), admitted drafts of a request form a
 prefix; ties are ordered by j, and survivals are clamped non-increasing, so that holds exactly.
 """
 
@@ -40,27 +41,37 @@ def prefix_survivals(survivals: Sequence[float]) -> list[float]:
     return out
 
 
-def schedule(survivals: Sequence[Sequence[float]], sps: Sps, max_tokens: int | None = None) -> Schedule:
-    """ℓ_r for each request by the DSpark greedy rule; `max_tokens` optionally caps B (e.g. KV room)."""
+def schedule(survivals: Sequence[Sequence[float]], sps: Sps, max_tokens: int | None = None,
+             lookahead: bool = True) -> Schedule:
+    """ℓ_r for each request by the DSpark greedy order; `max_tokens` optionally caps B (e.g. KV room).
+
+    The candidates are taken in DSpark's order, highest survival first. With `lookahead` the choice is the
+    prefix of that order with the highest Θ; without, the first candidate that does not raise Θ ends it
+    (the paper's early stop). The two agree wherever Θ along the order rises then falls, as it does on a
+    smooth SPS curve; where SPS(B) has a step (on one CPU here a forward of 2 tokens took 1.7x one of 1,
+    and 2 to 8 cost the same), the early stop refuses the first draft, which does not pay for the step
+    alone, although five drafts would. Either way the choice reads only survivals and SPS."""
     a = [prefix_survivals(row) for row in survivals]
-    lengths = [0] * len(a)
-    tokens = len(a)
-    expected = float(len(a))
     if not a:
         return Schedule([], 0, 0.0, 0.0)
-    throughput = expected * sps(tokens)
     # highest survival first; equal survivals by position j, then request, so a request's j comes before j+1
     candidates = sorted(((a[r][j], j, r) for r in range(len(a)) for j in range(len(a[r]))),
                         key=lambda c: (-c[0], c[1], c[2]))
-    for value, j, r in candidates:
+    tokens, expected = len(a), float(len(a))
+    best = Schedule([0] * len(a), tokens, expected, expected * sps(tokens))
+    taken = 0  # candidates in the best prefix so far
+    for count, (value, j, r) in enumerate(candidates, 1):
         if max_tokens is not None and tokens + 1 > max_tokens:
             break
-        assert j == lengths[r], "survivals sorted by value then position admit each request's drafts in order"
-        rises = (expected + value) * sps(tokens + 1)
-        if not rises > throughput:  # the first candidate that does not raise Θ ends the step's choice
-            break
-        lengths[r] += 1
         tokens += 1
         expected += value
-        throughput = rises
-    return Schedule(lengths, tokens, expected, throughput)
+        throughput = expected * sps(tokens)
+        if throughput > best.throughput:
+            best, taken = Schedule([], tokens, expected, throughput), count
+        elif not lookahead:  # the first candidate that does not raise Θ ends the step's choice
+            break
+    lengths = [0] * len(a)
+    for _, j, r in candidates[:taken]:
+        assert j == lengths[r], "survivals sorted by value then position admit each request's drafts in order"
+        lengths[r] += 1
+    return Schedule(lengths, best.tokens, best.expected, best.throughput)

@@ -97,3 +97,23 @@ def test_max_tokens_caps_the_step() -> None:
     rows = [[0.9] * 5 for _ in range(4)]
     chosen = schedule(rows, flat, max_tokens=10)
     assert chosen.tokens == 10 and sum(chosen.lengths) == 6
+
+
+def test_a_step_in_sps_is_crossed_when_the_drafts_beyond_it_pay_for_it() -> None:
+    # as measured on one CPU: 2 tokens cost 1.7x one, and 2 to 8 the same
+    profile = SpsProfile((1, 2, 8), (0.091, 0.158, 0.158)).sps
+    rows = [[0.69, 0.55, 0.45, 0.38, 0.3]]
+    # the first draft alone: Θ = 1.69 / 0.158 = 10.7 < 1 / 0.091 = 11.0, so the early stop verifies nothing
+    assert schedule(rows, profile, lookahead=False).lengths == [0]
+    # all five: Θ = 3.37 / 0.158 = 21.3, the highest of any prefix
+    chosen = schedule(rows, profile)
+    assert chosen.lengths == [5] and chosen.throughput == pytest.approx(3.37 / 0.158)
+
+
+def test_lookahead_agrees_with_the_early_stop_on_smooth_curves_and_never_does_worse() -> None:
+    bumpy = SpsProfile((1, 2, 4, 8, 32), (0.05, 0.09, 0.09, 0.1, 0.2)).sps
+    for seed in range(50):
+        rows = survivals(seed, requests=12)
+        for sps in (flat, steep):
+            assert schedule(rows, sps).lengths == schedule(rows, sps, lookahead=False).lengths
+        assert schedule(rows, bumpy).throughput >= schedule(rows, bumpy, lookahead=False).throughput
