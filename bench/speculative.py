@@ -10,7 +10,8 @@ sessions' first prompts, --prompt-tokens each), greedy, --tokens reply tokens ea
 
     nospec     DecodeConfig(speculative=False)
     fixed<k>   the n-gram drafter's drafts, min(k, proposed) verified every step, k = 1, 3, 5
-    dspark     the DSpark schedule over the SPS(B) profile measured on this machine (cached)
+    dspark     the DSpark schedule over SPS(B): the profile measured on this machine (cached), corrected by
+               the forwards the runs time (`ObservedSps`, shared by every run as by a server's steps)
     hindsight  the same schedule told, for each draft, whether it will be accepted (confidence 1 while the
                drafts match nospec's reply, 0 from the first that does not): the most any calibration of
                these drafts could get from DSpark's rule on this machine's SPS(B), so `hindsight_vs_fixed5`
@@ -42,7 +43,7 @@ from engine.decode.sequence import DecodeSequence  # noqa: E402
 from engine.model.decoder import Decoder  # noqa: E402
 from engine.speculative.calibration import Calibration, Record, fit, report  # noqa: E402
 from engine.speculative.drafter import DraftToken, NGramDrafter  # noqa: E402
-from engine.speculative.profile import SpsProfile, format_profile, load_or_measure  # noqa: E402
+from engine.speculative.profile import ObservedSps, format_profile, load_or_measure  # noqa: E402
 
 MODES = ("nospec", "fixed1", "fixed3", "fixed5", "dspark", "hindsight")
 
@@ -94,26 +95,28 @@ def prompts(tokenizer, kind: str, count: int, length: int, first: int = 0) -> li
     return out
 
 
-def config(mode: str, profile: SpsProfile, calibration: Calibration | None = None) -> DecodeConfig:
-    common = dict(kv_pages=512, block_tokens=64, max_running=64)
+def config(mode: str, sps: ObservedSps, calibration: Calibration | None = None) -> DecodeConfig:
+    """Every mode's engine times its forwards into the one `sps` (as a server's engine would over its life:
+    the DSpark schedule then knows what a B costs in these steps, not only in the start-up profile)."""
+    common = dict(kv_pages=512, block_tokens=64, max_running=64, sps=sps)
     if mode == "nospec":
         return DecodeConfig(speculative=False, **common)
     if mode == "dspark":
-        return DecodeConfig(speculative=True, sps=profile, calibration=calibration, **common)
+        return DecodeConfig(speculative=True, calibration=calibration, **common)
     if mode == "hindsight":  # confidences of 0 and 1 are survivals as they are: no calibration
-        return DecodeConfig(speculative=True, sps=profile, calibration=Calibration(()), **common)
+        return DecodeConfig(speculative=True, calibration=Calibration(()), **common)
     return DecodeConfig(speculative=True, fixed_drafts=int(mode.removeprefix("fixed")), **common)
 
 
-def run(model: Decoder, batch: list[list[int]], tokens: int, mode: str, profile: SpsProfile,
+def run(model: Decoder, batch: list[list[int]], tokens: int, mode: str, sps: ObservedSps,
         calibration: Calibration | None = None, replies: list[list[int]] | None = None) -> dict:
     """One decode of `batch`; `replies` (nospec's, in batch order) for the hindsight mode."""
     if mode == "hindsight":
         if replies is None:
             raise ValueError("the hindsight mode needs nospec's replies: run nospec first")
-        engine = HindsightEngine(model, config(mode, profile), {tuple(p): r for p, r in zip(batch, replies)})
+        engine = HindsightEngine(model, config(mode, sps), {tuple(p): r for p, r in zip(batch, replies)})
     else:
-        engine = DecodeEngine(model, None, config(mode, profile, calibration))
+        engine = DecodeEngine(model, None, config(mode, sps, calibration))
     for prompt in batch:
         engine.submit(DecodeRequest(prompt, SamplingParams(max_tokens=tokens)))
     began = time.perf_counter()
@@ -133,12 +136,12 @@ def run(model: Decoder, batch: list[list[int]], tokens: int, mode: str, profile:
 
 
 def calibrate(model: Decoder, tokenizer, kinds: list[str], length: int, tokens: int,
-              profile: SpsProfile) -> tuple[Calibration, dict]:
+              sps: ObservedSps) -> tuple[Calibration, dict]:
     """Per-position temperatures fitted on fixed-5 verifications of prompts the measured runs do not use
     (8 of each kind, other sessions' topics), and the per-position ECE and AUROC before and after."""
     records: list[Record] = []
     for kind in kinds:
-        records += run(model, prompts(tokenizer, kind, 8, length + 13, first=5), tokens, "fixed5", profile)["records"]
+        records += run(model, prompts(tokenizer, kind, 8, length + 13, first=5), tokens, "fixed5", sps)["records"]
     calibration = fit(records, 5)
     rows = {"temperatures": list(calibration.temperatures), "records": len(records), "positions": []}
     print(f"calibration on {len(records)} verifications: temperatures "
@@ -171,11 +174,12 @@ def main() -> None:
     profile, measured = load_or_measure(model)
     print(f"SPS(B) profile ({'measured' if measured else 'cached'}):\n{format_profile(profile)}", flush=True)
     out: dict = {"profile": profile.to_dict(), "runs": {}}
+    sps = ObservedSps(profile)
     modes = args.modes.split(",")
     kinds = args.kinds.split(",")
     calibration = None
     if "dspark" in modes:
-        calibration, out["calibration"] = calibrate(model, tokenizer, kinds, args.prompt_tokens, args.tokens, profile)
+        calibration, out["calibration"] = calibrate(model, tokenizer, kinds, args.prompt_tokens, args.tokens, sps)
     for kind in kinds:
         for b in (int(x) for x in args.batches.split(",")):
             batch = prompts(tokenizer, kind, b, args.prompt_tokens)
@@ -183,7 +187,7 @@ def main() -> None:
             for repeat in range(args.repeats):  # interleaved, so a slow spell of the machine hits every mode
                 for mode in modes:
                     replies = repeats["nospec"][0]["tokens"] if repeats.get("nospec") else None
-                    r = run(model, batch, args.tokens, mode, profile, calibration, replies)
+                    r = run(model, batch, args.tokens, mode, sps, calibration, replies)
                     repeats[mode].append(r)
                     same = repeats[modes[0]][0]["tokens"] == r["tokens"]
                     print(f"{kind} b{b} #{repeat + 1} {mode:>9}: {r['tokens_per_s']:7.2f} tok/s, mean accepted "
@@ -205,6 +209,10 @@ def main() -> None:
                     ratio = median[ours] / median[base]
                     out[f"{ours}_vs_{base}_{kind}_b{b}"] = ratio
                     print(f"{ours}_vs_{base}_{kind}_b{b} = {ratio:.3f}", flush=True)
+    print("forward ms by B: profiled, then as the runs' forwards showed it (observed / profiled, per stretch)")
+    for b in profile.tokens:
+        print(f"{b:>5} {1e3 * profile.step_seconds(b):>9.1f} {1e3 * sps.step_seconds(b):>9.1f}", flush=True)
+    out["observed_ratios"] = {str(k): v for k, v in sorted(sps.ratios.items())}
     if args.json:
         args.json.write_text(json.dumps(out, indent=2))
 

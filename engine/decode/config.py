@@ -28,7 +28,8 @@ class DecodeConfig:
     speculative: bool = True
     gamma: int = 5  # drafts per sequence and step at most (the γ)
     # SPS(B), target forward steps per second at B tokens; None: measured at start-up and cached
-    # (`engine.speculative.profile.load_or_measure`)
+    # (`engine.speculative.profile.load_or_measure`), then corrected by the engine's own timed forwards
+    # (`ObservedSps`; give one here to share what it learned between engines); any other callable as it is
     sps: Callable[[int], float] | None = None
     calibration: Calibration | None = None  # per-position temperatures of the confidences; None: raw ones
     fixed_drafts: int | None = None  # verify min(this, proposed) drafts every step instead of the schedule

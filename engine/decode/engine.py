@@ -64,7 +64,7 @@ from engine.prefill.engine import PrefillEngine
 from engine.prefill.request import HANDED_OVER, PrefillError, PrefillRequest, PrefillResult
 from engine.speculative.calibration import Calibration, Record
 from engine.speculative.drafter import DraftToken, NGramDrafter
-from engine.speculative.profile import load_or_measure
+from engine.speculative.profile import ObservedSps, load_or_measure
 from engine.speculative.schedule import schedule
 from engine.speculative.verify import Verdict, verify_drawn, verify_greedy
 from engine.text.token_ids import checked_token_ids
@@ -118,7 +118,7 @@ class DecodeEngine:
         # speculative decoding: SPS(B) for the schedule (not needed with a fixed draft count), the calibration
         self._sps = config.sps
         if config.speculative and config.sps is None and config.fixed_drafts is None:
-            self._sps = load_or_measure(model)[0]
+            self._sps = ObservedSps(load_or_measure(model)[0])
         self._calibration = config.calibration if config.calibration is not None else Calibration(())
         self.draft_records: deque[Record] = deque(maxlen=DRAFT_RECORDS)  # per verifying request step
 
@@ -375,6 +375,10 @@ class DecodeEngine:
         ahead = self._worker.submit(self._prepare_ahead, batch) if self._worker is not None else None
         logits = self._execute(batch)
         self._forward_ended = time.perf_counter()
+        if isinstance(self._sps, ObservedSps) and self.model.device.type == "cpu":
+            # what a forward of B tokens costs here, for the schedule (on CUDA the call returns before the
+            # kernels end: the profile, which synchronises, stands)
+            self._sps.observe(sum(len(chunk.tokens) for chunk in batch.chunks), self._forward_ended - started)
         if ahead is not None:
             ahead.result()
         return logits

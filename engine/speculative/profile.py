@@ -101,6 +101,50 @@ class SpsProfile:
         return cls(tuple(int(b) for b in data["tokens"]), tuple(float(s) for s in data["seconds"]))
 
 
+class ObservedSps:
+    """SPS(B) as this engine's own forwards show it: the start-up profile, corrected per stretch of B.
+
+    The profile times a bare verification-shaped forward after a short context; a serving step attends to
+    longer ones and to whatever else the machine runs, and on one CPU here its forwards took 1.2-1.3x the
+    profile, with a steeper rise in B (7 against 3 ms a token past B = 32). So every timed forward updates,
+    for the stretch of the profile's grid its B falls in, an exponential average of observed / profiled
+    seconds; a stretch not yet seen borrows the ratio of the nearest one seen. Choosing a dearer B than
+    the profile says shows its real cost at once; a B the profile makes look dear is not tried (the
+    scheduler errs towards fewer drafts)."""
+
+    def __init__(self, profile: SpsProfile, weight: float = 0.2) -> None:
+        if not 0 < weight <= 1:
+            raise ValueError(f"an average's weight must be in (0, 1], got {weight}")
+        self.profile, self.weight = profile, weight
+        self.ratios: dict[int, float] = {}  # stretch of the grid -> observed / profiled seconds
+
+    def _stretch(self, b: int) -> int:
+        """The index of the first profiled B at or past b (one past the last beyond it)."""
+        tokens = self.profile.tokens
+        return next((i for i, t in enumerate(tokens) if b <= t), len(tokens))
+
+    def observe(self, b: int, seconds: float) -> None:
+        """A forward of `b` tokens took `seconds`."""
+        if b < 1 or not seconds > 0 or not math.isfinite(seconds):
+            return
+        stretch, ratio = self._stretch(b), seconds / self.profile.step_seconds(b)
+        before = self.ratios.get(stretch)
+        self.ratios[stretch] = ratio if before is None else before + self.weight * (ratio - before)
+
+    def step_seconds(self, b: int) -> float:
+        stretch = self._stretch(b)
+        ratio = self.ratios.get(stretch)
+        if ratio is None:
+            nearest = min(self.ratios, key=lambda s: (abs(s - stretch), s), default=None)
+            ratio = 1.0 if nearest is None else self.ratios[nearest]
+        return self.profile.step_seconds(b) * ratio
+
+    def sps(self, b: int) -> float:
+        return 1.0 / self.step_seconds(b)
+
+    __call__ = sps
+
+
 def model_identity(model: Decoder) -> str:
     """A digest of the model's config and a fingerprint of its weights (names, shapes, dtypes, and a few
     values of each tensor): a different checkpoint of the same shapes gets its own profile."""

@@ -10,8 +10,9 @@ Throughput is Θ = τ · SPS(B), SPS being target forward steps per second at B 
 (r, j) by a_{r,j}, highest first; from ℓ = 0, admit candidates in that order while Θ rises and stop at the
 first that does not (DSpark's early stop), or, by default here, take the prefix of that order with the
 highest Θ (the same choice on a smooth SPS curve, a better one where SPS has steps: see `schedule`).
-The choice reads only survivals, never a token not yet sampled, which keeps it lossless. Since a_{r,j} ≤ a_{r,j-1} (a product of factors ≤ 1), admitted drafts of a request form a
-prefix; ties are ordered by j, and survivals are clamped non-increasing, so that holds exactly.
+The choice reads only survivals, never a token not yet sampled, which keeps it lossless. Since
+a_{r,j} ≤ a_{r,j-1} (a product of factors ≤ 1), admitted drafts of a request form a prefix; ties are
+ordered by j, and survivals are clamped non-increasing, so that holds exactly.
 """
 
 from __future__ import annotations

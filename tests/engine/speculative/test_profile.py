@@ -88,3 +88,36 @@ def test_a_b_timed_slower_than_a_larger_b_is_timed_again(tiny_decoder: Decoder, 
     rounds = list(GRID) * 3  # warm-up, then two rounds over the grid, each B once a round
     assert calls[:len(rounds)] == [sum(layout(b, 6)) for b in rounds] and calls.count(1) > 3  # timed again
     assert profile.seconds[0] < 0.2 and profile.seconds[0] <= profile.seconds[1]
+
+
+def test_observed_forwards_correct_the_profile_where_they_fall_and_lend_to_stretches_not_seen() -> None:
+    from engine.speculative.profile import ObservedSps
+
+    profile = SpsProfile((1, 8, 32, 64), (0.1, 0.15, 0.25, 0.3))
+    observed = ObservedSps(profile, weight=0.5)
+    assert observed.step_seconds(20) == profile.step_seconds(20)  # nothing seen: the profile
+    observed.observe(20, 1.5 * profile.step_seconds(20))  # a forward of 20 tokens, 1.5x the profile
+    assert observed.step_seconds(30) == pytest.approx(1.5 * profile.step_seconds(30))  # the same stretch (8, 32]
+    assert observed.step_seconds(50) == pytest.approx(1.5 * profile.step_seconds(50))  # borrowed: nearest seen
+    observed.observe(50, 2.0 * profile.step_seconds(50))
+    assert observed.step_seconds(50) == pytest.approx(2.0 * profile.step_seconds(50))  # its own now
+    assert observed.step_seconds(30) == pytest.approx(1.5 * profile.step_seconds(30))
+    observed.observe(20, 1.0 * profile.step_seconds(20))  # an average: half way back
+    assert observed.step_seconds(20) == pytest.approx(1.25 * profile.step_seconds(20))
+    assert observed.sps(20) == pytest.approx(1 / observed.step_seconds(20))
+    for bad in (0.0, float("nan"), float("inf"), -1.0):
+        observed.observe(20, bad)  # ignored
+    assert observed.step_seconds(20) == pytest.approx(1.25 * profile.step_seconds(20))
+    with pytest.raises(ValueError):
+        ObservedSps(profile, weight=0)
+
+
+def test_a_speculating_engine_times_its_forwards_into_its_sps(tiny_decoder: Decoder) -> None:
+    from engine.decode import DecodeConfig, DecodeEngine, DecodeRequest, SamplingParams
+    from engine.speculative.profile import ObservedSps
+
+    observed = ObservedSps(SpsProfile((1, 8, 64), (1e-3, 2e-3, 5e-3)))
+    engine = DecodeEngine(tiny_decoder, None, DecodeConfig(kv_pages=64, sps=observed))
+    engine.submit(DecodeRequest([1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(max_tokens=12)))
+    engine.run()
+    assert observed.ratios and all(ratio > 0 for ratio in observed.ratios.values())
