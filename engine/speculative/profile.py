@@ -144,6 +144,9 @@ class ObservedSps:
 
     __call__ = sps
 
+    def __repr__(self) -> str:
+        return f"ObservedSps({self.profile}, observed / profiled by stretch {self.ratios})"
+
 
 def model_identity(model: Decoder) -> str:
     """A digest of the model's config and a fingerprint of its weights (names, shapes, dtypes, and a few
