@@ -323,10 +323,13 @@ def test_prefill_and_decode_across_hosts_survive_a_down_link_and_a_lossy_one(net
 
     def served_again():
         """chat-2 once more (cheap: cached); its blocks from the daemon that came back, once the engines' clients
-        probe it after their backoff (until then their placement over the live daemons reads elsewhere)."""
+        probe it after their backoff (until then their placement over the live daemons reads elsewhere). Each
+        engine host's client keeps its own backoff: the decode host's may read from the daemon (the handoff)
+        while the prefill host's still looks elsewhere and finds a shorter run, so both must show it."""
         answer = checked("chat-2", run("chat-2"), "link back")
         now = stats()
-        return now[down_address]["hits"] > base[down_address]["hits"] and (answer, now)
+        whole = answer["prefill_path"] == "cached" and answer["loaded_tokens"] == resumable["chat-2"]
+        return now[down_address]["hits"] > base[down_address]["hits"] and whole and (answer, now)
 
     back, again = wait_for(served_again, "the daemon that came back to serve its blocks again",
                            timeout_s=BACKOFF_S + 90, interval_s=0.5)
