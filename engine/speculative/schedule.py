@@ -59,20 +59,20 @@ def schedule(survivals: Sequence[Sequence[float]], sps: Sps, max_tokens: int | N
     candidates = sorted(((a[r][j], j, r) for r in range(len(a)) for j in range(len(a[r]))),
                         key=lambda c: (-c[0], c[1], c[2]))
     tokens, expected = len(a), float(len(a))
-    best = Schedule([0] * len(a), tokens, expected, expected * sps(tokens))
-    taken = 0  # candidates in the best prefix so far
-    for count, (value, j, r) in enumerate(candidates, 1):
+    best = (expected * sps(tokens), 0, expected)  # Θ, candidates taken, τ of the best prefix so far
+    for count, (value, _, _) in enumerate(candidates, 1):
         if max_tokens is not None and tokens + 1 > max_tokens:
             break
         tokens += 1
         expected += value
         throughput = expected * sps(tokens)
-        if throughput > best.throughput:
-            best, taken = Schedule([], tokens, expected, throughput), count
+        if throughput > best[0]:
+            best = (throughput, count, expected)
         elif not lookahead:  # the first candidate that does not raise Θ ends the step's choice
             break
+    throughput, taken, expected = best
     lengths = [0] * len(a)
     for _, j, r in candidates[:taken]:
         assert j == lengths[r], "survivals sorted by value then position admit each request's drafts in order"
         lengths[r] += 1
-    return Schedule(lengths, best.tokens, best.expected, best.throughput)
+    return Schedule(lengths, len(a) + taken, expected, throughput)
