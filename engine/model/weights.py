@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import xxhash
 from safetensors.torch import load_file
 
 from engine.model.config import ModelConfig, refuse_gguf
+from kvstore.connectors.identity import checkpoint_identity
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -104,9 +104,4 @@ def model_identity(path: Path | str) -> str:
     Two models differing in one weight never share KV, whatever their directories are called."""
     path = Path(path)
     refuse_gguf(path)
-    digest = xxhash.xxh3_128()
-    for file in [path / "config.json", *sorted(path.glob("*.safetensors"))]:
-        with open(file, "rb") as f:
-            while chunk := f.read(16 * 2**20):
-                digest.update(chunk)
-    return f"{path.resolve().name}@{digest.hexdigest()[:16]}"
+    return checkpoint_identity(path)

@@ -19,7 +19,10 @@ import torch
 
 
 class PagedKV:
-    def __init__(self, layers: Sequence[torch.Tensor], block_table: Sequence[int], staging_layers: int = 2) -> None:
+    def __init__(self, layers: Sequence[torch.Tensor], block_table: Sequence[int] | Sequence[Sequence[int]],
+                 staging_layers: int = 2) -> None:
+        """`block_table`: the page of each loaded block, one table for every layer, or one per layer (an
+        engine whose layers keep their pages apart, e.g. vLLM's KV cache groups)."""
         if not layers:
             raise ValueError("PagedKV needs one tensor per layer")
         shapes = {(tuple(t.shape), t.dtype, t.device) for t in layers}
@@ -28,11 +31,16 @@ class PagedKV:
         for t in layers:
             if not t.is_contiguous():
                 raise ValueError("layer tensors must be contiguous: (num_pages, *page_shape)")
+        per_layer = bool(block_table) and isinstance(block_table[0], Sequence)
+        tables = [list(t) for t in block_table] if per_layer else [list(block_table)] * len(layers)  # type: ignore[arg-type]
+        if len(tables) != len(layers) or len({len(t) for t in tables}) != 1:
+            raise ValueError("PagedKV needs one block table, or one per layer, each as long")
         pages = layers[0].shape[0]
-        if any(not 0 <= p < pages for p in block_table):
+        if any(not 0 <= p < pages for table in tables for p in table):
             raise ValueError(f"block table names a page outside 0..{pages - 1}")
         self.layers = list(layers)
-        self.block_table = list(block_table)
+        self.tables = tables
+        self.block_table = tables[0]
         self.num_layers = len(layers)
         self.layer_bytes = layers[0][0].numel() * layers[0].element_size()  # one page: (*page_shape)
         self.device = layers[0].device
@@ -52,13 +60,13 @@ class PagedKV:
                                                                   for _ in range(self._ring)]
 
     def _page(self, layer: int, block: int) -> torch.Tensor:
-        return self.layers[layer][self.block_table[block]]
+        return self.layers[layer][self.tables[layer][block]]
 
     def layer_view(self, layer: int, block: int) -> memoryview:
         if self.device.type != "cuda":
             if self._bytes[layer] is None:  # (num_pages * layer_bytes,) bytes of the whole layer tensor
                 self._bytes[layer] = memoryview(self.layers[layer].view(-1).view(torch.uint8).numpy()).cast("B")
-            start = self.block_table[block] * self.layer_bytes
+            start = self.tables[layer][block] * self.layer_bytes
             return self._bytes[layer][start : start + self.layer_bytes]
         slot = layer % self._ring
         previous = self._copied[slot][block]

@@ -8,14 +8,17 @@ In LMCache's configuration (YAML or LMCACHE_* variables):
       remote_storage_plugin.kvstore.class_name: KVStoreConnectorAdapter
       remote_storage_plugin.kvstore.servers: "10.0.0.1:50051,10.0.0.2:50051"   # or $KVSTORE_SERVERS
       remote_storage_plugin.kvstore.tenant: "team-a"          # optional: the namespace salt
+      remote_storage_plugin.kvstore.model_id: "gemma@1f2e"   # unless the model is a local folder (below)
       remote_storage_plugin.kvstore.traffic_class: "chat"     # optional: the retention class
       remote_storage_plugin.kvstore.timeout_s: 5              # optional: the deadline of each call
       remote_storage_plugin.kvstore.token_file: /run/secrets/kvstore-token     # optional: secured daemons
       remote_storage_plugin.kvstore.tls_ca: /etc/kvstore/ca.pem                # optional: and tls_cert,
                                                                                # tls_key, tls_server_name
 
-Each security setting falls back to its KVSTORE_* variable (KVSTORE_TOKEN, KVSTORE_TLS_CA, ...;
-docs/operations.md); a token is read from a file, never written into a config.
+The model is named by a digest of its folder's config and weights (`identity.checkpoint_identity`) where
+LMCache's model name is a local folder, else by `model_id`, the operator's promise that every engine using
+it serves the same weights. Each security setting falls back to its KVSTORE_* variable (KVSTORE_TOKEN,
+KVSTORE_TLS_CA, ...; docs/operations.md); a token is read from a file, never written into a config.
 
 Each chunk (a MemoryObj, KV_2LTD `[2, layers, tokens, hidden]`; the last one of a prompt may hold fewer
 tokens) is one record of the chunk's bytes, under the block identity of its CacheEngineKey
@@ -40,7 +43,7 @@ from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from kvstore.block import Block
 from kvstore.client import KVClient
-from kvstore.connectors.identity import EngineIdentity
+from kvstore.connectors.identity import EngineIdentity, model_identity
 from kvstore.connectors.store import LazyClient, client_config
 
 PLUGIN = "kvstore"
@@ -69,7 +72,8 @@ class KVStoreConnector(RemoteConnector):
         self.traffic_class = str(settings.get("traffic_class", "chat"))
         shapes = ";".join(f"{list(shape)}:{str(dtype).removeprefix('torch.')}"
                           for shape, dtype in zip(self.meta_shapes, self.meta_dtypes, strict=True))
-        self.identity = EngineIdentity("lmcache", metadata.model_name, f"{self.meta_fmt.name}{shapes}",
+        model = model_identity(metadata.model_name, settings.get("model_id"), f"{prefix}model_id")
+        self.identity = EngineIdentity("lmcache", model, f"{self.meta_fmt.name}{shapes}",
                                        metadata.chunk_size, metadata.worker_id, metadata.world_size,
                                        str(settings.get("tenant", "")))
 

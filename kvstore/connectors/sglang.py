@@ -8,7 +8,10 @@
             "servers": "10.0.0.1:50051,10.0.0.2:50051", "tenant": "team-a", "traffic_class": "chat"}'
 
 `servers` falls back to $KVSTORE_SERVERS; `timeout_s` (the deadline of each call), `token_file` and
-`tls_ca`, `tls_cert`, `tls_key`, `tls_server_name` are optional, each over its KVSTORE_* variable.
+`tls_ca`, `tls_cert`, `tls_key`, `tls_server_name` are optional, each over its KVSTORE_* variable. The
+model is named by a digest of its folder's config and weights (`identity.checkpoint_identity`; SGLang's
+`model_name` must then be the model's local folder), or by `model_id`, the operator's promise that every
+server using it serves the same weights.
 
 A page is one record under the block identity of SGLang's key for it (a SHA-256 chain string, the same on
 every tensor-parallel rank; `kvstore.connectors.identity`), in a namespace naming the model, the host
@@ -54,7 +57,7 @@ from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from kvstore.block import Block
 from kvstore.client import KVClient
 from kvstore.client.loading import LayerViews
-from kvstore.connectors.identity import KEY_TOKENS, EngineIdentity
+from kvstore.connectors.identity import KEY_TOKENS, EngineIdentity, model_identity
 from kvstore.connectors.store import SETTINGS, LazyClient, client_config
 
 log = logging.getLogger(__name__)
@@ -66,7 +69,7 @@ ZERO_COPY_LAYOUTS = ("page_first", "page_first_direct", "layer_first", "page_hea
 class HostPages:
     """One of SGLang's host pools as the store sees it: its block identity and each page's pieces."""
 
-    def __init__(self, name: str, host_pool: Any, config: HiCacheStorageConfig, tenant: str) -> None:
+    def __init__(self, name: str, host_pool: Any, config: HiCacheStorageConfig, tenant: str, model: str) -> None:
         self.name, self.host = str(name), host_pool
         self.page_size = int(getattr(host_pool, "page_size", 1) or 1)
         self.zero_copy = isinstance(host_pool, MHATokenToKVPoolHost) and host_pool.layout in ZERO_COPY_LAYOUTS
@@ -80,7 +83,7 @@ class HostPages:
                   f"{shard}:{'pieces' if self.zero_copy else 'flat'}")
         # an MLA model's latent KV is the same on every TP rank: one copy serves all (a Mamba state is not)
         replicated = config.is_mla_model and self.name != PoolName.MAMBA
-        self.identity = EngineIdentity("sglang", config.model_name or "?", layout, self.page_size,
+        self.identity = EngineIdentity("sglang", model, layout, self.page_size,
                                        0 if replicated else config.tp_rank, 1 if replicated else config.tp_size,
                                        tenant)
         first = (self.pieces(self._first_page())[0] if self.zero_copy
@@ -126,6 +129,8 @@ class KVStoreHiCache(HiCacheStorage):
         self.store = LazyClient(self.client_config)
         self.storage_config = storage_config
         self.tenant = str(settings.get("tenant", ""))
+        self.model = model_identity(storage_config.model_name, settings.get("model_id"),
+                                    "--hicache-storage-backend-extra-config model_id")
         self.traffic_class = str(settings.get("traffic_class", "chat"))
         self.pools: dict[str, HostPages] = {}
         # a page that waits longer than this for the daemons is a miss (the client's own deadlines end
@@ -140,11 +145,12 @@ class KVStoreHiCache(HiCacheStorage):
 
     def register_mem_pool_host(self, mem_pool_host) -> None:
         super().register_mem_pool_host(mem_pool_host)
-        self.pools[PoolName.KV] = HostPages(PoolName.KV, mem_pool_host, self.storage_config, self.tenant)
+        self.pools[PoolName.KV] = HostPages(PoolName.KV, mem_pool_host, self.storage_config, self.tenant, self.model)
 
     def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
-        self.pools[str(host_pool_name)] = HostPages(host_pool_name, host_pool, self.storage_config, self.tenant)
+        self.pools[str(host_pool_name)] = HostPages(host_pool_name, host_pool, self.storage_config, self.tenant,
+                                                    self.model)
 
     @property
     def kv(self) -> HostPages:

@@ -13,7 +13,7 @@ from kvstore.client.config import security_from_environment
 
 # the settings a plug-in reads from its engine's config (a JSON flag, a YAML file), each optional
 SETTINGS = ("servers", "tenant", "traffic_class", "timeout_s", "token_file", "tls_ca", "tls_cert", "tls_key",
-            "tls_server_name")
+            "tls_server_name", "model_id")
 
 
 def client_config(settings: Mapping[str, object], where: str, **fields) -> ClientConfig:

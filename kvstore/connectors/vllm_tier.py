@@ -12,6 +12,7 @@ them and promoted back. This module is such a tier. In vLLM's `--kv-transfer-con
             "type": "KVStoreTier", "module_path": "kvstore.connectors.vllm_tier",
             "servers": "10.0.0.1:50051,10.0.0.2:50051",   # or $KVSTORE_SERVERS
             "tenant": "team-a",        # optional: the namespace salt
+            "model_id": "gemma@1f2e",  # unless vLLM's model is a local folder (below)
             "traffic_class": "chat",   # optional: the daemons' retention class
             "timeout_s": 5.0}]}}       # optional: the deadline of each call
 
@@ -22,7 +23,8 @@ in the JSON (which shows in `ps` and in vLLM's logs).
 The tier runs in vLLM's scheduler process and sees only vLLM's OffloadKeys (a block hash chained over the
 prefix, plus the KV cache group), never tokens. Each chunk, one row of the CPU tier's buffer (every
 worker's bytes of that chunk), is one record under the block identity of its key
-(`kvstore.connectors.identity`): the namespace names vLLM, the model, the KV dtype, the chunk's bytes,
+(`kvstore.connectors.identity`): the namespace names vLLM, the model (a digest of its folder's config and
+weights, or `model_id`, the operator's promise), the KV dtype, the chunk's bytes,
 tokens, groups and parallel layout, and the tenant. Such blocks are vLLM's own: they are not shared with
 this project's engines (the KV connector, `kvstore.connectors.vllm_connector`, is the path that is).
 
@@ -52,7 +54,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, ScheduleEndContext, Secon
 
 from kvstore.block import Block
 from kvstore.client import KVClient
-from kvstore.connectors.identity import EngineIdentity
+from kvstore.connectors.identity import EngineIdentity, model_identity
 from kvstore.connectors.store import LazyClient, client_config
 
 if TYPE_CHECKING:
@@ -62,7 +64,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def tier_identity(spec: OffloadingSpec, chunk_bytes: int, tenant: str = "") -> EngineIdentity:
+def tier_identity(spec: OffloadingSpec, chunk_bytes: int, tenant: str = "",
+                  model_id: str | None = None) -> EngineIdentity:
     """The identity of this vLLM's chunks: everything that decides a chunk's bytes for a given key."""
     config = spec.config
     p = config.parallel
@@ -73,7 +76,8 @@ def tier_identity(spec: OffloadingSpec, chunk_bytes: int, tenant: str = "") -> E
               f"pcp={p.pcp_size}:dcp={p.dcp_size}:canonical={config.canonical_layout}:"
               f"replicated={config.replicated_layout}")
     page_tokens = config.cache.tokens_per_hash * config.cache.blocks_per_chunk
-    return EngineIdentity("vllm-tier", config.model.name, layout, page_tokens, p.rank, p.world_size, tenant)
+    model = model_identity(config.model.name, model_id, "secondary_tiers[kvstore].model_id")
+    return EngineIdentity("vllm-tier", model, layout, page_tokens, p.rank, p.world_size, tenant)
 
 
 class _StoreLookup(AsyncLookupManager):
@@ -93,7 +97,7 @@ class KVStoreTier(SecondaryTierManager):
 
     def __init__(self, offloading_spec: OffloadingSpec, primary_kv_view: memoryview, tier_type: str,
                  servers: str | None = None, tenant: str = "", traffic_class: str = "chat",
-                 timeout_s: float = 5.0, locality: str | None = "REMOTE",
+                 timeout_s: float = 5.0, locality: str | None = "REMOTE", model_id: str | None = None,
                  backpressure_detector: BackpressureDetector | None = None, **security: str) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self.locality = Locality(locality) if locality is not None else None
@@ -101,7 +105,7 @@ class KVStoreTier(SecondaryTierManager):
                                            "secondary_tiers[kvstore].")
         self.store = LazyClient(self.client_config)
         self.traffic_class = traffic_class
-        self.identity = tier_identity(offloading_spec, self.block_size_bytes, tenant)
+        self.identity = tier_identity(offloading_spec, self.block_size_bytes, tenant, model_id)
         self._view = primary_kv_view.cast("B")  # (num_chunks * block_size_bytes,): the rows, flat
         # one worker: jobs run in the order vLLM submitted them (a load after the store of the same key)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-vllm-tier")

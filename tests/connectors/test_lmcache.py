@@ -40,7 +40,8 @@ def _backend(loop, servers: str, model: str = "m", worker: int = 0, tenant: str 
              "remote_storage_plugin.kvstore.class_name": "KVStoreConnectorAdapter",
              "remote_storage_plugin.kvstore.servers": servers,
              "remote_storage_plugin.kvstore.timeout_s": 2.0,
-             "remote_storage_plugin.kvstore.tenant": tenant}
+             "remote_storage_plugin.kvstore.tenant": tenant,
+             "remote_storage_plugin.kvstore.model_id": model}  # "m" is no model folder: the operator's promise
     config = LMCacheEngineConfig.from_defaults(chunk_size=CHUNK, local_cpu=True, max_local_cpu_size=0.05,
                                                remote_storage_plugins=["kvstore"], extra_config=extra)
     metadata = LMCacheMetadata(model_name=model, world_size=2, local_world_size=2, worker_id=worker,

@@ -61,7 +61,7 @@ def storage_config(servers: str = "", model: str = "org/model", tp_rank: int = 0
                    tenant: str = "", mla: bool = False, **extra) -> HiCacheStorageConfig:
     extra_config = {"backend_name": "kvstore", "module_path": "kvstore.connectors.sglang",
                     "class_name": "KVStoreHiCache", "interface_v1": 1, "servers": servers, "tenant": tenant,
-                    "timeout_s": 2.0, **extra}
+                    "timeout_s": 2.0, **({"model_id": model} if model else {}), **extra}
     return HiCacheStorageConfig(tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0,
                                 attn_cp_size=1, is_mla_model=mla, enable_storage_metrics=False,
                                 is_page_first_layout=True, model_name=model, extra_config=extra_config)
@@ -147,6 +147,20 @@ def test_the_generic_and_zero_copy_paths_read_each_other(layout, daemons):
     assert backend.batch_get_v1(keys[:1], outside) == [False]
     assert backend.batch_get_v1(keys[:1], into[1 : PAGE + 1]) == [False], "not page-aligned"
     backend.close()
+
+
+def test_a_model_is_named_by_its_checkpoint_or_an_explicit_model_id_never_by_a_bare_name(daemons, tmp_path):
+    (daemon,) = daemons(1)
+    pool = host_pool("page_first")
+    with pytest.raises(ValueError, match="model_id"):  # no model name, no model_id: no namespace shared as "?"
+        kvstore_backend(daemon.address, pool, model="")
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    (folder / "model.safetensors").write_bytes(bytes(64))
+    named = kvstore_backend(daemon.address, pool, model=str(folder), model_id="")
+    assert named.model.startswith("model@"), "a local folder is named by its checkpoint's digest"
+    named.close()
 
 
 def test_models_ranks_tenants_and_layouts_never_see_each_others_pages(daemons):

@@ -29,7 +29,7 @@ def tiering_spec(servers: str, chunk_bytes: int, chunks: int = 8, model: str = "
                  world: int = 1, tenant: str = "", timeout_s: float = 2.0) -> TieringOffloadingSpec:
     """vLLM's TieringOffloadingSpec with its CPU tier of `chunks` chunks and this project's tier below it,
     configured as a user's kv_connector_extra_config would."""
-    tier = {"type": "KVStoreTier", "module_path": TIER_MODULE, "servers": servers, "tenant": tenant,
+    tier = {"type": "KVStoreTier", "module_path": TIER_MODULE, "servers": servers, "tenant": tenant, "model_id": model,
             "timeout_s": timeout_s}
     extra = {"cpu_bytes_to_use": chunks * chunk_bytes, "secondary_tiers": [tier], "tier_poll_interval_s": 0}
     config = OffloadingConfig(
@@ -129,40 +129,49 @@ def layer_name(i: int) -> str:
 
 
 def connector_pair(servers: str, model_id: str, layers: int = 2, heads: int = 2, head_dim: int = 8,
-                   block_size: int = 16, dtype=None, tenant: str = "", timeout_s: float = 2.0):
+                   block_size: int = 16, dtype=None, tenant: str = "", timeout_s: float = 2.0,
+                   window_layers: tuple[int, ...] = (), sliding_window: int = 0):
     """vLLM's scheduler-side and worker-side connectors, built by vLLM's own factory from the
-    --kv-transfer-config a user gives; a model of `layers` full-attention layers."""
+    --kv-transfer-config a user gives; a model of `layers` attention layers, full attention but for
+    `window_layers`, which make a sliding-window group of their own (vLLM's hybrid KV-cache manager)."""
     import torch
     from vllm.config import CacheConfig, KVTransferConfig, VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 
     extra = {"servers": servers, "model_id": model_id, "tenant": tenant, "timeout_s": timeout_s}
     transfer = KVTransferConfig(kv_connector="KVStoreConnector", kv_connector_module_path=CONNECTOR_MODULE,
                                 kv_role="kv_both", kv_connector_extra_config=extra)
     config = VllmConfig(cache_config=CacheConfig(block_size=block_size), kv_transfer_config=transfer)
-    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=heads, head_size=head_dim,
-                             dtype=dtype or torch.float16)
-    kv_cache_config = KVCacheConfig(num_blocks=64, kv_cache_tensors=[],
-                                    kv_cache_groups=[KVCacheGroupSpec([layer_name(i) for i in range(layers)], spec)])
+    geometry = {"block_size": block_size, "num_kv_heads": heads, "head_size": head_dim, "dtype": dtype or torch.float16}
+    groups = [KVCacheGroupSpec([layer_name(i) for i in range(layers) if i not in window_layers],
+                               FullAttentionSpec(**geometry))]
+    if window_layers:
+        groups.append(KVCacheGroupSpec([layer_name(i) for i in window_layers],
+                                       SlidingWindowSpec(**geometry, sliding_window=sliding_window)))
+    kv_cache_config = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=groups)
     return (KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER, kv_cache_config),
             KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache_config))
 
 
 class Engine:
-    """One vLLM instance's connector pair and CPU KV cache: per layer [num_blocks, 2, block_size, H, D]."""
+    """One vLLM instance's connector pair and CPU KV cache: per layer [num_blocks, H, block_size, 2 * D], the
+    layout of vLLM's CPU attention. With `window_layers`, two KV cache groups, each with block ids of its own."""
 
     def __init__(self, servers: str, model_id: str, num_blocks: int = 64, layers: int = 2, heads: int = 2,
-                 head_dim: int = 8, block_size: int = 16, dtype=None, **extra) -> None:
+                 head_dim: int = 8, block_size: int = 16, dtype=None, window_layers: tuple[int, ...] = (),
+                 **extra) -> None:
         import torch
 
         self.dtype = dtype or torch.float16
         self.scheduler, self.worker = connector_pair(servers, model_id, layers, heads, head_dim, block_size,
-                                                     self.dtype, **extra)
+                                                     self.dtype, window_layers=window_layers, **extra)
         self.block_size = block_size
         self.names = [layer_name(i) for i in range(layers)]
-        self.kv = [torch.zeros((num_blocks, 2, block_size, heads, head_dim), dtype=self.dtype) for _ in self.names]
+        self.window_layers = tuple(window_layers)
+        self.kv = [torch.zeros((num_blocks, heads, block_size, 2 * head_dim), dtype=self.dtype) for _ in self.names]
+        self.worker.register_kv_caches(dict(zip(self.names, self.kv, strict=True)))
         self._next_block = 1  # block 0 is vLLM's null block
 
     def allocate(self, n: int) -> list[int]:
@@ -170,23 +179,28 @@ class Engine:
         self._next_block += n
         return ids
 
-    def schedule(self, request, block_ids: list[int], num_computed_tokens: int = 0):
+    def group_of(self, layer: int) -> int:
+        return 1 if layer in self.window_layers else 0
+
+    def schedule(self, request, block_ids: list[int] | list[list[int]], num_computed_tokens: int = 0):
         """The scheduler side of one request's first step, as vLLM's scheduler calls it: the match, the
-        allocation, then this step's metadata for `num_scheduled` = the rest of the prompt."""
+        allocation (`block_ids`, per group where there are several), then this step's metadata for the
+        rest of the prompt. (external tokens, whether the load is asynchronous, metadata)."""
         from vllm.v1.core.kv_cache_manager import KVCacheBlocks
         from vllm.v1.core.kv_cache_utils import KVCacheBlock
         from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
 
+        groups = block_ids if block_ids and isinstance(block_ids[0], list) else [block_ids]
         external, asynchronous = self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
-        assert asynchronous is False
-        blocks = KVCacheBlocks((tuple(KVCacheBlock(i) for i in block_ids),))
+        blocks = KVCacheBlocks(tuple(tuple(KVCacheBlock(i) for i in group) for group in groups))
         self.scheduler.update_state_after_alloc(request, blocks, external)
         request.num_computed_tokens = num_computed_tokens + external
         output = SchedulerOutput.make_empty()
-        output.scheduled_new_reqs = [NewRequestData.from_request(request, (list(block_ids),))]
+        output.scheduled_new_reqs = [NewRequestData.from_request(request, tuple(list(g) for g in groups))]
         scheduled = len(request.prompt_token_ids) - request.num_computed_tokens
         output.num_scheduled_tokens = {request.request_id: scheduled}
         output.total_num_scheduled_tokens = scheduled
+        self.asynchronous = asynchronous
         return external, self.scheduler.build_connector_meta(output)
 
     def forward(self, meta, compute=None) -> set[int]:
@@ -211,11 +225,26 @@ class Engine:
         self.worker.clear_connector_metadata()
         return failed
 
-    def pages(self, block_ids: list[int]) -> list[bytes]:
-        """Each block's KV as stored: layer-major, each layer's page [2, block_size, H, D]."""
+    def receive(self, timeout_s: float = 30.0):
+        """Steps without a forward pass until the asynchronous loads are over: (finished, failed) requests."""
+        from vllm.v1.core.sched.output import SchedulerOutput
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.worker.bind_connector_metadata(self.scheduler.build_connector_meta(SchedulerOutput.make_empty()))
+            results = self.worker.get_transfer_results(set())
+            self.worker.clear_connector_metadata()
+            if results.finished_recving:
+                return results.finished_recving, results.failed_recving
+            assert time.monotonic() < deadline, "an asynchronous load did not finish"
+            time.sleep(0.01)
+
+    def pages(self, block_ids: list[int], layers: list[int] | None = None) -> list[bytes]:
+        """Each block's KV as stored: layer-major, each layer's page as the CPU backend keeps it."""
         import torch
 
-        return [b"".join(t[i].contiguous().view(torch.uint8).numpy().tobytes() for t in self.kv) for i in block_ids]
+        chosen = [self.kv[i] for i in (range(len(self.kv)) if layers is None else layers)]
+        return [b"".join(t[i].contiguous().view(torch.uint8).numpy().tobytes() for t in chosen) for i in block_ids]
 
     def close(self) -> None:
         self.worker.shutdown()

@@ -25,32 +25,36 @@ def saved_blocks(n: int):
     return items, tensors
 
 
-def load_into_pages(daemon, device: str):
+def load_into_pages(daemon, device: str, per_layer: bool = False):
     items, expected = saved_blocks(4)
-    # (pages, 2, tokens, heads, dim) per layer, poisoned; the prefix goes to pages 5, 1, 7, 3
+    # (pages, 2, tokens, heads, dim) per layer, poisoned; the prefix goes to pages 5, 1, 7, 3, or to each
+    # layer's own pages (an engine whose layers keep their pages apart, as vLLM's KV cache groups do)
     layers = [torch.full((8, *PAGE), float("nan"), dtype=torch.bfloat16, device=device) for _ in range(3)]
-    table = [5, 1, 7, 3]
+    tables = [[5, 1, 7, 3], [0, 2, 4, 6], [6, 4, 2, 0]] if per_layer else [[5, 1, 7, 3]] * 3
     with KVClient([daemon.address]) as client:
         client.put(items, LAYOUT.num_layers)
-        destination = PagedKV(layers, table)
+        destination = PagedKV(layers, tables if per_layer else tables[0])
         assert destination.layer_bytes == NS.layer_bytes
         handle = client.load([b for b, _ in items], destination)
         for layer in range(3):
             handle.wait_layer(layer, timeout=10)
-            for i, page in enumerate(table):  # on the compute stream, after wait_layer
+            for i, page in enumerate(tables[layer]):  # on the compute stream, after wait_layer
                 assert torch.equal(layers[layer][page].cpu(), expected[i][layer]), (layer, i)
         assert handle.wait(timeout=10) == 4 * 8
-    untouched = [p for p in range(8) if p not in table]
-    assert all(torch.isnan(layers[0][p].float()).all() for p in untouched), "no write outside the table"
+    for layer in range(3):
+        untouched = [p for p in range(8) if p not in tables[layer]]
+        assert all(torch.isnan(layers[layer][p].float()).all() for p in untouched), "no write outside the table"
 
 
-def test_paged_cpu_tensors_are_written_in_place(daemons):
-    load_into_pages(daemons(1)[0], "cpu")
+@pytest.mark.parametrize("per_layer", [False, True], ids=["one-table", "a-table-per-layer"])
+def test_paged_cpu_tensors_are_written_in_place(daemons, per_layer):
+    load_into_pages(daemons(1)[0], "cpu", per_layer)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_paged_cuda_tensors_via_pinned_staging_and_a_copy_stream(daemons):
-    load_into_pages(daemons(1)[0], "cuda")
+@pytest.mark.parametrize("per_layer", [False, True], ids=["one-table", "a-table-per-layer"])
+def test_paged_cuda_tensors_via_pinned_staging_and_a_copy_stream(daemons, per_layer):
+    load_into_pages(daemons(1)[0], "cuda", per_layer)
 
 
 def test_bad_paged_layouts():
@@ -61,3 +65,9 @@ def test_bad_paged_layouts():
         PagedKV([layer, torch.zeros((3, *PAGE), dtype=torch.bfloat16)], [0])
     with pytest.raises(ValueError, match="contiguous"):
         PagedKV([layer.transpose(1, 2)], [0])
+    with pytest.raises(ValueError, match="one per layer"):
+        PagedKV([layer, layer], [[0, 1], [2]])
+    with pytest.raises(ValueError, match="one per layer"):
+        PagedKV([layer, layer], [[0, 1]])
+    with pytest.raises(ValueError, match="outside"):
+        PagedKV([layer, layer], [[0], [4]])

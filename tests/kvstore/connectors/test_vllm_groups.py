@@ -1,0 +1,92 @@
+"""What vLLM's KV connector stores of a hybrid model, and under which namespaces (no vLLM needed)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvstore.connectors.identity import checkpoint_identity
+from kvstore.connectors.vllm_groups import PAGE_CPU, PAGE_NHD, StoredGroups, namespaces
+
+pytestmark = pytest.mark.unit
+
+
+def _groups(window_tokens: int = 512, block_tokens: int = 128, page: str = PAGE_CPU) -> StoredGroups:
+    """Gemma 3 270M's layout under vLLM's hybrid manager: 3 full layers, 15 sliding-window ones."""
+    full = tuple(f"l{i}" for i in (5, 11, 17))
+    window = tuple(f"l{i}" for i in range(18) if i not in (5, 11, 17))
+    group_of = {**dict.fromkeys(full, 0), **{name: 1 + i // 3 for i, name in enumerate(window)}}
+    return StoredGroups(full, window if window_tokens else (), group_of, 1, 256, "bfloat16", block_tokens,
+                        window_tokens, page)
+
+
+def test_the_window_a_resume_reads_is_the_window_vllm_keeps():
+    groups = _groups()
+    # vLLM's SlidingWindowManager keeps cdiv(window - 1, block) blocks before a prefix-cache boundary
+    assert groups.window_blocks == 4
+    assert list(groups.window_range(16)) == [11, 12, 13, 14, 15], "a resume at 16 or at 15 blocks"
+    assert list(groups.window_range(3)) == [0, 1, 2]
+    assert _groups(window_tokens=129).window_blocks == 1 and _groups(window_tokens=130).window_blocks == 2
+    assert list(_groups(window_tokens=0).window_range(16)) == []
+
+
+def test_the_longest_resume_is_one_whose_window_is_stored():
+    groups = _groups()
+    stored = set(groups.window_range(16))  # a prompt of 16 full blocks was saved
+
+    def present(begin: int, end: int) -> bool:
+        return all(i in stored for i in range(begin, end))
+
+    assert groups.best_resume(16, 0, present) == 16
+    assert groups.best_resume(15, 0, present) == 15, "a repeated prompt stops one block short"
+    assert groups.best_resume(14, 0, present) == 0, "its window [10, 14) is not all stored: no exact resume"
+    # vLLM's own cache holds the first 12 blocks, and so their window: only [12, end) must be stored
+    assert groups.best_resume(14, 12, present) == 14
+    assert groups.best_resume(12, 12, present) == 12
+    assert _groups(window_tokens=0).best_resume(9, 2, present) == 9, "no window layers: the full hit"
+
+
+def test_a_callers_salt_is_keyed_apart_within_the_operators_tenant():
+    groups = _groups()
+    plain = namespaces(groups, "gemma@1", "team-a", None, 0, 1)
+    salted = namespaces(groups, "gemma@1", "team-a", "team-a", 0, 1)
+    other_tenant = namespaces(groups, "gemma@1", "team-b", None, 0, 1)
+    assert plain.full.tenant == salted.full.tenant, "the block's owner is the operator's tenant either way"
+    assert len({plain.full.digest, salted.full.digest, other_tenant.full.digest}) == 3
+    # a salt cannot name another deployment's tenant: salt "team-a" without a tenant is not tenant "team-a"
+    assert namespaces(groups, "gemma@1", "", "team-a", 0, 1).full.digest != plain.full.digest
+    assert plain.window is not None and plain.window.digest != plain.full.digest
+    assert plain.full.num_layers == 3 and plain.window.num_layers == 15
+
+
+def test_page_layout_rank_and_window_are_in_the_namespace():
+    cpu, nhd = _groups(page=PAGE_CPU), _groups(page=PAGE_NHD)
+    digests = {namespaces(cpu, "m", "", None, 0, 1).full.digest, namespaces(nhd, "m", "", None, 0, 1).full.digest,
+               namespaces(cpu, "m", "", None, 0, 2).full.digest, namespaces(cpu, "m", "", None, 1, 2).full.digest}
+    assert len(digests) == 4
+    assert namespaces(nhd, "m", "", None, 0, 1).full.model_id == "m", "the engine's page layout: its identity"
+    window = {namespaces(_groups(window_tokens=w), "m", "", None, 0, 1).window.digest for w in (512, 1024)}
+    assert len(window) == 2
+    assert cpu.page_shape() == (1, 128, 512) and nhd.page_shape() == (2, 128, 1, 256)
+
+
+def test_the_checkpoint_identity_follows_every_weight_byte(tmp_path):
+    folder = tmp_path / "a" / "model"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"model_type": "gemma3_text"}))
+    (folder / "model.safetensors").write_bytes(bytes(1000))
+    first = checkpoint_identity(folder)
+    assert first.startswith("model@") and checkpoint_identity(folder) == first
+    twin = tmp_path / "b" / "model"  # the same name, the same bytes: the same identity
+    twin.mkdir(parents=True)
+    (twin / "config.json").write_text((folder / "config.json").read_text())
+    (twin / "model.safetensors").write_bytes(bytes(1000))
+    assert checkpoint_identity(twin) == first
+    (twin / "model.safetensors").write_bytes(bytes(999) + b"\x01")
+    assert checkpoint_identity(twin) != first, "one weight byte"
+    (twin / "model.safetensors").write_bytes(bytes(1000))
+    (twin / "config.json").write_text(json.dumps({"model_type": "gemma3_text", "sliding_window": 1}))
+    assert checkpoint_identity(twin) != first, "the config"
+    with pytest.raises(ValueError, match="config.json"):
+        checkpoint_identity(tmp_path)
