@@ -2,8 +2,7 @@
 
     python deploy/connectors/gpu_check.py sglang [--model DIR]    # python -m sglang.launch_server
     python deploy/connectors/gpu_check.py vllm [--model DIR]      # vllm serve, the tier below its CPU tier
-    python deploy/connectors/gpu_check.py vllm-connector --model DIR   # vllm serve, the KV connector (a model
-                                                                       # of full-attention layers)
+    python deploy/connectors/gpu_check.py vllm-connector [--model DIR]   # vllm serve, the KV connector
 
 It needs a GPU and the engine's CUDA build installed beside this project (`pip install -e .`); it cannot run
 on the CPU-only CI machines, whose tests drive the same backends through the engines' own classes instead
@@ -53,9 +52,10 @@ def sglang_command(model: str, port: int, store: str) -> list[str]:
 
 
 def vllm_command(model: str, port: int, store: str, connector: bool = False) -> list[str]:
-    if connector:  # the KV connector: models of full-attention layers only (not Gemma 3's sliding window)
+    if connector:  # the KV connector, the hybrid KV-cache manager on (Gemma 3's sliding window included)
         transfer = {"kv_connector": "KVStoreConnector", "kv_connector_module_path": "kvstore.connectors.vllm_connector",
-                    "kv_role": "kv_both", "kv_connector_extra_config": {"servers": store}}
+                    "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                    "kv_connector_extra_config": {"servers": store}}
     else:  # the tier below vLLM's CPU offloading tier
         tier = {"type": "KVStoreTier", "module_path": "kvstore.connectors.vllm_tier", "servers": store}
         transfer = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",

@@ -91,6 +91,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
+MAX_NAMESPACES = 4096  # (cache_salt, rank) namespaces kept made; more are made again as they come
 
 
 @dataclass
@@ -165,6 +166,11 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self.groups = stored_groups(kv_cache_config, _page_format())
         self.block_tokens = self.groups.block_tokens
         self.asynchronous = len(kv_cache_config.kv_cache_groups) > 1  # see the module docstring
+        policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute")
+        if role == KVConnectorRole.SCHEDULER and policy != "recompute":
+            log.warning("KVStoreConnector: kv_load_failure_policy is %r: a load that fails (a daemon dying under "
+                        "it) fails its request; \"recompute\" recomputes it instead",
+                        policy)
         self._full_index = {name: i for i, name in enumerate(self.groups.full_layers)}
         self._window_index = {name: i for i, name in enumerate(self.groups.window_layers)}
         self._window_group_ids = sorted({self.groups.group_of[name] for name in self.groups.window_layers})
@@ -189,6 +195,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def namespaces(self, cache_salt: str | None, rank: int = 0) -> Namespaces:
         spaces = self._namespaces.get((cache_salt, rank))
         if spaces is None:
+            if len(self._namespaces) >= MAX_NAMESPACES:  # callers choose salts: a bound, not one entry each
+                self._namespaces.clear()
             spaces = namespaces(self.groups, self.model_id, self.tenant, cache_salt, rank, self.world)
             self._namespaces[(cache_salt, rank)] = spaces
         return spaces
