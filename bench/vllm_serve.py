@@ -50,8 +50,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.text.real_text import TOPICS, demo_sessions, docstring  # noqa: E402
+from kvstore.client import ClientConfig, KVClient  # noqa: E402
 from kvstore.server.process import DaemonProcess  # noqa: E402
-from tests.peers import VLLM_MODEL_NAME, VllmServer, free_port, stop, vllm_store_config  # noqa: E402
+from kvstore.stats import Stats  # noqa: E402
+from tests.peers import (  # noqa: E402
+    VLLM_MODEL_NAME,
+    VllmServer,
+    die_with_parent,
+    free_port,
+    healthy,
+    stop,
+    vllm_store_config,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 WAYS = ("vllm warm", "vllm restart", "store restart", "store, hybrid off", "two servers", "kvstore-api")
@@ -104,23 +114,15 @@ class ApiServer:
         return f"http://127.0.0.1:{self.port}/v1"
 
     def start(self) -> ApiServer:
-        import urllib.request
-
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen([str(ROOT / ".venv/bin/python"), "-m", "engine.api.server", "--port",
                                           str(self.port), "--servers", self.servers, "--block-tokens", "128",
-                                          "--no-speculative"], stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 900
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as answer:
-                    if answer.status == 200:
-                        return self
-            except OSError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"kvstore-api did not start:\n{self.log.read_text()[-4000:]}")
-            time.sleep(1)
+                                          "--no-speculative"], stdout=log, stderr=subprocess.STDOUT,
+                                         preexec_fn=die_with_parent)
+        if not healthy(self.proc, self.port, 900):
+            self.stop()
+            raise SystemExit(f"kvstore-api did not start:\n{self.log.read_text()[-4000:]}")
+        return self
 
     def stop(self) -> None:
         if self.proc is not None:
@@ -164,14 +166,17 @@ def run_way(way: str, conversations: Conversations, args, model: Path, folder: P
                 messages = [{"role": "user", "content": f"Request {i} of a workload that never repeats itself.\n\n"
                              f"{docstring(TOPICS[i % len(TOPICS)])}\n\n{docstring('builtins.sorted')}"}]
                 misses.append(stream(servers[0].url, messages, args.reply_tokens, model_name)[0])
-    finally:
         for server in servers:
             server.stop()  # vLLM's connector flushes its queued saves as it shuts down
+        with KVClient(ClientConfig((daemon.address,))) as client:  # bytes of the records the daemon indexes
+            stored = int(Stats.sum(s for s in client.server_stats().values() if s).value("kvstore_live_bytes"))
+    finally:
+        for server in servers:
+            server.stop()
         daemon.stop()
     pool = [int(line.split("KV cache size:")[1].split("tokens")[0].replace(",", ""))
             for server in servers if isinstance(server, VllmServer)
             for line in server.log.read_text().splitlines() if "KV cache size:" in line]
-    stored = sum(f.stat().st_size for f in daemon.data_dir.rglob("*") if f.is_file())
     return {"turns": records, "misses": misses, "pool_tokens": pool[-1] if pool else None, "stored_bytes": stored}
 
 
@@ -226,7 +231,7 @@ def report(summary: dict) -> None:
         print(f"  {way:14} {cells}")
     print()
     for name, figure in summary["figures"].items():
-        if isinstance(figure, dict):
+        if isinstance(figure, dict) and "ratio" in figure:
             n, d = figure["numerator"], figure["denominator"]
             print(f"  {name:24} {figure['ratio']:.2f}   ({n['median']:.2f} s [{n['min']:.2f}..{n['max']:.2f}] over "
                   f"{d['median']:.2f} s [{d['min']:.2f}..{d['max']:.2f}])")

@@ -133,6 +133,21 @@ def _answers(port: int) -> bool:
             return False
 
 
+def healthy(proc: subprocess.Popen, port: int, timeout_s: float) -> bool:
+    """Whether an HTTP server on loopback `port` answers 200 at /health before its process ends or
+    `timeout_s` (a hang guard) passes."""
+    deadline = time.monotonic() + timeout_s
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as answer:
+                if answer.status == 200:
+                    return True
+        except OSError:
+            pass
+        time.sleep(0.5)
+    return False
+
+
 VLLM_START_S = 600.0  # a hang guard: a first start compiles the model (about a minute here), later ones reuse it
 VLLM_MODEL_NAME = "gemma"
 
@@ -178,18 +193,10 @@ class VllmServer:
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env,
                                          preexec_fn=die_with_parent, start_new_session=True)
         self.session = self.proc.pid
-        deadline = time.monotonic() + VLLM_START_S
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as answer:
-                    if answer.status == 200:
-                        return self
-            except OSError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"vLLM did not start:\n{self.log.read_text()[-6000:]}")
-            time.sleep(0.5)
+        if not healthy(self.proc, self.port, VLLM_START_S):
+            self.stop()
+            raise RuntimeError(f"vLLM did not start:\n{self.log.read_text()[-6000:]}")
+        return self
 
     def stop(self) -> None:
         """SIGTERM (vLLM shuts its engine down), then SIGKILL to whatever of its group is left."""
