@@ -1,6 +1,6 @@
 """vLLM 0.33.0's KV connector, worker side: set is `save_kv_layer` of every layer and `wait_for_save` for a
-prompt of the round's blocks of 4 MiB (8 layers of [2, 128, 8, 128] float16), until the write-behind has
-stored them; get is `start_load_kv` and `wait_for_layer_load` of every layer into another vLLM worker's
+prompt of the round's blocks of 4 MiB (8 layers of [8, 128, 2 * 128] float16, vLLM's CPU attention page),
+until the write-behind has stored them; get is `start_load_kv` and `wait_for_layer_load` of every layer into another vLLM worker's
 pages, until `get_block_ids_with_load_errors` says nothing failed."""
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ class Path:
         self.saver, self.loader = (KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache_config)
                                    for _ in range(2))
         self.pages = pages
-        # per layer [num_blocks, 2, block_size, H, D]: the saver's hold random KV, the loader's get it
-        self.saved = [torch.randn((pages + 1, 2, BLOCK, HEADS, HEAD_DIM)).half() for _ in self.names]
+        # per layer [num_blocks, H, block_size, 2 * D]: the saver's hold random KV, the loader's get it
+        self.saved = [torch.randn((pages + 1, HEADS, BLOCK, 2 * HEAD_DIM)).half() for _ in self.names]
         self.loaded = [torch.zeros_like(t) for t in self.saved]
 
     def _forward(self, connector, kv, meta) -> None:
@@ -57,7 +57,7 @@ class Path:
         from kvstore.connectors.vllm_connector import KVStoreConnectorMetadata, Transfer
 
         tokens = [(first + i) % 2**31 for i in range(self.pages * BLOCK)]  # fresh keys each round
-        transfer = Transfer("bench", "", tokens, 0, list(range(1, self.pages + 1)))
+        transfer = Transfer("bench", None, tokens, 0, [list(range(1, self.pages + 1))], self.pages)
         started = time.perf_counter()
         self._forward(self.saver, self.saved, KVStoreConnectorMetadata(saves=[transfer]))
         assert self.saver.flush(600) and not self.saver.client.write_behind.counters["dropped"]
