@@ -1,7 +1,7 @@
 """vLLM 0.33.0's KV connector, worker side: set is `save_kv_layer` of every layer and `wait_for_save` for a
 prompt of the round's blocks of 4 MiB (8 layers of [8, 128, 2 * 128] float16, vLLM's CPU attention page),
-until the write-behind has stored them; get is `start_load_kv` and `wait_for_layer_load` of every layer into another vLLM worker's
-pages, until `get_block_ids_with_load_errors` says nothing failed."""
+until the write-behind has stored them; get is `start_load_kv` and `wait_for_layer_load` of every layer into
+another vLLM worker's pages, until `get_block_ids_with_load_errors` says nothing failed."""
 
 from __future__ import annotations
 
