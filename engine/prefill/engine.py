@@ -19,10 +19,12 @@ replayed conversation do. `PrefillResult.path` says which way each request went.
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -50,7 +52,7 @@ from engine.swa_replay import WindowTier, begin_replay, default_replay_tokens, w
 from engine.swa_replay import record as window_records
 from engine.text.token_ids import checked_token_ids
 from kvstore.block import Block, KVLayout, Namespace
-from kvstore.client import KVClient
+from kvstore.client import KVClient, PutSummary
 from kvstore.client.loading import LoadCancelled, LoadHandle
 from kvstore.client.torch_kv import PagedKV
 from kvstore.eviction import ReuseHint
@@ -105,6 +107,7 @@ class PrefillEngine:
         self._full_index = {layer: i for i, layer in enumerate(mc.full_layers)}
         self._namespaces: OrderedDict[str, Namespace] = OrderedDict()
         self._session_records: OrderedDict[str, Block] = OrderedDict()  # session -> its latest window record
+        self._records_lock = threading.Lock()  # the engine thread and the write-behind thread settle records
         self.window_misses: Counter[str] = Counter()  # window records looked up and not used, by cause
         self._queue: list[_Active] = []  # submitted, waiting for KV pages
         self._active: dict[int, _Active] = {}  # admitted, oldest first
@@ -167,16 +170,26 @@ class PrefillEngine:
         if self.client is not None and self.config.store_windows and not replayed_into_exact:
             record = window_records.window_record(chain, block)
             payload = window_records.encode(state, window_records.session_tag(session))
-            saved = self.client.save([(record, payload)], 1, window_records.WINDOW_CLASS)
+            settle = partial(self._settle_window_record, session, record, superseded)
+            if not self.client.save([(record, payload)], 1, window_records.WINDOW_CLASS, then=settle):
+                settle(None)  # dropped: the older records are superseded all the same
+        return kept
+
+    def _settle_window_record(self, session: str | None, record: Block, superseded: Block | None,
+                              summary: PutSummary | None) -> None:
+        """Once the save of `record`, `session`'s newest window record, is done (on the write-behind thread,
+        in save order): remember it as the session's own only if the daemon stored it, since a record it
+        answered EXISTS for was saved first by another session whose turn ended at the same boundary, and
+        is that session's to supersede, not this one's; then delete the session's older records."""
+        with self._records_lock:
             older = [self._session_records.pop(session, None) if session is not None else None, superseded]
-            if saved and session is not None:
+            if summary is not None and summary.stored and session is not None:
                 self._session_records[session] = record
                 if len(self._session_records) > MAX_SESSIONS_TRACKED:
                     self._session_records.popitem(last=False)
-            dead = {r.key: r for r in older if r is not None and r.key != record.key}
-            if dead:
-                self.client.delete(list(dead.values()))
-        return kept
+        dead = {r.key: r for r in older if r is not None and r.key != record.key}
+        if dead:
+            self.client.delete(list(dead.values()))
 
     # -- requests ---------------------------------------------------------------------------------
 

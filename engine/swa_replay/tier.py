@@ -5,6 +5,8 @@ depends on the last W tokens alone, so a resumed session needs, besides the stor
 as of the prefix's last full block: a `WindowState`, kept here, keyed by the key of that block. It
 lives only as long as sessions are active: bounded by bytes, least recently used out first, and a
 session's newer state replaces its older one (the next turn never resumes from the earlier boundary).
+Sessions whose turns end at the same boundary (a shared system prompt and a short first message) share
+that state: it goes once the last of them has moved on, never under another session's feet.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ class WindowTier:
         self.capacity_bytes = capacity_bytes
         self._states: OrderedDict[bytes, WindowState] = OrderedDict()  # prefix key -> state, oldest first
         self._session_key: dict[str, bytes] = {}  # session -> its latest state's key
-        self._owner: dict[bytes, str] = {}  # key -> the session that saved it (bounded with the states)
+        self._owners: dict[bytes, set[str]] = {}  # key -> the sessions whose latest state it is
         self._bytes = 0
         self._lock = threading.Lock()
         self.hits = self.misses = self.evictions = 0
@@ -50,12 +52,13 @@ class WindowTier:
             if session_id is not None:
                 older = self._session_key.get(session_id)
                 if older is not None and older != key:
-                    self._drop(older)
-            self._drop(key)
+                    self._leave(older, session_id)
+            replaced = self._states.pop(key, None)  # the same window again: its sessions keep it
+            self._bytes -= replaced.nbytes if replaced is not None else 0
             self._states[key] = state
             if session_id is not None:
+                self._owners.setdefault(key, set()).add(session_id)
                 self._session_key[session_id] = key
-                self._owner[key] = session_id
             self._bytes += state.nbytes
             while self._bytes > self.capacity_bytes:
                 oldest = next(iter(self._states))
@@ -63,13 +66,20 @@ class WindowTier:
                 self.evictions += 1
         return True
 
+    def _leave(self, key: bytes, session_id: str) -> None:
+        """`session_id` has moved on from `key`'s state: dropped unless another session's latest state too."""
+        owners = self._owners.get(key, set())
+        owners.discard(session_id)
+        if not owners:
+            self._drop(key)
+
     def _drop(self, key: bytes) -> None:
         state = self._states.pop(key, None)
         if state is not None:
             self._bytes -= state.nbytes
-        session = self._owner.pop(key, None)
-        if session is not None and self._session_key.get(session) == key:
-            del self._session_key[session]
+        for session in self._owners.pop(key, ()):
+            if self._session_key.get(session) == key:
+                del self._session_key[session]
 
     @property
     def nbytes(self) -> int:

@@ -15,7 +15,7 @@ from kvstore.client.config import ClientConfig
 from kvstore.client.cost import blocks_worth_loading
 from kvstore.client.loader import Loader
 from kvstore.client.loading import KVDestination, LoadHandle
-from kvstore.client.write_behind import WriteBehind
+from kvstore.client.write_behind import Then, WriteBehind
 from kvstore.eviction import ReuseHint
 from kvstore.stats import Stats
 
@@ -98,12 +98,13 @@ class KVClient:
         return worth * block_tokens
 
     def save(self, items: Sequence[tuple[Block, bytes]], num_layers: int, traffic_class: str = "chat",
-             hint: ReuseHint | None = None) -> bool:
+             hint: ReuseHint | None = None, then: Then | None = None) -> bool:
         """Queue newly computed blocks to be stored in the background; never blocks on the store.
 
-        False when the bounded queue has no room: the blocks are dropped and counted.
+        False when the bounded queue has no room: the blocks are dropped and counted. `then`, if given, is
+        called in the background with the put's PutSummary (None if it failed) once it is done.
         """
-        return self.write_behind.save(items, num_layers, traffic_class, hint)
+        return self.write_behind.save(items, num_layers, traffic_class, hint, then)
 
     @property
     def write_behind(self) -> WriteBehind:

@@ -4,6 +4,11 @@
 on the executor given (the client's one thread pool; without one, a thread of its own). The queue is
 bounded in bytes: a save that does not fit is dropped and counted (the blocks are simply not cached),
 never waited on. `flush` waits until everything queued is stored; `close` flushes and stops.
+
+A save may carry `then`, called on the drain thread with the put's summary (None where the put raised)
+once it is done: what must follow the save and depend on its outcome (deleting the record it supersedes,
+if the daemon stored this one rather than answering EXISTS) runs after it, in queue order, and never on
+the caller's thread.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from kvstore.eviction import ReuseHint
 
 # (items, num_layers, traffic_class, hint) -> a PutSummary (stored, existed, failed)
 Put = Callable[[Sequence[tuple[Block, bytes]], int, str, ReuseHint | None], object]
+Then = Callable[[object], None]  # called with the put's summary, or None where it raised
 
 
 class WriteBehind:
@@ -26,7 +32,7 @@ class WriteBehind:
             raise ValueError("the write-behind queue needs a positive byte bound")
         self.put = put
         self.max_bytes = max_bytes
-        self.counters: Counter = Counter()  # queued, stored, existed, failed, dropped (blocks)
+        self.counters: Counter = Counter()  # queued, stored, existed, failed, dropped (blocks); then_failed (saves)
         self._queue: deque = deque()
         self._queued_bytes = 0
         self._busy = False
@@ -37,14 +43,15 @@ class WriteBehind:
         self._draining: Future | None = None  # the drain task, while one runs
 
     def save(self, items: Sequence[tuple[Block, bytes]], num_layers: int, traffic_class: str = "chat",
-             hint: ReuseHint | None = None) -> bool:
-        """Queue blocks for saving; False (and counted as dropped) if the queue has no room."""
+             hint: ReuseHint | None = None, then: Then | None = None) -> bool:
+        """Queue blocks for saving; False (and counted as dropped, `then` never called) if the queue has no
+        room."""
         nbytes = sum(len(payload) for _, payload in items)
         with self._changed:
             if self._closed or self._queued_bytes + nbytes > self.max_bytes or not self._drain_soon():
                 self.counters["dropped"] += len(items)
                 return False
-            self._queue.append((list(items), num_layers, traffic_class, hint, nbytes))
+            self._queue.append((list(items), num_layers, traffic_class, hint, then, nbytes))
             self._queued_bytes += nbytes
             self.counters["queued"] += len(items)
             self._changed.notify_all()
@@ -88,15 +95,22 @@ class WriteBehind:
                 if not self._queue:
                     self._draining = None  # a later save starts another
                     return
-                items, num_layers, traffic_class, hint, nbytes = self._queue.popleft()
+                items, num_layers, traffic_class, hint, then, nbytes = self._queue.popleft()
                 self._busy = True
             try:
-                summary = self.put(items, num_layers, traffic_class, hint)
-                self.counters["stored"] += summary.stored
-                self.counters["existed"] += summary.existed
-                self.counters["failed"] += summary.failed
-            except Exception:  # noqa: BLE001 - a save must never take the engine down
-                self.counters["failed"] += len(items)
+                summary = None
+                try:
+                    summary = self.put(items, num_layers, traffic_class, hint)
+                    self.counters["stored"] += summary.stored
+                    self.counters["existed"] += summary.existed
+                    self.counters["failed"] += summary.failed
+                except Exception:  # noqa: BLE001 - a save must never take the engine down
+                    self.counters["failed"] += len(items)
+                if then is not None:
+                    try:
+                        then(summary)
+                    except Exception:  # noqa: BLE001 - nor what follows it
+                        self.counters["then_failed"] += 1
             finally:
                 with self._changed:
                     self._queued_bytes -= nbytes

@@ -168,6 +168,32 @@ def test_a_session_deletes_its_older_record_saved_by_another_engine_and_leaves_a
         assert client.lookup(records[:1]) == 0 and client.lookup([record(other)]) == 1
 
 
+def test_sessions_whose_turns_end_at_one_boundary_leave_each_others_record(tiny_models, daemons):
+    """A shared system prompt and a short first message: two sessions' first turns end at the same block
+    boundary, so they share one record key. The daemon keeps the first's record (the second's answers
+    EXISTS), and the second session moving on must not delete it under the first."""
+    tiny = tiny_models["gpt_oss"]
+    (daemon,) = daemons(1)
+    system = _tokens(2 * BLOCK, seed=16)
+    s_turns = [system + _tokens(8, seed=17), system + _tokens(8, seed=17) + _tokens(60, seed=18)]
+    t_turns = [system + _tokens(5, seed=19), system + _tokens(5, seed=19) + _tokens(70, seed=20)]
+    with _client(daemon) as client:
+        chain = _engine(tiny, None).namespace()
+        s_first = _engine(tiny, client).prefill(PrefillRequest(s_turns[0], session_id="s"))
+        client.write_behind.flush()
+        shared = window_records.window_record(chain, s_first.blocks[-1])
+        t_engine = _engine(tiny, client)
+        for turn in t_turns:  # both of t's turns on one engine, which remembers what it saved for t
+            t_engine.prefill(PrefillRequest(turn, session_id="t")).kv.release()
+            client.write_behind.flush()
+        assert client.lookup([shared]) == 1, "s's record survives t's second turn"
+        s_first.kv.release()
+        s_second = _engine(tiny, client).prefill(PrefillRequest(s_turns[1], session_id="s"))
+        assert (s_second.path, s_second.window_source) == (CACHED, "store") and s_second.loaded_tokens > 0
+        _check(tiny, s_second, s_turns[1])
+        s_second.kv.release()
+
+
 @pytest.mark.parametrize("damage", ["position", "shape", "format", "replayed"])
 def test_a_window_record_that_is_not_the_window_is_a_counted_miss_and_the_prompt_exact(tiny_models, daemons, damage):
     tiny = tiny_models["gpt_oss"]

@@ -33,6 +33,16 @@ def test_a_session_keeps_only_its_newest_state_and_copies_are_kept():
     assert tier.get(b"other").rings.max() == 16
 
 
+def test_sessions_sharing_a_boundary_share_its_state_until_the_last_moves_on():
+    tier = WindowTier(10 * 64)
+    tier.put(b"system", _state(16), session_id="s")
+    tier.put(b"system", _state(16), session_id="t")  # t's first turn ends where s's did
+    tier.put(b"t-turn2", _state(32), session_id="t")
+    assert b"system" in tier, "s's latest state stays while t moves on"
+    tier.put(b"s-turn2", _state(32), session_id="s")
+    assert b"system" not in tier and len(tier) == 2
+
+
 def test_too_large_a_state_is_refused():
     assert not WindowTier(10).put(b"a", _state(1))
     with pytest.raises(ValueError):

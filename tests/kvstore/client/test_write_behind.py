@@ -48,3 +48,16 @@ def test_a_full_queue_drops_and_counts_and_never_blocks(daemons):
         queue.close()
         assert queue.counters["stored"] == accepted.count(True)
         assert client.lookup([batches[0][0][0]]) == 1
+
+
+def test_then_follows_its_own_save_in_order_with_the_daemons_answer(daemons):
+    daemon, = daemons(1)
+    saved, answers = items(2, seed=7), []
+    with KVClient([daemon.address]) as client:
+        note = lambda name: lambda summary: answers.append((name, summary and (summary.stored, summary.existed)))
+        assert client.save(saved, NS.num_layers, then=note("first"))
+        assert client.save(saved[:1], NS.num_layers, then=note("again"))
+        assert client.save(saved[1:], NS.num_layers, then=lambda summary: 1 / 0)  # a failing follower
+        assert client.write_behind.flush(timeout=30)
+        assert answers == [("first", (2, 0)), ("again", (0, 1))]
+        assert client.write_behind.counters["then_failed"] == 1 and client.lookup([b for b, _ in saved]) == 2
