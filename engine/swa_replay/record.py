@@ -16,8 +16,9 @@ while the session is active.
 
 Payload, one layer (read whole), in the KV's dtype:
 
-    prelude (28 bytes, little-endian): magic b"KVW1", version u16 = 2, reserved u16, position p u32,
-                                       window_from u32, window positions w u32, session tag u64
+    prelude (40 bytes, little-endian): magic b"KVW1", version u16 = 3, dtype code u16, position p u32,
+                                       window_from u32, window positions w u32, session tag u64,
+                                       n_sliding u32, kv_heads u32, head_dim u32
     sliding layers: (n_sliding, 2, w, kv_heads, head_dim)   positions p-w .. p-1, in order
 
 where p is the block's end and w = min(W, p - window_from) (a window rebuilt by bounded replay holds
@@ -25,8 +26,10 @@ nothing before `window_from`; such a window is never saved for an exact chain, a
 The session tag (`session_tag`: a hash of the tenant and the session's name; 0 for none) tells an engine
 that resumes from a record whether it is its own session's older state, which it deletes once it keeps a
 newer one, or another session's state at a boundary they share (a system prompt's), which it leaves.
-Version 1 (no tag) is read as a miss of cause "format": records live an hour, so none outlives an upgrade
-by long.
+The dtype and the shape are written out, not inferred from the byte count: a window of another geometry
+with as many bytes (two heads of 64 for one of 128) is a miss of cause "shape", never read as this one.
+Versions 1 (no tag) and 2 (no shape) are read as misses of cause "format": records live an hour, so none
+outlives an upgrade by long.
 """
 
 from __future__ import annotations
@@ -42,8 +45,10 @@ from kvstore.block import Block, Namespace, chain_hash
 
 WINDOW_CLASS = "window"  # the traffic class of window records: a short TTL, useful while sessions are active
 WINDOW_SUFFIX = "#window"  # the model identity suffix of the namespace window records are keyed in
-_PRELUDE = struct.Struct("<4sHHIIIQ")  # magic, version, reserved, position, window_from, window positions, session
-_MAGIC, _VERSION = b"KVW1", 2
+# magic, version, dtype code, position, window_from, window positions, session, n_sliding, kv_heads, head_dim
+_PRELUDE = struct.Struct("<4sHHIIIQIII")
+_MAGIC, _VERSION = b"KVW1", 3
+_DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 
 
 class CorruptWindow(ValueError):
@@ -81,7 +86,9 @@ def encode(state: WindowState, session: int = 0) -> bytes:
     window = state.rings.shape[2]
     w = window_positions(state.position, state.window_from, window)
     ordered = state.rings[:, :, ring_slots(state.position, w, window, state.rings.device)]
-    return _PRELUDE.pack(_MAGIC, _VERSION, 0, state.position, state.window_from, w, session) + tensor_bytes(ordered)
+    sliding, _, _, kv_heads, head_dim = state.rings.shape
+    return _PRELUDE.pack(_MAGIC, _VERSION, _DTYPE_CODES[state.rings.dtype], state.position, state.window_from, w,
+                         session, sliding, kv_heads, head_dim) + tensor_bytes(ordered)
 
 
 def decode(payload: bytes | memoryview, position: int, like: torch.Tensor, exact: bool) -> tuple[WindowState, int]:
@@ -91,7 +98,7 @@ def decode(payload: bytes | memoryview, position: int, like: torch.Tensor, exact
     view = memoryview(payload).cast("B")
     if len(view) < _PRELUDE.size:
         raise CorruptWindow("format", f"{len(view)} bytes: shorter than the prelude")
-    magic, version, _, at, window_from, w, session = _PRELUDE.unpack_from(view)
+    magic, version, dtype, at, window_from, w, session, *geometry = _PRELUDE.unpack_from(view)
     if (magic, version) != (_MAGIC, _VERSION):
         raise CorruptWindow("format", f"magic {magic!r} version {version}: not a window record this engine reads")
     if exact and window_from:
@@ -101,6 +108,9 @@ def decode(payload: bytes | memoryview, position: int, like: torch.Tensor, exact
         raise CorruptWindow("position", f"record as of position {at} (window from {window_from}, {w} positions) "
                                         f"is not the window as of {position}")
     shape = (like.shape[0], 2, w, *like.shape[3:])
+    if (dtype, tuple(geometry)) != (_DTYPE_CODES.get(like.dtype), (like.shape[0], *like.shape[3:])):
+        raise CorruptWindow("shape", f"a window of {geometry} (sliding layers, KV heads, head size) in dtype code "
+                                     f"{dtype} is not this model's {(like.shape[0], *like.shape[3:])} {like.dtype}")
     if len(view) != _PRELUDE.size + math.prod(shape) * like.element_size():
         raise CorruptWindow("shape", f"{len(view)} bytes do not hold a {w}-position window of this model")
     rings = torch.zeros_like(like, device="cpu")

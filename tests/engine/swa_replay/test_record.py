@@ -36,8 +36,8 @@ def test_a_window_round_trips_to_the_positions_it_holds(position, window_from):
 
 
 def test_the_payload_is_the_window_and_a_prelude():
-    assert len(record.encode(_state(16))) == 28 + 3 * 2 * W * 1 * 4 * 4
-    assert len(record.encode(_state(5))) == 28 + 3 * 2 * 5 * 1 * 4 * 4  # a window not yet full
+    assert len(record.encode(_state(16))) == 40 + 3 * 2 * W * 1 * 4 * 4
+    assert len(record.encode(_state(5))) == 40 + 3 * 2 * 5 * 1 * 4 * 4  # a window not yet full
 
 
 def test_session_tags_tell_sessions_and_tenants_apart_and_none_is_zero():
@@ -49,9 +49,11 @@ def test_session_tags_tell_sessions_and_tenants_apart_and_none_is_zero():
 @pytest.mark.parametrize("payload, position, exact, cause", [
     (b"KVW", 16, True, "format"),
     (b"KVH1" + record.encode(_state(16))[4:], 16, True, "format"),
-    (record.encode(_state(16))[:4] + b"\x01\x00" + record.encode(_state(16))[6:], 16, True, "format"),  # version 1
+    (record.encode(_state(16))[:4] + b"\x02\x00" + record.encode(_state(16))[6:], 16, True, "format"),  # version 2
     (record.encode(_state(16)), 17, True, "position"),
     (record.encode(_state(16))[:-4], 16, True, "shape"),
+    # as many bytes, another geometry: two KV heads of 2 where this model has one of 4
+    (record.encode(WindowState(16, _state(16).rings.reshape(3, 2, W, 2, 2))), 16, True, "shape"),
     (record.encode(_state(20, 14)), 20, True, "replayed"),
 ])
 def test_a_payload_that_is_not_the_window_is_refused_with_its_cause(payload, position, exact, cause):
@@ -76,3 +78,12 @@ def test_a_window_record_is_no_block_nor_continuation_and_is_per_tenant_and_chai
     }
     assert all(key != ours.key for key in others.values()), others
     assert ours.namespace != chain.digest and ours.tenant == chain.tenant
+
+
+def test_a_window_in_another_dtype_of_the_same_width_is_refused():
+    rings = _state(16).rings
+    with pytest.raises(record.CorruptWindow) as refused:
+        record.decode(record.encode(WindowState(16, rings.half())), 16, rings.bfloat16(), exact=True)
+    assert refused.value.cause == "shape"
+    back, _ = record.decode(record.encode(WindowState(16, rings.bfloat16())), 16, rings.bfloat16(), exact=True)
+    assert torch.equal(back.rings, rings.bfloat16())
