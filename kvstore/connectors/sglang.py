@@ -99,15 +99,27 @@ class HostPages:
     def blocks(self, keys: Sequence[str]) -> list[Block]:
         return self.identity.blocks(keys)
 
+    def page_starts(self, host_indices: torch.Tensor) -> list[int]:
+        """The first slot of each page of `host_indices`, after checking that every page is whole: page_size
+        consecutive slots from an aligned start, inside the pool. SGLang addresses a page by its first index
+        alone (its meta and its flat pages), so a page whose other indices differ would put KV in slots its
+        radix tree does not point at, and a start outside the pool would be a pointer outside its buffer."""
+        size = self.page_size
+        if host_indices.dim() != 1 or host_indices.numel() % size:
+            raise IndexError(f"{host_indices.numel()} host indices are not whole pages of {size} slots")
+        pages = host_indices.to(torch.int64).view(-1, size)
+        firsts = pages[:, 0]
+        if pages.numel() and (bool((firsts % size).any()) or int(firsts.min()) < 0
+                              or int(firsts.max()) + size > self.host.size
+                              or not torch.equal(pages - firsts[:, None], torch.arange(size).expand_as(pages))):
+            raise IndexError(f"host indices outside the {self.name} pool's {self.host.size} slots, not "
+                             "page-aligned, or not consecutive within a page")
+        return firsts.tolist()
+
     def pieces(self, host_indices: torch.Tensor) -> list[list[memoryview]]:
         """Per page of `host_indices` (page_size indices each), its pieces in host memory, in the order of
         the flat data page: K before V (for layer_first, K of every layer, then V of every layer)."""
-        pages = len(host_indices) // self.page_size
-        firsts = host_indices[:: self.page_size]  # SGLang's meta reads each page from its first index
-        if pages and (bool((firsts % self.page_size).any()) or int(firsts.min()) < 0
-                      or int(firsts.max()) + self.page_size > self.host.size):
-            raise IndexError(f"host indices outside the {self.name} pool's {self.host.size} slots or not "
-                             "page-aligned")  # raw pointers must stay inside SGLang's buffer
+        pages = len(self.page_starts(host_indices))  # raw pointers must stay inside SGLang's buffer
         pointers, sizes = self.host.get_page_buffer_meta(host_indices)
         per_page = len(pointers) // pages
         out = []
@@ -116,9 +128,6 @@ class HostPages:
             order = [*span[0::2], *span[1::2]]  # the meta interleaves K and V pieces
             out.append([memoryview((ctypes.c_char * sizes[i]).from_address(pointers[i])).cast("B") for i in order])
         return out
-
-    def page_offsets(self, host_indices: torch.Tensor, pages: int) -> list[int]:
-        return [int(host_indices[i * self.page_size]) for i in range(pages)]
 
 
 class KVStoreHiCache(HiCacheStorage):
@@ -200,11 +209,21 @@ class KVStoreHiCache(HiCacheStorage):
         return [i < hit for i in range(len(keys))]
 
     def _load_flat(self, pool: HostPages, keys: Sequence[str], host_indices: torch.Tensor) -> list[bool]:
+        try:
+            starts = pool.page_starts(host_indices)
+        except IndexError as exc:
+            log.error("kvstore: cannot load into the %s host pool: %s", pool.name, exc)
+            return [False] * len(keys)
         pages = [pool.host.get_dummy_flat_data_page() for _ in keys]
         found = [page is not None for page in self._read_into(pool, keys, pages)]
         hit = found.index(False) if False in found else len(found)
-        for offset, page in zip(pool.page_offsets(host_indices, hit), pages, strict=False):
-            pool.host.set_from_flat_data_page(offset, page)
+        for done, (start, page) in enumerate(zip(starts[:hit], pages, strict=True)):
+            try:
+                pool.host.set_from_flat_data_page(start, page)
+            except Exception as exc:  # noqa: BLE001 - a page SGLang's pool refuses is a miss, never a crash
+                log.error("kvstore: the %s host pool refused page %d: %s", pool.name, done, exc)
+                hit = done
+                break
         return [i < hit for i in range(len(keys))]
 
     def _read_into(self, pool: HostPages, keys: Sequence[str], targets: Sequence[torch.Tensor | None]
@@ -244,8 +263,8 @@ class KVStoreHiCache(HiCacheStorage):
             if pool.zero_copy:
                 pages = pool.pieces(host_indices)
             else:
-                offsets = pool.page_offsets(host_indices, len(keys))
-                pages = [[_bytes_of(pool.host.get_data_page(offset, flat=True))] for offset in offsets]
+                pages = [[_bytes_of(pool.host.get_data_page(start, flat=True))]
+                         for start in pool.page_starts(host_indices)]
         except Exception as exc:  # noqa: BLE001 - indices outside the pool: nothing stored, nothing raised
             log.error("kvstore: cannot read %d pages of the %s host pool: %s", len(keys), pool.name, exc)
             return [False] * len(keys)

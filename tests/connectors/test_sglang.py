@@ -146,6 +146,11 @@ def test_the_generic_and_zero_copy_paths_read_each_other(layout, daemons):
     assert backend.batch_set_v1(keys_of("outside", 1), outside) == [False]
     assert backend.batch_get_v1(keys[:1], outside) == [False]
     assert backend.batch_get_v1(keys[:1], into[1 : PAGE + 1]) == [False], "not page-aligned"
+    torn = into[:PAGE].clone()
+    torn[1:] += PAGE  # an aligned first index, the rest another page's slots: KV where the tree does not point
+    before = page_bytes(pool, into, 2)
+    assert backend.batch_set_v1(keys_of("torn", 1), torn) == [False]
+    assert backend.batch_get_v1(keys[:1], torn) == [False] and page_bytes(pool, into, 2) == before
     backend.close()
 
 
@@ -193,6 +198,10 @@ def test_an_mla_models_pages_go_flat_and_serve_every_rank(daemons):
     into = reader_pool.alloc(3 * PAGE)
     assert reader.batch_exists(keys) == 3 and reader.batch_get_v1(keys, into) == [True] * 3
     assert page_bytes(reader_pool, into, 3) == page_bytes(writer_pool, indices, 3)
+    torn = into[:PAGE].clone()
+    torn[1:] += PAGE
+    assert reader.batch_get_v1(keys[:1], torn) == [False], "flat pages are checked whole too"
+    assert reader.batch_get_v1(keys[:1], torch.arange(-PAGE, 0)) == [False], "a start outside the pool"
     mha = kvstore_backend(daemon.address, host_pool("page_first"), tp_rank=1, tp_size=2)
     assert mha.batch_exists(keys) == 0, "an MHA rank's pages are its own"
     for backend in (writer, reader, mha):
