@@ -38,6 +38,16 @@ class ClientConfig:
     tls_cert: str | None = None  # PEM client certificate and key, for daemons that require mutual TLS
     tls_key: str | None = None
     tls_server_name: str | None = None  # the name the daemons' certificates carry, if not their address
+    # An etcd:// target's etcd: over TLS (its CA; a client certificate where etcd requires one), and as one
+    # of etcd's users (a read-only role is enough for clients). Without these, etcd is plain HTTP.
+    etcd_tls_ca: str | None = None
+    etcd_tls_cert: str | None = None
+    etcd_tls_key: str | None = None
+    etcd_user: str | None = None
+    etcd_password: str | None = None  # never logged
+    # Discovered daemons (DNS, etcd) are used only while there are at most this many; more is taken for a
+    # hostile or broken answer and the daemons known before stay in use (kvstore/client/membership.py).
+    max_members: int = 1024
 
     def __post_init__(self) -> None:
         servers = self.servers.split(",") if isinstance(self.servers, str) else list(self.servers)
@@ -66,14 +76,26 @@ class ClientConfig:
         if self.host_tier_bytes and not 0 < self.host_block_bytes <= self.host_tier_bytes:
             raise ValueError("a host tier needs host_block_bytes, the engine's block payload size, "
                              "between 1 and host_tier_bytes")
-        if (self.tls_cert is None) != (self.tls_key is None):
-            raise ValueError("ClientConfig.tls_cert and tls_key go together (mutual TLS)")
-        if self.tls_cert is not None and self.tls_ca is None:
-            raise ValueError("ClientConfig.tls_cert needs tls_ca: a client certificate is only sent over TLS")
-        for name in ("tls_ca", "tls_cert", "tls_key"):
+        for prefix in ("", "etcd_"):
+            if (getattr(self, prefix + "tls_cert") is None) != (getattr(self, prefix + "tls_key") is None):
+                raise ValueError(f"ClientConfig.{prefix}tls_cert and {prefix}tls_key go together (mutual TLS)")
+            if getattr(self, prefix + "tls_cert") is not None and getattr(self, prefix + "tls_ca") is None:
+                raise ValueError(f"ClientConfig.{prefix}tls_cert needs {prefix}tls_ca: a client certificate is "
+                                 "only sent over TLS")
+        for name in ("tls_ca", "tls_cert", "tls_key", "etcd_tls_ca", "etcd_tls_cert", "etcd_tls_key"):
             path = getattr(self, name)
             if path is not None and not os.path.isfile(path):
                 raise ValueError(f"ClientConfig.{name}: {path} is not a readable file")
+        if (self.etcd_user is None) != (self.etcd_password is None) or self.etcd_user == "":
+            raise ValueError("ClientConfig.etcd_user and etcd_password go together, and the user has a name")
+        etcd_settings = [name for name in ("etcd_tls_ca", "etcd_tls_cert", "etcd_tls_key", "etcd_user")
+                         if getattr(self, name) is not None]
+        if etcd_settings and not self.servers[0].startswith("etcd://"):
+            raise ValueError(f"ClientConfig.{', '.join(etcd_settings)}: for an etcd://HOST:PORT/PREFIX servers "
+                             f"target only, not {self.servers[0]!r}")
+        if isinstance(self.max_members, bool) or not isinstance(self.max_members, int) or self.max_members < 1:
+            raise ValueError(f"ClientConfig.max_members must be a whole number of daemons, at least 1, "
+                             f"got {self.max_members!r}")
         if self.token is not None and (not self.token or any(c.isspace() for c in self.token)):
             raise ValueError("ClientConfig.token must be a non-empty token without whitespace")
         if self.worker_threads == 1 or self.worker_threads < 0:
@@ -85,7 +107,7 @@ class ClientConfig:
 
     def members(self) -> Static | Dns | EtcdMembers:
         """Where the daemons come from: the static list, DNS or etcd (kvstore/client/membership.py)."""
-        return source(self.servers, self.membership_refresh_s, self.lookup_timeout_s)
+        return source(self)
 
     @property
     def pool_threads(self) -> int:
@@ -98,10 +120,12 @@ class ClientConfig:
         """gRPC metadata of every call: the bearer token, if any."""
         return (("authorization", f"Bearer {self.token}"),) if self.token else ()
 
-    def __repr__(self) -> str:  # the token stays out of logs and tracebacks
-        shown = {f: getattr(self, f) for f in self.__dataclass_fields__ if f != "token"}
+    def __repr__(self) -> str:  # the token and etcd's password stay out of logs and tracebacks
+        secret = ("token", "etcd_password")
+        shown = {f: getattr(self, f) for f in self.__dataclass_fields__ if f not in secret}
         fields = ", ".join(f"{k}={v!r}" for k, v in shown.items())
-        return f"ClientConfig({fields}, token={'***' if self.token else None})"
+        hidden = ", ".join(f"{f}={'***' if getattr(self, f) else None}" for f in secret)
+        return f"ClientConfig({fields}, {hidden})"
 
 
 _SECURITY_FLAGS = {"token": "KVSTORE_TOKEN", "tls_ca": "KVSTORE_TLS_CA", "tls_cert": "KVSTORE_TLS_CERT",

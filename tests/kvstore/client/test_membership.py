@@ -4,18 +4,29 @@ Against real peers on loopback: Debian's etcd (daemons register under leases, cl
 dnsmasq (A records re-read on SIGHUP; SRV records of a headless-Service shape).
 """
 
+import base64
+import datetime
+import ipaddress
 import os
 import signal
+import subprocess
 import time
+from pathlib import Path
 
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from kvstore.block import KVLayout, Namespace
 from kvstore.client import ClientConfig, KVClient
+from kvstore.client.membership import Member, MembershipError
 from kvstore.client.placement import place
+from kvstore.etcd import Etcd, EtcdAccess, EtcdError, prefix_end
 from kvstore.server.config import ServerConfig
 from kvstore.server.process import DaemonProcess
-from tests.peers import DnsServer, EtcdServer
+from tests.peers import DnsServer, EtcdServer, die_with_parent, free_port, stop
 from tests.pki import make_pki
 
 pytestmark = [pytest.mark.integration, pytest.mark.multihost]  # real etcd and dnsmasq: make test-multihost
@@ -209,6 +220,121 @@ def test_tls_verifies_an_srv_member_by_its_name_not_the_address_it_resolved_to(d
         items = conversation(8, seed=9)
         summary = client.put(items, NS.num_layers)
         assert (summary.stored, summary.failed) == ((8, 0) if verified else (0, 8))
+
+
+def b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
+
+
+def test_etcd_with_users_serves_members_only_to_a_client_that_logs_in(daemons, etcd):
+    prefix = "/kvstore/members/"
+    admin = Etcd([etcd.endpoint])
+    for path, body in [("/v3/auth/role/add", {"name": "root"}),
+                       ("/v3/auth/user/add", {"name": "root", "password": "root-pw"}),
+                       ("/v3/auth/user/grant", {"user": "root", "role": "root"}),
+                       ("/v3/auth/role/add", {"name": "reader"}),
+                       ("/v3/auth/role/grant", {"name": "reader", "perm": {
+                           "permType": "READ", "key": b64(prefix), "range_end": b64(prefix_end(prefix))}}),
+                       ("/v3/auth/user/add", {"name": "engine", "password": "engine-pw"}),
+                       ("/v3/auth/user/grant", {"user": "engine", "role": "reader"}),
+                       ("/v3/auth/enable", {})]:
+        admin.call(path, body)
+    root = Etcd([etcd.endpoint], access=EtcdAccess(user="root", password="root-pw"))
+    first, second = daemons(2)
+    root.put(prefix + first.address, first.address)  # as `kvstore-server --register` would, as a writer
+    target = f"etcd://{etcd.endpoint}/kvstore/members"
+    with pytest.raises(MembershipError):  # no user: etcd refuses the range
+        config(target).members().resolve()
+    with pytest.raises(MembershipError):
+        config(target, etcd_user="engine", etcd_password="wrong").members().resolve()
+    with pytest.raises(EtcdError):  # the reader's role reads, never writes
+        Etcd([etcd.endpoint], access=EtcdAccess(user="engine", password="engine-pw")).put(prefix + "x:1", "x:1")
+    with KVClient(config(target, etcd_user="engine", etcd_password="engine-pw")) as client:
+        assert members(client) == {first.address}
+        root.put(prefix + second.address, second.address)  # seen through the watch, which carries the token
+        until(lambda: members(client) == {first.address, second.address}, what="the second daemon")
+
+
+def etcd_certificates(folder: Path) -> dict[str, Path]:
+    """A CA; etcd's certificate for 127.0.0.1, good for client authentication too (etcd 3.4's JSON gateway
+    connects to etcd's own gRPC port with it); a client certificate; one of another CA."""
+    folder.mkdir(parents=True, exist_ok=True)
+    now, day = datetime.datetime.now(datetime.UTC), datetime.timedelta(days=1)
+    paths = {}
+
+    def issue(name: str, issuer_key, issuer_name, usages, ca: bool = False, san: bool = False):
+        key = ec.generate_private_key(ec.SECP256R1())
+        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+        builder = (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer_name or subject)
+                   .public_key(key.public_key()).serial_number(x509.random_serial_number())
+                   .not_valid_before(now - day).not_valid_after(now + day)
+                   .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        if usages:
+            builder = builder.add_extension(x509.ExtendedKeyUsage(usages), critical=False)
+        if san:
+            builder = builder.add_extension(x509.SubjectAlternativeName(
+                [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        cert = builder.sign(issuer_key or key, hashes.SHA256())
+        paths[name] = folder / f"{name}.pem"
+        paths[name].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        paths[name + "_key"] = folder / f"{name}.key"
+        paths[name + "_key"].write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                                           serialization.PrivateFormat.PKCS8,
+                                                           serialization.NoEncryption()))
+        return key, subject
+
+    ca_key, ca_name = issue("ca", None, None, [], ca=True)
+    other_key, other_name = issue("other_ca", None, None, [], ca=True)
+    issue("etcd", ca_key, ca_name, [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH], san=True)
+    issue("client", ca_key, ca_name, [ExtendedKeyUsageOID.CLIENT_AUTH])
+    issue("rogue", other_key, other_name, [ExtendedKeyUsageOID.CLIENT_AUTH])
+    return paths
+
+
+class TlsEtcd:
+    """A single-member etcd on loopback that speaks only TLS and requires client certificates of its CA."""
+
+    def __init__(self, folder: Path, certs: dict[str, Path]) -> None:
+        self.endpoint = f"127.0.0.1:{free_port()}"
+        peer = f"http://127.0.0.1:{free_port()}"
+        self.log = folder / "etcd-tls.log"
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(
+                ["etcd", "--name", "tls", "--data-dir", str(folder / "etcd-tls"),
+                 "--listen-client-urls", f"https://{self.endpoint}", "--advertise-client-urls",
+                 f"https://{self.endpoint}", "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+                 "--initial-cluster", f"tls={peer}", "--cert-file", str(certs["etcd"]), "--key-file",
+                 str(certs["etcd_key"]), "--trusted-ca-file", str(certs["ca"]), "--client-cert-auth"],
+                stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
+        self.access = EtcdAccess(ca=str(certs["ca"]), cert=str(certs["client"]), key=str(certs["client_key"]))
+        deadline = time.monotonic() + 30  # a hang guard: etcd starts in about a second
+        while True:
+            try:
+                Etcd([self.endpoint], access=self.access).range_prefix("/")
+                return
+            except EtcdError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    stop(self.proc)
+                    raise RuntimeError(f"etcd over TLS did not start:\n{self.log.read_text()}") from None
+                time.sleep(0.1)
+
+
+def test_etcd_over_tls_with_client_certificates(daemons, tmp_path):
+    certs = etcd_certificates(tmp_path / "etcd-pki")
+    etcd = TlsEtcd(tmp_path, certs)
+    try:
+        daemon, = daemons(1)
+        Etcd([etcd.endpoint], access=etcd.access).put(f"/kvstore/members/{daemon.address}", daemon.address)
+        target = f"etcd://{etcd.endpoint}/kvstore/members"
+        tls = dict(etcd_tls_ca=str(certs["ca"]), etcd_tls_cert=str(certs["client"]),
+                   etcd_tls_key=str(certs["client_key"]))
+        assert config(target, **tls).members().resolve() == (Member(daemon.address, daemon.address),)
+        rogue = dict(tls, etcd_tls_cert=str(certs["rogue"]), etcd_tls_key=str(certs["rogue_key"]))
+        for refused in (config(target), config(target, etcd_tls_ca=str(certs["ca"])), config(target, **rogue)):
+            with pytest.raises(MembershipError):
+                refused.members().resolve()
+    finally:
+        stop(etcd.proc)
 
 
 @pytest.mark.parametrize("servers, message", [
