@@ -34,7 +34,7 @@ from engine.api.tokenize import PromptEncoder
 from engine.decode import DecodeError, DecodeRequest
 from engine.decode.request import CONTEXT, MAX_TOKENS
 from engine.prefill import PrefillRequest
-from engine.serving.loop import ServingClosed, ServingLoop
+from engine.serving.loop import ServingBusy, ServingClosed, ServingLoop
 from engine.text.chat_prompt import ChatPromptError
 from kvstore.block import Block
 
@@ -69,12 +69,12 @@ class Service:
             ids = await self._encode(prompt)
             yield ids
             async with self.gate.slot(tenant):  # waits while the tenant holds its share of the engines
-                async for item in self._generated(prompt, ids, tenant, traffic_class):
+                async for item in self._generated(prompt, ids, tenant, traffic_class, overloaded):
                     yield item
         finally:
             self.in_flight[tenant] -= 1
 
-    async def _generated(self, prompt: Prompt, ids: list[int], tenant: str, traffic_class: str
+    async def _generated(self, prompt: Prompt, ids: list[int], tenant: str, traffic_class: str, overloaded: int
                          ) -> AsyncIterator[str | Reply]:
         """The text, then the Reply, of a prompt in the engines; cancels the generation if left early."""
         ticket = None
@@ -88,9 +88,12 @@ class Service:
             text = ReplyText(self.tokenizer.decode, self.stop_token_ids, prompt.sampling.stop, bool(prompt.tools))
             try:
                 ticket = self.runner.submit(request, lambda result, error: loop.call_soon_threadsafe(
-                    events.put_nowait, ("done", (result, error))))
+                    events.put_nowait, ("done", (result, error))), tenant)
             except ServingClosed:
                 raise ApiError(503, "the server is shutting down; retry later", kind="overloaded_error") from None
+            except ServingBusy:  # a loop built with bounds of its own: the same answer as this API's own limits
+                raise ApiError(overloaded, "too many requests in flight; retry later",
+                               kind="overloaded_error" if overloaded == 529 else "rate_limit_error") from None
             first, called = True, False
             while True:
                 kind, value = await events.get()

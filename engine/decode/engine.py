@@ -29,8 +29,13 @@ fills KV blocks they are saved (write-behind) in the prompt's chain, and for a h
 the last block boundary is kept, so the next turn finds prompt and reply cached (`engine.decode.saving`).
 Prompt ids are computed here, without the store, and their replies are not saved.
 
-Speculative decoding (`DecodeConfig.speculative`, issue 25; the parts in `engine.speculative`): each
-sequence's n-gram drafter proposes up to γ tokens; the DSpark schedule, from the drafts' calibrated
+Faults: a request whose own work raises in a step (its draw, its drafter, its stop check, its first token
+after a prefill) ends alone with finish reason "error" (`DecodeResult.error` says what raised), its KV
+freed; the other sequences go on. Only what is shared (the forward, the pool, the store) fails the step.
+
+Speculative decoding (`DecodeConfig.speculative`; the parts in `engine.speculative`): each
+sequence's n-gram drafter proposes up to γ tokens (made when the sequence is admitted, its index built on
+a thread of its own: a queued request does no engine work); the DSpark schedule, from the drafts' calibrated
 confidences and the SPS(B) profile, picks how many of each decoding sequence to verify; its chunk becomes
 [last token, d_1..d_ℓ], scored at every position in the step's one forward (short chunks batched,
 `engine.model.decode_attention.VerifyBatch`). Verification accepts a prefix (greedy: the argmax's; sampled:
@@ -46,6 +51,7 @@ sampled ones: each token costs one draw, whatever was drafted, verified, cut for
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -54,7 +60,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.decode.config import DecodeConfig
-from engine.decode.request import CANCELLED, DecodeError, DecodeRequest, DecodeResult
+from engine.decode.errors import few
+from engine.decode.request import CANCELLED, ERROR, DecodeError, DecodeRequest, DecodeResult
 from engine.decode.sampling import make_generator, sample
 from engine.decode.saving import ReplySaver
 from engine.decode.sequence import DecodeSequence
@@ -68,6 +75,8 @@ from engine.speculative.profile import ObservedSps, load_or_measure
 from engine.speculative.schedule import schedule
 from engine.speculative.verify import Verdict, verify_drawn, verify_greedy
 from engine.text.token_ids import checked_token_ids
+
+log = logging.getLogger(__name__)
 
 RESUME_FLUSH_S = 2.0  # how long a resumption waits for the store writes queued before it (its state's)
 DRAFT_RECORDS = 4096  # verified request steps kept for calibration and reports (DecodeEngine.draft_records)
@@ -112,6 +121,7 @@ class DecodeEngine:
         self._done: list[DecodeResult] = []
         self._ids = itertools.count()
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="decode-ahead") if config.overlap else None
+        self._indexer: ThreadPoolExecutor | None = None  # builds admitted sequences' draft indexes (made when needed)
         self.idle_gaps_s: deque[float] = deque(maxlen=4096)  # between consecutive steps' forwards (the
         #                                      device's idle time: sampling, bookkeeping, the next preparation)
         self._forward_ended: float | None = None
@@ -136,7 +146,7 @@ class DecodeEngine:
             except PrefillError as exc:
                 raise DecodeError(str(exc)) from None
         elif isinstance(request.prompt, PrefillResult):
-            self._continue(sequence, request.prompt)
+            self._continue_alone(sequence, request.prompt)
         else:
             self._waiting.append(sequence)
         return sequence.id
@@ -167,12 +177,13 @@ class DecodeEngine:
         if self._prefill is not None and self._prefill.pending:
             try:
                 for result in self._prefill.step():
-                    self._continue(self._prefilling.pop(result.id), result)
+                    self._continue_alone(self._prefilling.pop(result.id), result)
                 prefill_moved = True
             except KVCapacityError:  # it waits for pages; the running sequences may free them
                 pass
             finished, self._done = finished + self._done, []
         batch = self._prepare()
+        finished, self._done = finished + self._done, []  # sequences whose drafting failed in the preparation
         if batch.chunks:
             finished += self._complete(batch, self._timed_execute(batch))
         else:
@@ -190,10 +201,13 @@ class DecodeEngine:
         return results
 
     def close(self) -> None:
-        """Stop the overlap's worker thread (the engine can still step, without overlap)."""
+        """Stop the overlap's worker thread and the drafts thread (the engine can still step, without overlap)."""
         if self._worker is not None:
             self._worker.shutdown()
             self._worker = None
+        if self._indexer is not None:
+            self._indexer.shutdown()
+            self._indexer = None
 
     @property
     def pending(self) -> int:
@@ -220,7 +234,7 @@ class DecodeEngine:
         mc = self.model.config
         params = request.sampling
         if bad := [i for i in params.stop_token_ids if i >= mc.vocab_size]:
-            raise DecodeError(f"stop_token_ids {bad} lie outside the vocabulary [0, {mc.vocab_size})")
+            raise DecodeError(f"stop_token_ids {few(bad)} lie outside the vocabulary [0, {mc.vocab_size})")
         detokenize = request.detokenize or self.config.detokenize
         if params.stop and detokenize is None:
             raise DecodeError("stop strings need a detokenize callable (token ids -> text): give one in "
@@ -247,9 +261,18 @@ class DecodeEngine:
         if self.pool.layers and pages > self.pool.num_pages:
             raise DecodeError(f"prompt + max_tokens need up to {pages} KV pages; the pool has "
                               f"{self.pool.num_pages}: lower max_tokens or raise DecodeConfig.kv_pages")
-        drafter = NGramDrafter(self.config.gamma) if self.config.speculative else None
+        # no drafter yet: a queued request does no engine work (see _start_drafter)
         return DecodeSequence(next(self._ids), request, params, make_generator(params, self.model.device),
-                              prompt, len(prompt), context, detokenize, drafter=drafter)
+                              prompt, len(prompt), context, detokenize)
+
+    def _continue_alone(self, sequence: DecodeSequence, result: PrefillResult) -> None:
+        """`_continue`, where a raise (its sampling, its callbacks) ends this sequence alone, its KV freed."""
+        try:
+            self._continue(sequence, result)
+        except Exception as exc:
+            if sequence.kv is not result.kv:
+                result.kv.release()
+            self._done.append(self._fail(sequence, exc))
 
     def _continue(self, sequence: DecodeSequence, result: PrefillResult) -> None:
         """Take over a prefill's KV (the prompt's, or a preempted sequence's resumed) and sample the next token
@@ -332,11 +355,21 @@ class DecodeEngine:
         # a chunk's drafts must not wrap a window ring onto the chunk itself (W is one model's, for all)
         first = batch.sequences[decoding[0]].kv
         ring_room = first.window - 1 if first.rings is not None else config.gamma
-        proposals: list[list[DraftToken]] = []
+        proposed: dict[int, list[DraftToken]] = {}
+        failed: dict[int, Exception] = {}
         for i in decoding:
             sequence = batch.sequences[i]
             limit = min(config.gamma, sequence.draft_room(), ring_room)
-            proposals.append(sequence.drafter.propose(limit) if limit > 0 else [])
+            try:  # a drafter that raises ends its sequence alone, before the forward
+                drafter = self._drafter(sequence)
+                proposed[i] = drafter.propose(limit) if limit > 0 else []
+            except Exception as exc:
+                failed[i] = exc
+        if failed:
+            proposed = self._drop(batch, failed, proposed)
+        decoding, proposals = list(proposed), list(proposed.values())
+        if not decoding:
+            return
         if config.fixed_drafts is not None:
             lengths = [min(config.fixed_drafts, len(drafts)) for drafts in proposals]
         elif not any(proposals):
@@ -364,6 +397,31 @@ class DecodeEngine:
             batch.drafts[i] = drafts
             batch.checkpoints[i] = kv.checkpoint(chunk.start + 1, chunk.start + 1 + length)
             chunk.tokens = torch.tensor([sequence.tokens[-1], *(d.token for d in drafts)])  # (1 + ℓ,)
+
+    def _drafter(self, sequence: DecodeSequence) -> NGramDrafter:
+        """The sequence's drafter, its index over every token so far: the build started at admission is
+        waited for (it ran beside the forwards since, so it is done unless the sequence decodes at once after
+        admission), then the tokens appended since are fed."""
+        if sequence.indexing is not None:
+            sequence.indexing.result()  # re-raises what the build raised: this sequence's fault
+            sequence.indexing = None
+        drafter = sequence.drafter
+        if drafter.index.length < len(sequence.tokens):
+            drafter.extend(sequence.tokens[drafter.index.length:])
+        return drafter
+
+    def _drop(self, batch: StepBatch, failed: dict[int, Exception], proposed: dict[int, list[DraftToken]]
+              ) -> dict[int, list[DraftToken]]:
+        """Take the failed rows out of the batch, ending their sequences (the next results); the proposals
+        keyed by the rows left."""
+        kept = [i for i in range(len(batch.sequences)) if i not in failed]
+        for i, exc in failed.items():
+            self._done.append(self._fail(batch.sequences[i], exc))
+        for name in ("sequences", "chunks", "samples", "drafts", "checkpoints"):
+            column = getattr(batch, name)
+            setattr(batch, name, [column[i] for i in kept])
+        row = {old: new for new, old in enumerate(kept)}
+        return {row[i]: drafts for i, drafts in proposed.items()}
 
     def _timed_execute(self, batch: StepBatch) -> list[torch.Tensor]:
         """The forward, with the next step's pages reserved meanwhile on the worker thread (overlap). The
@@ -415,18 +473,31 @@ class DecodeEngine:
                 self._saver.after_chunk(sequence.chain, sequence.kv, sequence.tokens, sequence.computed)
         rows = [i for i, sampled in enumerate(batch.samples) if sampled and not batch.drafts[i]]
         plain: dict[int, int] = {}  # batch row -> its sampled token
-        if rows:
-            sampling = [batch.sequences[i] for i in rows]
-            last = [logits[i] if logits[i].dim() == 1 else logits[i][-1] for i in rows]  # each (vocab,)
-            tokens = sample(torch.stack(last), [s.params for s in sampling], [s.generator for s in sampling])
-            plain = dict(zip(rows, tokens))
+        faults: dict[int, Exception] = {}  # batch row -> what its sampling raised
+        last = {i: logits[i] if logits[i].dim() == 1 else logits[i][-1] for i in rows}  # each (vocab,)
+        if greedy := [i for i in rows if batch.sequences[i].params.greedy]:  # one argmax for them all
+            plain = dict(zip(greedy, torch.stack([last[i] for i in greedy]).argmax(dim=-1).tolist()))
+        for i in rows:  # the draws row by row: one that raises ends its own sequence, not the batch
+            if i not in plain:
+                sequence = batch.sequences[i]
+                try:
+                    (plain[i],) = sample(last[i][None], [sequence.params], [sequence.generator])
+                except Exception as exc:
+                    faults[i] = exc
         finished = []
         for i, sequence in enumerate(batch.sequences):
-            if batch.drafts[i]:
-                reason = self._verify(sequence, batch.chunks[i], batch.drafts[i], batch.checkpoints[i], logits[i])
-            elif i in plain:
-                reason = sequence.append(plain[i])
-            else:
+            try:
+                if i in faults:
+                    raise faults[i]
+                if batch.drafts[i]:
+                    reason = self._verify(sequence, batch.chunks[i], batch.drafts[i], batch.checkpoints[i],
+                                          logits[i])
+                elif i in plain:
+                    reason = sequence.append(plain[i])
+                else:
+                    continue
+            except Exception as exc:  # its sampling, verification or stop check: it ends, the others go on
+                finished.append(self._fail(sequence, exc))
                 continue
             if reason is not None:
                 self._running.remove(sequence)
@@ -469,6 +540,7 @@ class DecodeEngine:
         for sequence in holding[: self.config.max_running - len(self._running)]:
             self._waiting.remove(sequence)
             self._running.append(sequence)
+            self._start_drafter(sequence)
         while self._waiting and len(self._running) < self.config.max_running:
             sequence = self._waiting[0]
             if sequence.resume is not None:  # its state is in the store: the prefill engine gets it back
@@ -483,6 +555,19 @@ class DecodeEngine:
                 return
             sequence.kv = kv
             self._running.append(self._waiting.pop(0))
+            self._start_drafter(sequence)
+
+    def _start_drafter(self, sequence: DecodeSequence) -> None:
+        """On admission (once: a preempted sequence keeps its drafter), start building the drafter's index over
+        the tokens so far on the drafts thread, off the step's own work: ~28 us a token, 0.1 s for a prompt of
+        4,000. Pure Python, it runs while the forwards release the GIL."""
+        if not self.config.speculative or sequence.drafter is not None:
+            return
+        if self._indexer is None:
+            self._indexer = ThreadPoolExecutor(1, thread_name_prefix="decode-drafts")
+        sequence.drafter = NGramDrafter(self.config.gamma)
+        # a copy: the engine thread appends to the sequence's tokens meanwhile (they are fed by `_drafter`)
+        sequence.indexing = self._indexer.submit(sequence.drafter.extend, list(sequence.tokens))
 
     def _grow(self, sequence: DecodeSequence, tokens: int) -> bool:
         """Pages for `tokens` positions of `sequence`, preempting the youngest running sequences while the
@@ -502,6 +587,17 @@ class DecodeEngine:
                 self._waiting.insert(0, youngest)  # ahead of new requests; older victims end up first
                 if youngest is sequence:
                     return False
+
+    def _fail(self, sequence: DecodeSequence, exc: Exception) -> DecodeResult:
+        """A sequence whose own work raised (sampling, drafting, its stop check): it ends with the error, its KV
+        freed, and every other sequence goes on. Nothing of it is kept for a next turn."""
+        log.error("request %d failed in the decode engine; it alone ends", sequence.id, exc_info=exc)
+        if sequence in self._running:
+            self._running.remove(sequence)
+        if sequence in self._waiting:
+            self._waiting.remove(sequence)
+        self._release(sequence)
+        return sequence.result(ERROR, f"{type(exc).__name__}: {exc}"[:1000])
 
     def _end(self, sequence: DecodeSequence) -> None:
         """A sequence is done (finished or cancelled): keep its window for the next turn, free its KV."""

@@ -9,8 +9,8 @@ from engine.decode.errors import DecodeError
 from engine.decode.sampling import SamplingParams
 from engine.prefill.request import PrefillRequest, PrefillResult
 
-__all__ = ["CANCELLED", "CONTEXT", "DecodeError", "DecodeRequest", "DecodeResult", "FINISH_REASONS", "MAX_TOKENS",
-           "STOP_STRING", "STOP_TOKEN"]
+__all__ = ["CANCELLED", "CONTEXT", "ERROR", "DecodeError", "DecodeRequest", "DecodeResult", "FINISH_REASONS",
+           "MAX_TOKENS", "STOP_STRING", "STOP_TOKEN"]
 
 # Why a reply ended.
 STOP_TOKEN = "stop_token"  # its last token is one of the request's stop_token_ids
@@ -18,7 +18,8 @@ STOP_STRING = "stop_string"  # the text of its tokens contains one of the reques
 MAX_TOKENS = "max_tokens"  # it reached the request's max_tokens
 CONTEXT = "context"  # prompt + reply filled the model's context (max_tokens None)
 CANCELLED = "cancelled"  # DecodeEngine.cancel
-FINISH_REASONS = (STOP_TOKEN, STOP_STRING, MAX_TOKENS, CONTEXT, CANCELLED)
+ERROR = "error"  # the engine failed on this request alone (its sampling or drafting raised): DecodeResult.error
+FINISH_REASONS = (STOP_TOKEN, STOP_STRING, MAX_TOKENS, CONTEXT, CANCELLED, ERROR)
 
 
 @dataclass
@@ -61,6 +62,7 @@ class DecodeResult:
     window_source: str | None = None  # a hybrid model's cached prompt: its window from "host" or "store"
     drafted: int = 0  # speculative decoding: drafts verified
     accepted_drafts: int = 0  # of those, accepted (each one a token without a forward of its own)
+    error: str | None = None  # finish reason "error": what raised ("RuntimeError: ..."); the other requests went on
 
     @property
     def inter_token_s(self) -> list[float]:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.decode.errors import DecodeError
+from engine.decode.errors import DecodeError, few
 
 SEED_LIMIT = 2**64  # torch.Generator.manual_seed takes seeds in [0, 2**64)
 CANDIDATES = 1024  # top-p first looks for its nucleus among this many likeliest tokens (then 4x more, ...)
@@ -64,9 +64,10 @@ def _token_ids(ids: Iterable[int]) -> tuple[int, ...]:
     try:
         ids = tuple(operator.index(i) for i in ids if not isinstance(i, bool))
     except TypeError:
-        raise DecodeError(f"SamplingParams: stop_token_ids must be integers, got {ids!r}") from None
-    if any(i < 0 for i in ids):
-        raise DecodeError(f"SamplingParams: stop_token_ids must be >= 0, got {ids}")
+        raise DecodeError(f"SamplingParams: stop_token_ids must be integers, got {type(ids).__name__} holding "
+                          "something else") from None
+    if negative := [i for i in ids if i < 0]:
+        raise DecodeError(f"SamplingParams: stop_token_ids must be >= 0, got {few(negative)}")
     return ids
 
 
@@ -106,9 +107,6 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     return chosen
 
 
-CANDIDATES = 1024  # top-p first looks for its nucleus among this many likeliest tokens (then 4x more, ...)
-
-
 def _draw(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
     tokens, weights = candidates(logits, p)
     return int(tokens[torch.multinomial(weights, 1, generator=generator)])
@@ -143,6 +141,11 @@ def candidates(logits: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor, t
                 break
             size = min(4 * size, vocab)
     if p.top_p < 1:
-        before = probs.cumsum(0) - probs  # the mass of the likelier tokens: the likeliest is always kept
-        probs = probs.masked_fill(before >= p.top_p, 0)
+        before = probs.cumsum(0) - probs  # the mass of the likelier tokens
+        cut = before >= p.top_p
+        # the likeliest token always stays: a top_p below fp32's smallest subnormal (~1.4e-45) compares as
+        # 0.0 against `before`, whose first entry is 0, and would cut every token (an empty distribution,
+        # which multinomial refuses for the whole batch)
+        cut[0] = False
+        probs = probs.masked_fill(cut, 0)
     return tokens, probs

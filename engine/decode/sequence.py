@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -39,14 +40,18 @@ class DecodeSequence:
     cached_tokens: int = 0  # of the prompt, loaded from the store rather than computed
     window_source: str | None = None  # where a hybrid model's cached prompt took its window (PrefillResult's)
     resumed_from_store: int = 0
-    # speculative decoding: proposes what may follow `tokens`; fed the prompt here and each token as appended
+    # speculative decoding: proposes what may follow `tokens`. Made when the sequence is admitted, never while
+    # it queues (an index over a long prompt costs ~0.1 s and MiBs), its index built on the engine's drafts
+    # thread (`indexing`, until done); the tokens appended since are fed before each proposal
     drafter: NGramDrafter | None = None
+    indexing: Future | None = None
     drafted: int = 0  # drafts verified
     accepted: int = 0  # of those, accepted
+    _stops: frozenset[int] = field(default=frozenset(), init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.drafter is not None and self.drafter.index.length == 0:
-            self.drafter.extend(self.tokens)
+        # membership per sampled token: a set, so thousands of stop ids do not make every token cost as many
+        self._stops = frozenset(self.params.stop_token_ids)
 
     def draft_room(self) -> int:
         """Drafts a step may verify at most without passing max_tokens or the context: the step yields
@@ -68,8 +73,6 @@ class DecodeSequence:
     def append(self, token: int) -> str | None:
         """Add a sampled token; the finish reason it causes, or None to go on."""
         self.tokens.append(token)
-        if self.drafter is not None:
-            self.drafter.extend((token,))
         self.token_times_s.append(time.perf_counter() - self.submitted)
         if self.request.on_token is not None:
             self.request.on_token(token)
@@ -77,7 +80,7 @@ class DecodeSequence:
 
     def finish_reason(self) -> str | None:
         p = self.params
-        if self.tokens[-1] in p.stop_token_ids:
+        if self.tokens[-1] in self._stops:
             return STOP_TOKEN
         if p.stop and self._stop_string_seen():
             return STOP_STRING
@@ -105,7 +108,7 @@ class DecodeSequence:
         self.resume, self.computed = resume, 0
         self.preemptions += 1
 
-    def result(self, reason: str) -> DecodeResult:
+    def result(self, reason: str, error: str | None = None) -> DecodeResult:
         return DecodeResult(self.id, self.request, self.reply, reason, self.prompt_tokens, self.token_times_s,
                             self.preemptions, self.recomputed_tokens, self.prefill_path, self.resumed_from_store,
-                            self.cached_tokens, self.window_source, self.drafted, self.accepted)
+                            self.cached_tokens, self.window_source, self.drafted, self.accepted, error)

@@ -26,6 +26,11 @@ class InstanceConfig:
     prefill_tokens_per_step: int = 2048
     threads: int = 1  # torch threads: several instances share a machine's cores, so one each by default
     max_message_bytes: int = MAX_MESSAGE_BYTES  # largest request received; past it, RESOURCE_EXHAUSTED
+    # Generate calls held at once, running or queued, in all and for one principal (a token's name, else the
+    # peer's address: a router is one principal); past either, RESOURCE_EXHAUSTED at once. A queued call holds
+    # its prompt, so these bound the instance's memory; the per-principal share leaves room for the others
+    max_calls: int = 512
+    max_calls_per_principal: int = 256
     exit_on_stdin_eof: bool = False  # shut down when stdin ends: children started on a pipe die with their parent
     speculative: bool = True  # DecodeConfig.speculative: n-gram drafts verified on the DSpark schedule, lossless
     servers: tuple[str, ...] = ()  # the store's daemons (host:port); none: no store
@@ -47,10 +52,13 @@ class InstanceConfig:
             raise ValueError(f"InstanceConfig: model must be a model directory (config.json + weights), "
                              f"got {self.model}")
         for name in ("kv_pages", "block_tokens", "max_running", "prefill_tokens_per_step", "threads",
-                     "max_message_bytes"):
+                     "max_message_bytes", "max_calls", "max_calls_per_principal"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"InstanceConfig: {name} must be an integer >= 1, got {value!r}")
+        if self.max_calls_per_principal > self.max_calls:
+            raise ValueError(f"InstanceConfig: max_calls_per_principal ({self.max_calls_per_principal}) is a share "
+                             f"of max_calls ({self.max_calls}): it must not exceed it")
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise ValueError(f"InstanceConfig: port must be an integer in [0, 65535], got {self.port!r}")
         if not isinstance(self.host, str) or not self.host:
@@ -104,6 +112,9 @@ _HELP = {
     "prefill_tokens_per_step": "prompt tokens one step computes besides the decoding sequences' tokens",
     "threads": "torch threads (several instances on one machine: one each)",
     "max_message_bytes": "largest request accepted; a larger one ends RESOURCE_EXHAUSTED",
+    "max_calls": "Generate calls held at once, running or queued; past it a call ends RESOURCE_EXHAUSTED at once",
+    "max_calls_per_principal": "of --max-calls, the calls one principal holds (a token's name, else the peer's "
+                               "address); past it, RESOURCE_EXHAUSTED",
     "exit_on_stdin_eof": "shut down when stdin ends (a parent holding the pipe died or closed it)",
     "speculative": "speculative decoding: n-gram drafts verified on the DSpark schedule, lossless (default: on; "
                    "its SPS profile is measured at the first start on a machine and cached)",
@@ -130,7 +141,7 @@ def parse_args(argv: Sequence[str] | None = None) -> InstanceConfig:
     parser.add_argument("--model", required=True, type=Path, metavar="DIR", help=_HELP["model"])
     parser.add_argument("--host", default=defaults["host"], help=f"{_HELP['host']} (default: {defaults['host']})")
     for name in ("port", "kv_pages", "block_tokens", "max_running", "prefill_tokens_per_step", "threads",
-                 "max_message_bytes"):
+                 "max_message_bytes", "max_calls", "max_calls_per_principal"):
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=defaults[name],
                             help=f"{_HELP[name]} (default: {defaults[name]})")
     parser.add_argument("--exit-on-stdin-eof", action="store_true", help=_HELP["exit_on_stdin_eof"])

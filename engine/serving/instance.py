@@ -13,9 +13,10 @@ saved for the next turn. Several instances behind `engine.decode.router` are the
 
 Shut down by SIGTERM or SIGINT, or with --exit-on-stdin-eof by the end of stdin (a parent that holds the
 pipe died or closed it): the health check says NOT_SERVING, new calls are refused, every request in
-flight ends with finish_reason "cancelled" on its stream, and the process exits 0. If the engine fails a
-step, every request in flight ends INTERNAL and the process exits 1: its state is not to be trusted, and
-its supervisor starts a fresh one. SIGUSR1 dumps every thread's stack to stderr (a hung instance).
+flight ends with finish_reason "cancelled" on its stream, and the process exits 0. If the engine fails on
+one request (its sampling or drafting raised), that request alone ends INTERNAL and the others go on; if
+it fails a step, every request in flight ends INTERNAL and the process exits 1: its state is not to be
+trusted, and its supervisor starts a fresh one. SIGUSR1 dumps every thread's stack to stderr (a hung instance).
 
 Threads: the main one runs the event loop of the gRPC server (and handles the signals); the serving
 loop's thread owns the engines.
@@ -89,7 +90,8 @@ async def _serve(config: InstanceConfig, model: Decoder, prefill: PrefillEngine 
         status[0] = 1
         loop.call_soon_threadsafe(stop.set)
 
-    serving = ServingLoop(model, prefill, config.decode_config(), on_fault=failed)
+    serving = ServingLoop(model, prefill, config.decode_config(), on_fault=failed, max_calls=config.max_calls,
+                          max_calls_per_principal=config.max_calls_per_principal)
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", config.max_message_bytes),
                                       ("grpc.so_reuseport", 0)], interceptors=interceptors)
     server.add_generic_rpc_handlers([DecodeService(serving).handler()])

@@ -13,6 +13,7 @@ from google.protobuf.message import DecodeError as ProtobufDecodeError
 from google.protobuf.unknown_fields import UnknownFieldSet
 
 from engine.decode import DecodeError, DecodeRequest, DecodeResult, SamplingParams
+from engine.decode.errors import few
 from engine.prefill import PrefillRequest
 from engine.serving.loop import Load
 from engine.serving.proto import pb
@@ -26,19 +27,27 @@ class RequestRefused(ValueError):
 
 def parse(message_type, raw: bytes):
     """A message from the bytes a client sent; RequestRefused if they are not one (gRPC's own deserializer
-    would end the call INTERNAL)."""
+    would end the call INTERNAL) or hold fields this protocol does not have."""
     try:
-        return message_type.FromString(raw)
+        message = message_type.FromString(raw)
     except ProtobufDecodeError:
         raise RequestRefused(f"expected a valid {message_type.DESCRIPTOR.name} message") from None
+    known_fields(message)
+    return message
+
+
+def known_fields(message) -> None:
+    """RequestRefused if `message` holds fields this protocol does not have: a field of a newer protocol,
+    ignored, would change the answer without a word (every RPC refuses them alike)."""
+    if unknown := sorted({field.field_number for field in UnknownFieldSet(message)}):
+        raise RequestRefused(f"{message.DESCRIPTOR.name}: fields {few(unknown)} are not in this instance's "
+                             "protocol")
 
 
 def decode_request(message: pb.GenerateRequest, store: bool, context: int) -> DecodeRequest:
     """The engine's request for a GenerateRequest; RequestRefused saying why not. With a `store`, the prompt
     is a PrefillRequest (prefilled through the store, the reply saved)."""
-    if unknown := sorted({field.field_number for field in UnknownFieldSet(message)}):
-        # a field of a newer protocol, ignored, would change the reply without a word
-        raise RequestRefused(f"GenerateRequest: fields {unknown} are not in this instance's protocol")
+    known_fields(message)
     length = message.WhichOneof("length")
     if length is None or (length == "to_context" and not message.to_context):
         raise RequestRefused("GenerateRequest: max_tokens (>= 1) or to_context (true: stop at the model's "

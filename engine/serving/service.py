@@ -3,7 +3,9 @@
 Each Generate runs as a task on the server's event loop: it hands its request to the engine thread, and
 that thread's callbacks put tokens and the end into the call's queue (`call_soon_threadsafe`); the task
 sends what has come since its last message as one, so a slow client gets fewer, larger messages. A call
-that is cancelled, or whose client goes away, is cancelled on the engine, which frees its KV.
+that is cancelled, or whose client goes away, is cancelled on the engine, which frees its KV. The requests
+held at once are bounded by the serving loop, in all and per principal (a token's name, else the peer's
+address, as the daemon's CallLimiter counts them): past either, RESOURCE_EXHAUSTED at once.
 """
 
 from __future__ import annotations
@@ -15,11 +17,12 @@ import grpc
 
 from engine.decode import DecodeError, DecodeRequest
 from engine.prefill import PrefillRequest
-from engine.serving.loop import ServingClosed, ServingLoop
+from engine.serving.loop import ServingBusy, ServingClosed, ServingLoop
 from engine.serving.messages import RequestRefused, decode_request, load_message, parse, result_message
 from engine.serving.proto import SERVICE, pb
 from kvstore.block import tenant_of
 from kvstore.server.grpc_auth import current_principal, method_verbs
+from kvstore.server.limits import grpc_caller
 
 # Generate spends the instance's compute and writes the tenant's blocks to the store; Load only reads
 VERBS = {"Generate": "write", "Load": "read"}
@@ -42,9 +45,11 @@ class DecodeService:
         put = lambda event: loop.call_soon_threadsafe(events.put_nowait, event)
         request.on_token = put
         try:
-            ticket = self.serving.submit(request, lambda result, error: put((result, error)))
+            ticket = self.serving.submit(request, lambda result, error: put((result, error)), grpc_caller(context))
         except ServingClosed as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except ServingBusy as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         done = False
         try:
             while not done:

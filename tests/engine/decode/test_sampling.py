@@ -110,3 +110,31 @@ def test_top_k_keeps_the_tokens_tied_with_the_kth():
 
     tokens, weights = candidates(torch.tensor([2.0, 1.0, 1.0, 1.0, 0.0]), SamplingParams(temperature=1.0, top_k=2))
     assert sorted(tokens.tolist()) == [0, 1, 2, 3] and int(tokens[0]) == 0 and bool((weights > 0).all())
+
+
+# top_p at and past float32's edges: below its smallest subnormal (~1.4e-45) a Python float compares as fp32 0.0
+TINY_TOP_P = [5e-324, 1e-300, 1e-100, 7e-46, 8e-46, 1.4e-45, 1.5e-45, 1e-38, 1e-7]
+EXTREMES = [
+    *(SamplingParams(temperature=1.0, top_p=p, seed=1) for p in TINY_TOP_P),
+    *(SamplingParams(temperature=t, top_p=p, seed=2) for t in (5e-324, 1e-300, 1e300, 1.7e308)
+      for p in (1e-300, 0.5, 1 - 2**-53, 1.0)),
+    *(SamplingParams(temperature=1.0, top_k=k, top_p=p, seed=2**64 - 1) for k in (1, VOCAB - 1, VOCAB, 2**62)
+      for p in (5e-324, 1 - 2**-53)),
+]
+
+
+@pytest.mark.parametrize("params", EXTREMES, ids=lambda p: f"t{p.temperature:g}-k{p.top_k}-p{p.top_p:g}")
+def test_every_sampling_value_in_range_draws_a_token(params):
+    """The documented ranges hold to their edges: a top_p whatever its size keeps at least the likeliest token,
+    so the draw never meets an empty distribution (multinomial raised, failing every row of the batch)."""
+    logits = _logits(2, seed=3)
+    drawn = sample(logits, [params, params], [make_generator(params, "cpu") for _ in range(2)])
+    assert all(0 <= token < VOCAB for token in drawn)
+    if params.top_p < 1e-7 and params.temperature <= 1:  # the nucleus is the likeliest token alone
+        assert drawn == logits.argmax(-1).tolist()
+
+
+def test_errors_name_a_few_refused_ids_and_count_them():
+    with pytest.raises(DecodeError) as refused:
+        SamplingParams(stop_token_ids=range(-200_000, 0))
+    assert "(200000 in all)" in str(refused.value) and len(str(refused.value)) < 200
