@@ -184,6 +184,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._loading: list[_Load] = []  # this step's layer-pipelined loads (one group)
         self._receiving: dict[str, _Load] = {}  # asynchronous loads by request (several groups)
         self._saving: dict[int, tuple[Transfer, torch.Tensor | None, torch.Tensor | None, set[str]]] = {}
+        self._save_failed = 0  # layers whose pages could not be copied (their steps' saves skipped)
         self._load_errors: set[int] = set()
 
     # -- the store ---------------------------------------------------------------------------------
@@ -287,7 +288,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             if full > tracked.saved:
                 last = len(prompt) // self.block_tokens
                 window = self.groups.window_range(last)
-                window_first = max(tracked.saved, window.start) if window else full
+                # a chunk of a long prompt may end before its last window begins: then no window blocks yet
+                window_first = min(full, max(tracked.saved, window.start)) if window else full
                 if any(tracked.block_ids[g][i] == 0 for g in self._window_group_ids for i in range(window_first, full)):
                     window_first = full  # a window block vLLM already let go (null): not the prompt's window
                 meta.saves.append(Transfer(req_id, tracked.cache_salt, list(prompt[: full * self.block_tokens]),
@@ -382,6 +384,17 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._loading = []
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        """Copy this layer's pages of this step's saves. vLLM's attention calls this without a guard, so a
+        fault here would end the engine: it skips the step's saves instead (blocks not saved are not cached)."""
+        try:
+            self._save_layer(layer_name, kv_layer)
+        except Exception as exc:  # noqa: BLE001
+            if not self._save_failed:
+                log.error("kvstore: saving this step's blocks failed, they are not cached: %s", exc)
+            self._save_failed += 1
+            self._saving = {}
+
+    def _save_layer(self, layer_name: str, kv_layer: torch.Tensor) -> None:
         full, window = self._full_index.get(layer_name), self._window_index.get(layer_name)
         if (full is None and window is None) or not self.has_connector_metadata():
             return

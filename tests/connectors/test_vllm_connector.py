@@ -144,6 +144,25 @@ def _hybrid_ids(engine: Engine, blocks: int, resume: int = 0) -> list[list[int]]
     return [engine.allocate(blocks), [0] * window_start + engine.allocate(blocks - window_start)]
 
 
+def test_a_hybrid_prompts_first_chunk_ending_before_its_window_saves_full_blocks_alone(daemons):
+    """Chunked prefill: a step that ends before the prompt's last window begins has no window blocks to save
+    (a negative count of them once raised out of save_kv_layer, into vLLM's forward pass)."""
+    (daemon,) = daemons(1)
+    tokens = _tokens(10 * BLOCK + 1, 9)
+    writer = Engine(daemon.address, "org/hybrid", **HYBRID)
+    ids = _hybrid_ids(writer, 11)
+    _, meta = writer.schedule(vllm_request("w", tokens), ids, chunk=4 * BLOCK)
+    (save,) = meta.saves
+    assert (save.first, save.end, save.window_first) == (0, 4, 4)
+    assert writer.forward(meta, _fill(writer, ids, seed=9)) == set()
+    assert writer.worker.flush(30)
+    writer.close()
+    reader = Engine(daemon.address, "org/hybrid", **HYBRID)
+    external, _ = reader.schedule(vllm_request("r", tokens), _hybrid_ids(reader, 11, resume=4))
+    assert external == 0, "four full blocks and no window: nothing to resume from exactly"
+    reader.close()
+
+
 def test_a_hybrid_stores_full_blocks_and_each_prompt_end_window_and_resumes_exactly(daemons):
     (daemon,) = daemons(1)
     tokens = _tokens(6 * BLOCK + 3, 6)

@@ -182,10 +182,11 @@ class Engine:
     def group_of(self, layer: int) -> int:
         return 1 if layer in self.window_layers else 0
 
-    def schedule(self, request, block_ids: list[int] | list[list[int]], num_computed_tokens: int = 0):
+    def schedule(self, request, block_ids: list[int] | list[list[int]], num_computed_tokens: int = 0,
+                 chunk: int | None = None):
         """The scheduler side of one request's first step, as vLLM's scheduler calls it: the match, the
         allocation (`block_ids`, per group where there are several), then this step's metadata for the
-        rest of the prompt. (external tokens, whether the load is asynchronous, metadata)."""
+        rest of the prompt, or its first `chunk` tokens (chunked prefill). (external tokens, metadata)."""
         from vllm.v1.core.kv_cache_manager import KVCacheBlocks
         from vllm.v1.core.kv_cache_utils import KVCacheBlock
         from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
@@ -198,6 +199,7 @@ class Engine:
         output = SchedulerOutput.make_empty()
         output.scheduled_new_reqs = [NewRequestData.from_request(request, tuple(list(g) for g in groups))]
         scheduled = len(request.prompt_token_ids) - request.num_computed_tokens
+        scheduled = scheduled if chunk is None else min(chunk, scheduled)
         output.num_scheduled_tokens = {request.request_id: scheduled}
         output.total_num_scheduled_tokens = scheduled
         self.asynchronous = asynchronous
