@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from kvstore.client.shard import Shard
 
 VERIFY_CHUNK_BYTES = 256 * 1024  # verify a part in chunks of about this size while the rest arrives
+MAX_MISS_CAUSES = 64  # distinct miss causes counted by name; past that a new one counts as "other"
 Buffer = bytes | bytearray | memoryview
 
 
@@ -69,6 +70,9 @@ class GetAssembly:
         return sum(self.received_bytes.values())
 
     def _miss(self, local: int, cause: str) -> None:
+        # causes are the daemon's words: a misbehaving one must not grow the counter without bound
+        if cause not in self.miss_causes and (len(self.miss_causes) >= MAX_MISS_CAUSES or len(cause) > 64):
+            cause = "other"
         self.miss_causes[cause] += 1
         self.broken.add(local)
 
@@ -84,6 +88,9 @@ class GetAssembly:
             try:
                 header = decode_header(head.header)
                 header.check_expected(self.blocks[self.positions[local]])
+                if self.into is not None and len(memoryview(self.into[self.positions[local]]).cast("B")) < (
+                        (self.layer_end or header.n_layers) - self.layer_begin) * header.layer_bytes:
+                    raise CorruptRecord("layout_mismatch", "a record larger than the caller's buffer")
                 self.headers[local] = header
                 if head.replicas > 1:
                     self.hot[local] = head.replicas
@@ -101,7 +108,8 @@ class GetAssembly:
             if self.into is not None:
                 target = memoryview(self.into[self.positions[local]]).cast("B")
                 if len(target) < size:
-                    raise ValueError(f"into[{self.positions[local]}] has {len(target)} bytes; the block needs {size}")
+                    raise CorruptRecord("layout_mismatch", f"into[{self.positions[local]}] has {len(target)} bytes; "
+                                                           f"the block needs {size}")
                 self.payloads[local] = target[:size]
             else:
                 self.payloads[local] = memoryview(bytearray(size))

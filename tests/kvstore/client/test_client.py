@@ -97,3 +97,18 @@ async def test_async_api(daemons):
         assert await client.lookup([b for b, _ in items]) == 5
         got = await client.get([b for b, _ in items], layer_begin=1)
         assert [g.payload for g in got] == [p[NS.layer_bytes :] for _, p in items]
+
+
+@pytest.mark.parametrize("transport", ["auto", "grpc"])
+def test_a_record_larger_than_the_callers_buffer_is_a_miss_of_that_block_alone(daemons, transport):
+    """Another writer in the tenant (or a daemon) may hold a larger record under the key: that block misses,
+    the others land, and get() raises nothing (a raise once left sibling reads writing into buffers the
+    caller had taken back)."""
+    (daemon,) = daemons(1)
+    good, big = NS.blocks(range(32))
+    with KVClient(ClientConfig((daemon.address,), transport=transport)) as client:
+        client.put([(good, os.urandom(NS.block_bytes)), (big, os.urandom(2 * NS.block_bytes))], 1)
+        rows = [bytearray(NS.block_bytes), bytearray(NS.block_bytes)]
+        found = client.get([good, big], into=rows)
+        assert [data.block.key for data in found] == [good.key]
+        assert client.stats.miss_causes["layout_mismatch"] == 1
