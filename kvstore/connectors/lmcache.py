@@ -100,7 +100,17 @@ class KVStoreConnector(RemoteConnector):
         except Exception as exc:  # noqa: BLE001
             log.warning("kvstore get failed: %s", exc)
             return [None] * len(keys)
-        return [self._memory_obj(found[b.key].payload) if b.key in found else None for b in blocks]
+        out: list[MemoryObj | None] = []
+        try:
+            for block in blocks:
+                out.append(self._memory_obj(found[block.key].payload) if block.key in found else None)
+        except Exception as exc:  # noqa: BLE001 - what was allocated goes back; the rest is a miss
+            log.warning("kvstore: a chunk could not be placed in LMCache's memory: %s", exc)
+            for memory_obj in out:
+                if memory_obj is not None:
+                    memory_obj.ref_count_down()
+            return [None] * len(keys)
+        return out
 
     def _memory_obj(self, payload) -> MemoryObj | None:
         """A MemoryObj of LMCache's allocator holding the record's bytes: a chunk of `tokens` tokens, shaped
@@ -115,7 +125,9 @@ class KVStoreConnector(RemoteConnector):
             tokens, (shape,) = len(view) // self.single_token_size, shapes
             dim = 2 if len(shape) == 4 else 0  # KV_2LTD [2, layers, tokens, hidden]; MLA [tokens, ...]
             shapes = [torch.Size([*shape[:dim], tokens, *shape[dim + 1 :]])]
-        memory_obj = self.local_cpu_backend.allocate(shapes, self.meta_dtypes, self.meta_fmt)
+        # busy_loop off: with it LMCache waits until memory frees, which a batch whose own earlier chunks
+        # hold it never lets happen
+        memory_obj = self.local_cpu_backend.allocate(shapes, self.meta_dtypes, self.meta_fmt, busy_loop=False)
         if memory_obj is None:  # LMCache's CPU memory is full
             return None
         memoryview(memory_obj.byte_array).cast("B")[:] = view

@@ -139,3 +139,28 @@ def test_a_dead_daemon_is_a_miss_within_the_deadline(loop, daemons):
     remote.batched_submit_put_task([_key(metadata, 42)], [_chunk(local, metadata, 7)])  # no exception either
     assert time.monotonic() - started < MISS_DEADLINE_S
     remote.close()
+
+
+def test_a_get_with_lmcaches_memory_full_is_a_miss_and_then_a_hit_once_it_frees(loop, daemons):
+    """LMCache's allocator waits for memory by default; a batch holding that memory itself would wait forever."""
+    (daemon,) = daemons(1)
+    local, remote, metadata = _backend(loop, daemon.address)
+    keys = [_key(metadata, h) for h in (31, 32)]
+    objs = [_chunk(local, metadata, seed) for seed in (31, 32)]
+    _stored(remote, keys, objs)
+    held = []
+    while (obj := local.allocate(metadata.get_shapes(), metadata.get_dtypes(), MemoryFormat.KV_2LTD,
+                                 busy_loop=False)) is not None:
+        held.append(obj)
+    answers: list = []
+    reader = threading.Thread(target=lambda: answers.append(remote.batched_get_blocking(keys)), daemon=True)
+    reader.start()
+    reader.join(MISS_DEADLINE_S)  # a hang guard: the answer comes at once
+    assert answers == [[None, None]], "memory full: a miss"
+    for obj in held + objs:
+        obj.ref_count_down()
+    got = remote.batched_get_blocking(keys)
+    assert [g is not None for g in got] == [True, True]
+    for obj in got:
+        obj.ref_count_down()
+    remote.close()
