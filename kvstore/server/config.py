@@ -16,11 +16,14 @@ import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvstore.eviction import POLICIES
 from kvstore.record import CLASS_NAME_BYTES
 from kvstore.units import parse_duration, parse_size  # kvstore.server.config.parse_size and parse_duration stay
+
+if TYPE_CHECKING:
+    from kvstore.etcd import EtcdAccess
 
 UNIX_PATH_MAX = 107  # sun_path is 108 bytes, NUL included
 
@@ -111,6 +114,14 @@ class ServerConfig:
     register: str | None = None
     advertise: str | None = None  # "host:port" clients reach this daemon at; default: host and port, if specific
     register_ttl_s: float = 10.0  # the lease: a daemon that dies leaves the membership this long after
+    # A secured etcd (docs/operations.md): TLS with the CA that signed etcd's certificate, a client certificate
+    # where etcd asks for one, and one of etcd's users, its password read from a file (never a flag: argv is
+    # public on the host)
+    etcd_tls_ca: Path | None = None
+    etcd_tls_cert: Path | None = None
+    etcd_tls_key: Path | None = None
+    etcd_user: str | None = None
+    etcd_password_file: Path | None = None
     # After SIGTERM, a registered daemon leaves the membership at once and serves on this long before its
     # drain, so clients copy the blocks they read from it to their new owners (docs/operations.md).
     leave_drain_s: float = 0.0
@@ -224,6 +235,16 @@ class ServerConfig:
         if not 1 <= self.register_ttl_s < math.inf:
             raise ValueError(f"register_ttl_s must be at least 1 second (etcd leases are whole seconds), "
                              f"got {self.register_ttl_s}")
+        if (self.etcd_tls_cert is None) != (self.etcd_tls_key is None):
+            raise ValueError("etcd_tls_cert and etcd_tls_key go together (mutual TLS)")
+        if self.etcd_tls_cert is not None and self.etcd_tls_ca is None:
+            raise ValueError("etcd_tls_cert needs etcd_tls_ca: a client certificate is only sent over TLS")
+        if (self.etcd_user is None) != (self.etcd_password_file is None) or self.etcd_user == "":
+            raise ValueError("etcd_user and etcd_password_file go together, and the user has a name")
+        for name in ("etcd_tls_ca", "etcd_tls_cert", "etcd_tls_key", "etcd_password_file"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"{name}: {path} is not a readable file")
         if self.register is None:
             return
         from kvstore.etcd import parse_url
@@ -236,6 +257,15 @@ class ServerConfig:
         host, _, port = advertise.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"advertise must be host:port, got {advertise!r}")
+
+    def etcd_access(self) -> EtcdAccess:
+        """How registration reaches etcd: an `kvstore.etcd.EtcdAccess` from the etcd_* settings."""
+        from kvstore.etcd import EtcdAccess
+
+        password = Path(self.etcd_password_file).read_text().strip() if self.etcd_password_file else None
+        string = lambda path: None if path is None else str(path)
+        return EtcdAccess(string(self.etcd_tls_ca), string(self.etcd_tls_cert), string(self.etcd_tls_key),
+                          self.etcd_user, password)
 
     @property
     def advertised(self) -> str:

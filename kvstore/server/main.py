@@ -110,7 +110,7 @@ async def serve(config: ServerConfig, stop: asyncio.Event | None = None) -> None
     maintenance = asyncio.create_task(store.retention.run())
     registration = None
     if config.register is not None:  # only once serving: a client that sees the entry can use it
-        registration = Registration(config.register, config.advertised, config.register_ttl_s)
+        registration = Registration(config.register, config.advertised, config.register_ttl_s, config.etcd_access())
         registration.start()
     try:
         await stop.wait()

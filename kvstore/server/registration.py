@@ -10,15 +10,15 @@ from __future__ import annotations
 import logging
 import threading
 
-from kvstore.etcd import Etcd, EtcdError, parse_url
+from kvstore.etcd import Etcd, EtcdAccess, EtcdError, parse_url
 
 log = logging.getLogger(__name__)
 
 
 class Registration:
-    def __init__(self, target: str, advertise: str, ttl_s: float) -> None:
+    def __init__(self, target: str, advertise: str, ttl_s: float, access: EtcdAccess | None = None) -> None:
         endpoints, prefix = parse_url(target)
-        self.etcd = Etcd(endpoints, timeout_s=max(1.0, ttl_s / 4))
+        self.etcd = Etcd(endpoints, timeout_s=max(1.0, ttl_s / 4), access=access)
         self.key, self.advertise, self.ttl_s = prefix + advertise, advertise, max(1, round(ttl_s))
         self.lease = 0
         self._stop = threading.Event()

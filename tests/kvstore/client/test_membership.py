@@ -333,6 +333,12 @@ def test_etcd_over_tls_with_client_certificates(daemons, tmp_path):
         for refused in (config(target), config(target, etcd_tls_ca=str(certs["ca"])), config(target, **rogue)):
             with pytest.raises(MembershipError):
                 refused.members().resolve()
+        # a daemon registers itself over the same TLS, with the same kind of settings
+        flags = [f"--{name.replace('_', '-')}={path}" for name, path in tls.items()]
+        joining, = daemons(1, "--register", target, *flags)
+        until(lambda: {m.address for m in config(target, **tls).members().resolve()} == {daemon.address,
+                                                                                       joining.address},
+              what="the daemon registered over TLS")
     finally:
         stop(etcd.proc)
 
@@ -361,3 +367,10 @@ def test_a_registering_daemon_must_name_an_address_clients_can_reach(tmp_path):
                         advertise="10.0.0.5:50051").advertised == "10.0.0.5:50051"
     with pytest.raises(ValueError, match="register_ttl_s"):
         ServerConfig(data_dir=tmp_path, register="etcd://127.0.0.1:2379/kv", register_ttl_s=0.5)
+    with pytest.raises(ValueError, match="etcd_tls_cert and etcd_tls_key go together"):
+        ServerConfig(data_dir=tmp_path, etcd_tls_cert=tmp_path)
+    with pytest.raises(ValueError, match="etcd_user and etcd_password_file go together"):
+        ServerConfig(data_dir=tmp_path, etcd_user="daemon")
+    (tmp_path / "pw").write_text("s3cret\n")
+    access = ServerConfig(data_dir=tmp_path, etcd_user="daemon", etcd_password_file=tmp_path / "pw").etcd_access()
+    assert (access.user, access.password, access.ca) == ("daemon", "s3cret", None)
