@@ -114,14 +114,12 @@ class ServerConfig:
     register: str | None = None
     advertise: str | None = None  # "host:port" clients reach this daemon at; default: host and port, if specific
     register_ttl_s: float = 10.0  # the lease: a daemon that dies leaves the membership this long after
-    # A secured etcd (docs/operations.md): TLS with the CA that signed etcd's certificate, a client certificate
-    # where etcd asks for one, and one of etcd's users, its password read from a file (never a flag: argv is
-    # public on the host)
-    etcd_tls_ca: Path | None = None
-    etcd_tls_cert: Path | None = None
-    etcd_tls_key: Path | None = None
-    etcd_user: str | None = None
-    etcd_password_file: Path | None = None
+    # A secured etcd (docs/operations.md): TLS, a client certificate where etcd asks for one, an etcd user
+    etcd_tls_ca: Path | None = None  # PEM CA that signed etcd's server certificate: register over TLS
+    etcd_tls_cert: Path | None = None  # PEM client certificate for etcd --client-cert-auth (with etcd_tls_key)
+    etcd_tls_key: Path | None = None  # its PEM key
+    etcd_user: str | None = None  # one of etcd's users, whose role may write the prefix
+    etcd_password_file: Path | None = None  # its password, in a file (a flag's value is public on the host)
     # After SIGTERM, a registered daemon leaves the membership at once and serves on this long before its
     # drain, so clients copy the blocks they read from it to their new owners (docs/operations.md).
     leave_drain_s: float = 0.0
@@ -307,7 +305,8 @@ def _coerce(name: str, value: Any) -> Any:
     if name not in _FIELDS:
         raise ValueError(f"unknown setting {name!r}; known: {', '.join(sorted(_FIELDS))}")
     if name in ("metrics_port", "data_port", "data_socket", "port_file", "access_log", "auth_tokens", "tls_cert",
-                "tls_key", "tls_client_ca", "register", "advertise") and (
+                "tls_key", "tls_client_ca", "register", "advertise", "etcd_tls_ca", "etcd_tls_cert", "etcd_tls_key",
+                "etcd_user", "etcd_password_file") and (
             value is None or str(value).lower() in ("", "none", "off")):
         return None
     try:
