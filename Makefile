@@ -36,11 +36,12 @@ lint: install
 
 # unit + integration + crash tests; benchmarks and slow work are marked `bench` and left out.
 test: install
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=15 tests
 
-# whole kvstore-api processes on the real model: signals, process counts, two instances on one daemon (~3 min)
+# whole processes on the real model: kvstore-api's signals, process counts, two instances on one daemon, and
+# `make demo` end to end, shortened (~5 min)
 test-processes: install
-	$(BIN)/python -m pytest -q -m processes tests/engine/api/test_processes.py
+	$(BIN)/python -m pytest -q -m processes tests/engine/api/test_processes.py tests/engine/test_demo.py
 
 # speculative decoding on the real Gemma 3 270M: greedy identical to plain decoding alone and in batches of 8 and 32
 # (make test has the same checks on tiny random families)

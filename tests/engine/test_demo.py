@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.processes  # two real-model runs of a whole process: make test-processes, not make test
 
 SUMMARY = re.compile(r"(\d[\d,]*) of (\d[\d,]*) prompt tokens from the cache.*first tokens agree in (\d+) of (\d+)")
 # a real turn's row: its path, where its window came from, and how many leading reply tokens equal the exact
