@@ -62,10 +62,14 @@ class EngineIdentity:
         return [self.block(key) for key in keys]
 
 
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")  # the checkpoint formats engines load
+
+
 def checkpoint_identity(folder: Path | str) -> str:
     """A model identity that names the checkpoint itself: the folder's name and a digest of its
-    `config.json` and every `*.safetensors` byte. Two checkpoints served under one name or path (a fine-tune
-    replacing a directory, another revision) get different identities, so never each other's KV.
+    `config.json` and every byte of its weight files (WEIGHT_FILES). Two checkpoints served under one name
+    or path (a fine-tune replacing a directory, another revision) get different identities, so never each
+    other's KV.
 
     Reads every weight byte once (about 0.3 s a GB with xxh3); this project's engine and the connectors
     name a model this way, so a vLLM and an engine/prefill serving the same folder agree."""
@@ -74,8 +78,12 @@ def checkpoint_identity(folder: Path | str) -> str:
     if not config.is_file():
         raise ValueError(f"{folder} is not a model folder with a config.json; name the model's identity "
                          "explicitly (model_id) instead")
+    weights = sorted({file for pattern in WEIGHT_FILES for file in folder.glob(pattern)})
+    if not weights:
+        raise ValueError(f"{folder} holds no weight file ({', '.join(WEIGHT_FILES)}): its config alone would name "
+                         "two checkpoints alike; name the model's identity explicitly (model_id) instead")
     digest = xxhash.xxh3_128()
-    for file in [config, *sorted(folder.glob("*.safetensors"))]:
+    for file in [config, *weights]:
         with open(file, "rb") as f:
             while chunk := f.read(16 * 2**20):
                 digest.update(chunk)

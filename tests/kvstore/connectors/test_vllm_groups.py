@@ -90,3 +90,8 @@ def test_the_checkpoint_identity_follows_every_weight_byte(tmp_path):
     assert checkpoint_identity(twin) != first, "the config"
     with pytest.raises(ValueError, match="config.json"):
         checkpoint_identity(tmp_path)
+    (twin / "pytorch_model.bin").write_bytes(bytes(10))  # a checkpoint in another format counts too
+    assert checkpoint_identity(twin) != first
+    (twin / "model.safetensors").unlink(), (twin / "pytorch_model.bin").unlink()
+    with pytest.raises(ValueError, match="no weight file"):  # a config alone names no checkpoint
+        checkpoint_identity(twin)
