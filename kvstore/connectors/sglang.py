@@ -61,6 +61,13 @@ from kvstore.connectors.identity import KEY_TOKENS, EngineIdentity, model_identi
 from kvstore.connectors.store import SETTINGS, LazyClient, client_config
 
 log = logging.getLogger(__name__)
+_logged: set[str] = set()  # refusals that come from configuration repeat on every prefetch: logged once each
+
+
+def _once(cause: str, message: str) -> None:
+    if cause not in _logged and len(_logged) < 256:
+        _logged.add(cause)
+        log.error("%s (logged once)", message)
 # MHA host layouts whose pages lie in host memory as equal K and V pieces (get_page_buffer_meta); other
 # pools (MLA, Mamba, DSA, ...) are stored through their flat data pages, a copy each way
 ZERO_COPY_LAYOUTS = ("page_first", "page_first_direct", "layer_first", "page_head")
@@ -188,8 +195,8 @@ class KVStoreHiCache(HiCacheStorage):
         if not keys:
             return []
         if host_indices is None or host_indices.numel() != len(keys) * pool.page_size:
-            log.error("kvstore: %d host indices for %d pages of %d tokens", 0 if host_indices is None else
-                      host_indices.numel(), len(keys), pool.page_size)
+            _once(f"indices {pool.name}", f"kvstore: {0 if host_indices is None else host_indices.numel()} host "
+                  f"indices for {len(keys)} pages of {pool.page_size} tokens")
             return [False] * len(keys)
         if not pool.zero_copy:
             return self._load_flat(pool, keys, host_indices)
@@ -332,7 +339,8 @@ class KVStoreHiCache(HiCacheStorage):
                 usable = {end for end in range(1, kv_pages + 1) if all(present[max(0, end - window) : end])}
                 boundary = max(usable, default=0)
             else:  # a policy this backend does not know: no verdict for the pool, so no hit that needs it
-                log.warning("kvstore: hit policy %s of pool %s is not supported", transfer.hit_policy, transfer.name)
+                _once(f"policy {transfer.hit_policy} {transfer.name}",
+                      f"kvstore: hit policy {transfer.hit_policy} of pool {transfer.name} is not supported")
                 usable, boundary = set(), 0
             if boundary:
                 hits[str(transfer.name)] = boundary
