@@ -43,10 +43,12 @@ test: install
 test-processes: install
 	$(BIN)/python -m pytest -q -m processes tests/engine/api/test_processes.py tests/engine/test_demo.py
 
-# speculative decoding on the real Gemma 3 270M: greedy identical to plain decoding alone and in batches of 8 and 32
+# decoding the real Gemma 3 270M: greedy equal to transformers' generate alone, batched and handed over from a
+# prefill process; speculative decoding greedy identical to plain decoding alone and in batches of 8 and 32
 # (make test has the same checks on tiny random families)
 test-speculative: install
-	$(BIN)/python -m pytest -q -n 2 -m speculative tests/engine/decode/test_speculative_real.py
+	$(BIN)/python -m pytest -q -n 2 -m 'speculative or real_model' tests/engine/decode/test_speculative_real.py \
+		tests/engine/decode/test_real_model.py
 
 # many hosts: membership against a real etcd and dnsmasq, copies of hot blocks between daemons; then three daemon
 # hosts and two engine hosts in network namespaces joined by a bridge: the real model's prefill and decode across

