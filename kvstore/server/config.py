@@ -7,12 +7,10 @@ deploy/kvstore.toml lists every field; kvstore/server/config_example.py writes i
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import logging
 import math
 import os
-import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvstore.eviction import POLICIES
 from kvstore.record import CLASS_NAME_BYTES
+from kvstore.settings import boolean, layered
 from kvstore.units import parse_duration, parse_size  # kvstore.server.config.parse_size and parse_duration stay
 
 if TYPE_CHECKING:
@@ -320,7 +319,7 @@ def _coerce(name: str, value: Any) -> Any:
             return {str(k).strip(): v for k, v in dict(value).items()}
         kind = _FIELDS[name].type
         if kind == "bool":
-            return _boolean(value)
+            return boolean(value)
         if "int" in kind:
             return int(value)
         if "float" in kind:
@@ -332,41 +331,9 @@ def _coerce(name: str, value: Any) -> Any:
         raise ValueError(f"setting {name}: {exc}") from exc
 
 
-_BOOLEANS = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
-
-
-def _boolean(value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.strip().lower() in _BOOLEANS:
-        return _BOOLEANS[value.strip().lower()]
-    raise ValueError(f"expected true or false, got {value!r}")
-
-
 def load_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> ServerConfig:
     """Build the config from flags (`argv`), the environment and the TOML file named by --config."""
     environ = os.environ if environ is None else environ
-    parser = argparse.ArgumentParser(prog="kvstore-server", description="The kvstore storage daemon.")
-    parser.add_argument("--config", type=Path, help="TOML file of settings (same names as the flags, with _)")
-    for name in _FIELDS:
-        parser.add_argument("--" + name.replace("_", "-"), dest=name, default=None, metavar="VALUE")
-    args = parser.parse_args(argv)
-
-    values: dict[str, Any] = {}
-    config_path = args.config or environ.get("KVSTORE_CONFIG")
-    if config_path:
-        try:
-            with open(config_path, "rb") as f:
-                values.update(tomllib.load(f))
-        except FileNotFoundError:
-            raise ValueError(f"config file {config_path} does not exist") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ValueError(f"config file {config_path} is not valid TOML: {exc}") from None
-    for name in _FIELDS:
-        env_value = environ.get("KVSTORE_" + name.upper())
-        if env_value is not None:
-            values[name] = env_value
-    for name in _FIELDS:
-        if getattr(args, name) is not None:
-            values[name] = getattr(args, name)
+    values = layered(_FIELDS, argv, environ, prog="kvstore-server", description="The kvstore storage daemon.",
+                     env_prefix="KVSTORE_")
     return ServerConfig(**{name: _coerce(name, value) for name, value in values.items()})

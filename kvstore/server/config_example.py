@@ -12,19 +12,15 @@ tests/kvstore/server/test_config_example.py fails while the committed file diffe
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
-import inspect
-import io
 import json
 import re
 import sys
-import textwrap
-import tokenize
 from pathlib import Path
 from typing import Any
 
 from kvstore.server.config import _SIZE_FIELDS, _TIME_FIELDS, DEFAULT_CLASSES, ServerConfig
+from kvstore.settings import source_comments
 from kvstore.units import format_duration, format_size
 
 # What the example sets otherwise than the defaults: a daemon on a storage host, reachable by its engines.
@@ -87,37 +83,10 @@ HEADER = """\
 """
 
 
-def source_comments(cls: type = ServerConfig) -> dict[str, list[str]]:
-    """Each field's comment lines in the class's source: the comment lines right above it, then its own."""
-    source = textwrap.dedent(inspect.getsource(cls))
-    lines = source.splitlines()
-    comments: dict[int, str] = {}  # row -> comment text
-    for token in tokenize.generate_tokens(io.StringIO(source).readline):
-        if token.type == tokenize.COMMENT:
-            comments[token.start[0]] = token.string.lstrip("#").strip()
-
-    def full_line(row: int) -> bool:
-        return row in comments and lines[row - 1].lstrip().startswith("#")
-
-    found: dict[str, list[str]] = {}
-    (classdef,) = ast.parse(source).body
-    for node in classdef.body:
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            above, row = [], node.lineno - 1
-            while full_line(row):
-                above.insert(0, comments[row])
-                row -= 1
-            own = [comments[r] for r in range(node.lineno, (node.end_lineno or node.lineno) + 1)
-                   if r in comments and not full_line(r)]
-            if above or own:
-                found[node.target.id] = above + own
-    return found
-
-
 def descriptions() -> dict[str, list[str]]:
     """Comment lines for every field; a ValueError names the fields that have none."""
     fields = [f.name for f in dataclasses.fields(ServerConfig)]
-    from_source = source_comments()
+    from_source = source_comments(ServerConfig)
     problems = [f"{name}: give it a comment in ServerConfig or a line in DESCRIPTIONS"
                 for name in fields if name not in from_source and name not in DESCRIPTIONS]
     problems += [f"DESCRIPTIONS[{name!r}]: ServerConfig has no such field" for name in DESCRIPTIONS
