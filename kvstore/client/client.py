@@ -13,10 +13,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import grpc
 
@@ -32,35 +30,13 @@ from kvstore.client.membership import Follower, Members, MembershipError
 from kvstore.client.placement import place
 from kvstore.client.replicas import Replicas
 from kvstore.client.shard import Shard
+from kvstore.client.stats import ClientStats, PutSummary
 from kvstore.eviction import ReuseHint
 from kvstore.proto import pb
 from kvstore.record import build_record, decode_header
 from kvstore.stats import Stats
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class PutSummary:
-    stored: int = 0
-    existed: int = 0
-    failed: int = 0
-
-
-@dataclass(slots=True)
-class ClientStats:
-    lookups: int = 0
-    hit_blocks: int = 0
-    miss_causes: Counter = field(default_factory=Counter)  # verified-miss and error causes
-    tier_hits: Counter = field(default_factory=Counter)  # blocks served by "host" (this process) or "daemon"
-    shard_errors: Counter = field(default_factory=Counter)  # address -> failed calls
-    data_fallbacks: Counter = field(default_factory=Counter)  # address -> calls its data channel refused, sent by gRPC
-    bytes_read: int = 0
-    bytes_written: int = 0
-    membership_changes: int = 0  # times the set of daemons changed after the client started
-    copies_made: int = 0  # copies of hot blocks this client put on members that lacked them
-    copy_reads: int = 0  # blocks read from a copy's holder (or a moved block's previous owner), not the owner
-    handed_off: int = 0  # moved blocks this client found on their previous owner and copied to the new one
 
 
 class AsyncKVClient:

@@ -31,11 +31,11 @@ from kvstore.client.assembly import BlockData, Buffer, GetAssembly, ShardGet
 from kvstore.client.cost import BandwidthMeter
 from kvstore.client.dataplane import DataChannel, SharedBuffer, SharedPlacement, TransportError
 from kvstore.client.host_tier import HostTier
+from kvstore.client.stats import ClientStats
 from kvstore.proto import pb
 from kvstore.record import CorruptRecord
 
 if TYPE_CHECKING:
-    from kvstore.client.client import ClientStats
     from kvstore.client.shard import Shard
 
 # A Get the data channel could not serve, before any part arrived, is repeated over gRPC with these codes.

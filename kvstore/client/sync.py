@@ -10,11 +10,12 @@ from typing import TypeVar
 
 from kvstore.block import Block
 from kvstore.client.assembly import BlockData, Buffer
-from kvstore.client.client import AsyncKVClient, ClientStats, PutSummary
+from kvstore.client.client import AsyncKVClient
 from kvstore.client.config import ClientConfig
 from kvstore.client.cost import blocks_worth_loading
 from kvstore.client.loader import Loader
 from kvstore.client.loading import KVDestination, LoadHandle
+from kvstore.client.stats import ClientStats, PutSummary
 from kvstore.client.write_behind import Then, WriteBehind
 from kvstore.eviction import ReuseHint
 from kvstore.stats import Stats
