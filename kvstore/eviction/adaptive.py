@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 from kvstore.eviction.base import EvictionPolicy, ReuseHint
 from kvstore.eviction.lru import LRU
@@ -95,12 +95,14 @@ class Adaptive(EvictionPolicy):
         self.names = tuple(candidates)
         self._full = [_candidate(name, capacity_bytes) for name in self.names]
         self._following = 0
-        self._shadows: list[_Shadow] | None = None  # made at the first block: R needs a block's size
+        self._shadows: list[_Shadow] = []  # made at the first block (R needs a block's size); none at capacity 0
+        self._sized = False  # whether the first block has sized the shadows
         self._threshold = _SPACE  # sampled: sample_point(key) < threshold
         self._used = 0.0  # decayed sampled bytes used
         self._since_check = 0
         self._bytes_since_check = 0.0
-        self._kept: dict = {}  # sampled tracked key -> (size, parent), for the shadows
+        # sampled tracked key -> (size, parent), for the shadows
+        self._kept: dict[Hashable, tuple[int, Hashable | None]] = {}
         self.switches = 0
         # a reuse-learning candidate keeps the classes the owner stores with each block
         self._classer = next((p for p in self._full if isinstance(p, PrefixReuse)), None)
@@ -122,8 +124,8 @@ class Adaptive(EvictionPolicy):
         return {name: shadow.hits / self._used for name, shadow in zip(self.names, self._shadows)}
 
     def _start_shadows(self, size: int) -> None:
+        self._sized = True
         if self.capacity_bytes <= 0:  # nothing to size them by: follow the first candidate
-            self._shadows = []
             return
         rate = min(1.0, SHADOW_BLOCKS * max(size, 1) / self.capacity_bytes)
         self._threshold = min(_SPACE, math.ceil(rate * _SPACE))
@@ -168,7 +170,7 @@ class Adaptive(EvictionPolicy):
     # -- what is observed ----------------------------------------------------------------------------
 
     def insert(self, key, size: int, parent=None, hint: ReuseHint | None = None) -> None:
-        if self._shadows is None:
+        if not self._sized:
             self._start_shadows(size)
         if self._shadows and self._sampled(key):
             if key not in self._kept:
@@ -220,7 +222,7 @@ class Adaptive(EvictionPolicy):
         return self._classer.class_of(key) if self._classer is not None else 0
 
     def restore(self, key, size: int, parent, klass: int) -> None:
-        if self._shadows is None:
+        if not self._sized:
             self._start_shadows(size)
         for policy in self._full:
             policy.restore(key, size, parent, klass)

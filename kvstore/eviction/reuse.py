@@ -146,7 +146,8 @@ class PrefixReuse(SizedPolicy):
         self._index: dict[int, int] = {}  # class -> its place in _leaves
         self._classes: list[int] = []  # the classes of _leaves, in its order
         self._score: list[float] = []  # per place: the reuse probability of the class's oldest leaf (inf: none)
-        self._own_part: list[tuple | None] = []  # per place: _own(class, bin) and the bin, None: no leaf
+        # per place: _own(class, bin) and the bin; None: no leaf (then its score is inf)
+        self._own_part: list[tuple[float, float, float, int] | None] = []
         self._until: list[float] = []  # per place: the operation count at which that score goes stale
         self._dirty: set[int] = set()  # classes to rescore
         # When only the all-class gaps changed, the scores of the other classes are not recomputed while
@@ -395,7 +396,9 @@ class PrefixReuse(SizedPolicy):
 
     def _arithmetic(self, place: int) -> float:
         """_combine for a class whose own part is unchanged, inlined (the all-class gaps changed)."""
-        p, longer, weight, bin = self._own_part[place]
+        own = self._own_part[place]
+        assert own is not None, "a place with a finite score has a leaf, so its own part"
+        p, longer, weight, bin = own
         every = self._all_gaps
         shared = every.longer_in(bin) / every.total if every.total else 1.0
         alive = p * ((longer + _PRIOR_GAPS * shared) / weight)
