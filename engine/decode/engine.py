@@ -113,7 +113,7 @@ class DecodeEngine:
                              f"got {type(kv_source).__name__}")
         self.model, self.pool, self.config = model, pool, config
         self._prefill = kv_source if isinstance(kv_source, PrefillEngine) else None
-        self._saver = ReplySaver(kv_source) if self._prefill is not None else None
+        self._saver = ReplySaver(self._prefill) if self._prefill is not None else None
         self._prefilling: dict[int, DecodeSequence] = {}  # prefill id -> the sequence it (re)fills
         self._waiting: list[DecodeSequence] = []  # submitted or preempted, oldest first
         self._running: list[DecodeSequence] = []  # admitted, oldest first: the last is preempted first
@@ -141,6 +141,7 @@ class DecodeEngine:
         a refused one stays the caller's."""
         sequence = self._sequence(request)
         if isinstance(request.prompt, PrefillRequest):
+            assert self._prefill is not None, "_sequence refuses a PrefillRequest without a prefill engine"
             try:
                 self._prefilling[self._prefill.submit(request.prompt)] = sequence
             except PrefillError as exc:
@@ -283,9 +284,10 @@ class DecodeEngine:
         (token,) = sample(result.logits.to(self.model.device)[None], [sequence.params], [sequence.generator])
         sequence.kv, sequence.computed = result.kv, result.prompt_tokens
         if sequence.resume is not None:
+            assert sequence.chain is not None, "only a sequence whose reply is saved resumes from the store"
             sequence.resume = None
             sequence.resumed_from_store += result.path == HANDED_OVER
-            self._saver.resumed(sequence.chain, result)
+            self._replies.resumed(sequence.chain, result)
         else:
             sequence.chain = self._saver.chain(result) if self._saver is not None else None
             sequence.prefill_path, sequence.cached_tokens = result.path, result.loaded_tokens
@@ -340,7 +342,7 @@ class DecodeEngine:
             self._speculate(batch)
         for sequence, chunk in zip(batch.sequences, batch.chunks):  # after drafting: it sets the chunks' sizes
             if sequence.chain is not None:
-                self._saver.before_chunk(sequence.chain, sequence.kv, chunk.start, len(chunk.tokens))
+                self._replies.before_chunk(sequence.chain, sequence.held_kv, chunk.start, len(chunk.tokens))
         return batch
 
     def _speculate(self, batch: StepBatch) -> None:
@@ -353,7 +355,7 @@ class DecodeEngine:
             return
         config = self.config
         # a chunk's drafts must not wrap a window ring onto the chunk itself (W is one model's, for all)
-        first = batch.sequences[decoding[0]].kv
+        first = batch.sequences[decoding[0]].held_kv
         ring_room = first.window - 1 if first.rings is not None else config.gamma
         proposed: dict[int, list[DraftToken]] = {}
         failed: dict[int, Exception] = {}
@@ -376,6 +378,7 @@ class DecodeEngine:
             return
         else:
             sps = self._sps
+            assert sps is not None, "made at start-up unless fixed_drafts is given"
             survivals = [self._calibration.survivals([d.confidence for d in drafts]) for drafts in proposals]
             # No ℓ changes a request's tokens (greedy: the argmax; seeded sampling: one draw per token, as
             # without drafts), so every decoding sequence shares the one DSpark choice. B counts the step's
@@ -386,7 +389,7 @@ class DecodeEngine:
             if not length:
                 continue
             sequence, chunk = batch.sequences[i], batch.chunks[i]
-            kv = sequence.kv
+            kv = sequence.held_kv
             try:
                 kv.reserve(chunk.start + 1 + length)
             except KVCapacityError:  # drafts never preempt anyone: as many as the pages held have room for
@@ -406,6 +409,7 @@ class DecodeEngine:
             sequence.indexing.result()  # re-raises what the build raised: this sequence's fault
             sequence.indexing = None
         drafter = sequence.drafter
+        assert drafter is not None, "made at admission when speculating"
         if drafter.index.length < len(sequence.tokens):
             drafter.extend(sequence.tokens[drafter.index.length:])
         return drafter
@@ -449,7 +453,7 @@ class DecodeEngine:
         `_prepare` preempts as usual."""
         try:
             for sequence, chunk in zip(batch.sequences, batch.chunks):
-                sequence.kv.reserve(chunk.start + len(chunk.tokens) + 1)
+                sequence.held_kv.reserve(chunk.start + len(chunk.tokens) + 1)
         except KVCapacityError:
             return
         self._admit()
@@ -470,7 +474,7 @@ class DecodeEngine:
                 continue  # its KV keeps what verification accepts: see _verify
             sequence.computed += len(chunk.tokens)
             if sequence.chain is not None:
-                self._saver.after_chunk(sequence.chain, sequence.kv, sequence.tokens, sequence.computed)
+                self._replies.after_chunk(sequence.chain, sequence.held_kv, sequence.tokens, sequence.computed)
         rows = [i for i, sampled in enumerate(batch.samples) if sampled and not batch.drafts[i]]
         plain: dict[int, int] = {}  # batch row -> its sampled token
         faults: dict[int, Exception] = {}  # batch row -> what its sampling raised
@@ -526,12 +530,12 @@ class DecodeEngine:
                 break
         # the last token, the accepted drafts; never the token just appended (nor any past a stop)
         sequence.computed = min(chunk.start + 1 + verdict.accepted, len(sequence.tokens) - 1)
-        kv = sequence.kv
+        kv = sequence.held_kv
         kv.rollback(sequence.computed, checkpoint)
         # a window captured at a boundary past the kept positions saw rejected drafts: captured again later
         kv.captured = {boundary: state for boundary, state in kv.captured.items() if boundary <= sequence.computed}
         if sequence.chain is not None:
-            self._saver.after_chunk(sequence.chain, kv, sequence.tokens, sequence.computed)
+            self._replies.after_chunk(sequence.chain, kv, sequence.tokens, sequence.computed)
         return reason
 
     def _admit(self) -> None:
@@ -544,6 +548,7 @@ class DecodeEngine:
         while self._waiting and len(self._running) < self.config.max_running:
             sequence = self._waiting[0]
             if sequence.resume is not None:  # its state is in the store: the prefill engine gets it back
+                assert self._prefill is not None, "only a prefill engine's sequences are saved to the store"
                 self._waiting.pop(0)
                 self._prefill.flush(RESUME_FLUSH_S)  # its continuation record may still be on its way
                 self._prefilling[self._prefill.submit(sequence.resume)] = sequence
@@ -574,15 +579,15 @@ class DecodeEngine:
         pool is full; False if `sequence` itself was preempted."""
         while True:
             try:
-                sequence.kv.reserve(tokens)
+                sequence.held_kv.reserve(tokens)
                 return True
             except KVCapacityError:
                 youngest = self._running.pop()
                 resume = None
                 if youngest.chain is not None and youngest.uncomputed == 1 and self.config.preempt_to_store:
-                    resume = self._saver.save_state(youngest.chain, youngest.kv, youngest.tokens)
+                    resume = self._replies.save_state(youngest.chain, youngest.held_kv, youngest.tokens)
                 if youngest.chain is not None and resume is None:
-                    self._saver.preempted(youngest.chain)
+                    self._replies.preempted(youngest.chain)
                 youngest.preempt(resume)
                 self._waiting.insert(0, youngest)  # ahead of new requests; older victims end up first
                 if youngest is sequence:
@@ -602,8 +607,14 @@ class DecodeEngine:
     def _end(self, sequence: DecodeSequence) -> None:
         """A sequence is done (finished or cancelled): keep its window for the next turn, free its KV."""
         if sequence.chain is not None:
-            self._saver.finished(sequence.chain, sequence.tokens)
+            self._replies.finished(sequence.chain, sequence.tokens)
         self._release(sequence)
+
+    @property
+    def _replies(self) -> ReplySaver:
+        """The reply saver, which a sequence with a chain has: chains come from the prefill engine's results."""
+        assert self._saver is not None, "a sequence with a reply chain came from this engine's prefill engine"
+        return self._saver
 
     def _release(self, sequence: DecodeSequence) -> None:
         if sequence.kv is not None:

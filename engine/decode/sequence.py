@@ -62,6 +62,12 @@ class DecodeSequence:
         return max(0, room)
 
     @property
+    def held_kv(self) -> RequestKV:
+        """The KV of a sequence that holds one: admitted, handed over, or being preempted."""
+        assert self.kv is not None, "a sequence without KV is waiting: nothing reads its KV there"
+        return self.kv
+
+    @property
     def reply(self) -> list[int]:
         return self.tokens[self.prompt_tokens:]
 
@@ -94,6 +100,7 @@ class DecodeSequence:
         # checked every token, so a stop string can only newly end in the tail: decoding the last few
         # tokens (a token spells at least one character, bar byte pieces, hence the margin) suffices
         tail = max(len(s) for s in self.params.stop) + 8
+        assert self.detokenize is not None, "the engine refuses stop strings without a detokenize callable"
         text = self.detokenize(self.reply[-tail:])
         return any(s in text for s in self.params.stop)
 

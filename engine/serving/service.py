@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from engine.decode import DecodeError, DecodeRequest
+from engine.decode import DecodeError, DecodeRequest, DecodeResult
 from engine.prefill import PrefillRequest
 from engine.serving.loop import ServingBusy, ServingClosed, ServingLoop
 from engine.serving.messages import RequestRefused, decode_request, load_message, parse, result_message
@@ -27,6 +27,8 @@ from kvstore.server.limits import grpc_caller
 # Generate spends the instance's compute and writes the tenant's blocks to the store; Load only reads
 VERBS = {"Generate": "write", "Load": "read"}
 verb_of = method_verbs(SERVICE, VERBS)
+
+_End = tuple[DecodeResult | None, Exception | None]  # how the serving loop ends a request: (result, error)
 
 
 class DecodeService:
@@ -41,8 +43,12 @@ class DecodeService:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if (refusal := _outside_tenants(request)) is not None:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal)
-        loop, events = asyncio.get_running_loop(), asyncio.Queue()
-        put = lambda event: loop.call_soon_threadsafe(events.put_nowait, event)
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[int | _End] = asyncio.Queue()  # the reply's tokens, then its end
+
+        def put(event: int | _End) -> None:  # from the engine thread
+            loop.call_soon_threadsafe(events.put_nowait, event)
+
         request.on_token = put
         try:
             ticket = self.serving.submit(request, lambda result, error: put((result, error)), grpc_caller(context))
@@ -53,7 +59,8 @@ class DecodeService:
         done = False
         try:
             while not done:
-                tokens, end = [], await events.get()
+                tokens: list[int] = []
+                end: int | _End | None = await events.get()
                 while isinstance(end, int):  # every token that has come, in one message
                     tokens.append(end)
                     end = events.get_nowait() if not events.empty() else None
@@ -66,6 +73,7 @@ class DecodeService:
                         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
                     if error is not None:
                         await context.abort(grpc.StatusCode.INTERNAL, str(error))
+                    assert result is not None, "the loop ends a request with a result or an error"
                     yield pb.GenerateReply(result=result_message(result)).SerializeToString()
         finally:
             if not done:  # cancelled, or the client went away: nobody reads the rest
