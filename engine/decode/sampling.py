@@ -124,7 +124,7 @@ def candidates(logits: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor, t
     scores = (logits - logits.max()) / temperature  # (vocab,)
     vocab = scores.numel()
     if not 0 < p.top_k < vocab and p.top_p >= 1:  # temperature alone: the whole vocabulary
-        return torch.arange(vocab), torch.softmax(scores, dim=-1)
+        return torch.arange(vocab, device=scores.device), torch.softmax(scores, dim=-1)
     if 0 < p.top_k < vocab:  # the k likeliest (and any tied with the k-th), renormalised among themselves
         kth = torch.topk(scores, p.top_k).values[-1]
         tied = (scores >= kth).nonzero()[:, 0]

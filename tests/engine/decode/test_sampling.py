@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.decode import DecodeError, SamplingParams
-from engine.decode.sampling import make_generator, sample
+from engine.decode.sampling import candidates, make_generator, sample
 
 pytestmark = pytest.mark.unit
 VOCAB = 50
@@ -138,3 +138,13 @@ def test_errors_name_a_few_refused_ids_and_count_them():
     with pytest.raises(DecodeError) as refused:
         SamplingParams(stop_token_ids=range(-200_000, 0))
     assert "(200000 in all)" in str(refused.value) and len(str(refused.value)) < 200
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.7), SamplingParams(temperature=0.7, top_p=0.9)],
+                         ids=["whole", "top_p"])
+def test_candidates_lie_on_the_logits_device(params):
+    """Tokens on another device than the weights fail the draw's indexing on a GPU: a device of its own
+    (meta: shapes only, nothing computed) shows where each result was made."""
+    logits = torch.empty(VOCAB, device="meta")
+    tokens, weights = candidates(logits, params)
+    assert tokens.device == weights.device == logits.device
