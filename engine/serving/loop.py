@@ -86,6 +86,7 @@ class Ticket:
     ended: bool = False  # its on_done was called (engine thread)
 
 
+ERROR_TEXT = 1000  # characters of an exception's text a request's own error carries at most
 _STOP = object()
 _WAKE = object()  # in the inbox after a cancel: an idle engine thread wakes to take it
 
@@ -190,7 +191,7 @@ class ServingLoop:
                 if item is _STOP:
                     self._stop()
                     return
-                if item is not _WAKE:
+                if isinstance(item, Ticket):
                     self._handle(item)
                 handled += 1
                 item = self._poll() if handled < DRAIN_PER_STEP else None
@@ -228,7 +229,7 @@ class ServingLoop:
             return
         except Exception as exc:  # not a refusal: a bug, which ends this request alone
             log.error("the engine failed to take a request", exc_info=exc)
-            self._end(ticket, None, EngineFault(f"engine error: {type(exc).__name__}: {exc}"))
+            self._end(ticket, None, EngineFault(f"engine error: {type(exc).__name__}: {exc}"[:ERROR_TEXT]))
             return
         self._tickets[ticket.id] = ticket
         self._order.append(ticket.id)
@@ -271,11 +272,13 @@ class ServingLoop:
     def _fault(self, exc: Exception) -> None:
         """A step raised: every request in flight ends with the fault, and its KV is freed."""
         log.error("the engine failed a step; every request in flight ends with the fault", exc_info=exc)
-        fault = EngineFault(f"engine error: {type(exc).__name__}: {exc}")
+        # the step held every tenant's request, so its text (which may quote one of them) stays in the log
+        fault = EngineFault(f"engine error: a step failed ({type(exc).__name__}); the instance's log has it")
         tickets, self._tickets, self._order = list(self._tickets.values()), {}, []
         for ticket in tickets:
             try:
-                self.engine.cancel(ticket.id)
+                if ticket.id is not None:
+                    self.engine.cancel(ticket.id)
             except Exception:
                 log.exception("cancelling request %s after the fault failed too", ticket.id)
             self._end(ticket, None, fault)

@@ -105,6 +105,8 @@ def test_a_fault_ends_every_request_in_flight_and_the_loop_serves_on(model):
         serving.submit(DecodeRequest(tokens(20), SamplingParams(max_tokens=4)), ends.callback("starved"))
         _, result, error, _, _ = ends.next()
         assert result is None and isinstance(error, EngineFault) and "KVCapacityError" in str(error)
+        # the step held every tenant's request, and its text may quote any of them: that stays in the log
+        assert "free KV pages" not in str(error)
         assert faults.get(timeout=30) is not None
         assert idle(lambda: serving.load)["waiting"] == 0  # its KV and its place were given up
         held.release()
