@@ -1,4 +1,5 @@
-"""The daemon's one config: defaults < TOML file < KVSTORE_* environment < command-line flags.
+"""The daemon's one config: defaults < TOML file < KVSTORE_* environment < command-line flags (kvstore/settings.py
+generates them from `ServerConfig`; each field's comment is its flag's help).
 
 Every field is validated in `__post_init__` with a message that says what to change. Sizes accept
 "64MiB"/"1GB"/plain bytes, durations "3d"/"12h"/"90s"/plain seconds (kvstore/units.py, the one parser of both).
@@ -7,7 +8,6 @@ deploy/kvstore.toml lists every field; kvstore/server/config_example.py writes i
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import os
@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 from kvstore.eviction import POLICIES
 from kvstore.record import CLASS_NAME_BYTES
-from kvstore.settings import boolean, layered
-from kvstore.units import parse_duration, parse_size  # kvstore.server.config.parse_size and parse_duration stay
+from kvstore.settings import Command
+from kvstore.units import parse_duration, parse_size  # noqa: F401  (kvstore.server.config.parse_size stays importable)
 
 if TYPE_CHECKING:
     from kvstore.etcd import EtcdAccess
@@ -289,51 +289,43 @@ class ServerConfig:
                 raise ValueError(f"{name} must be a positive number of seconds, got {getattr(self, name)}")
 
 
-_SIZE_FIELDS = {"capacity_bytes", "segment_bytes", "direct_io_min_bytes", "hot_tier_bytes", "lmdb_map_bytes",
-                "lmdb_max_map_bytes", "access_log_max_bytes",
-                "max_block_bytes", "max_message_bytes", "max_inflight_put_bytes", "max_region_bytes",
-                "max_unfinished_frame_bytes", "max_inflight_put_bytes_per_principal", "max_grpc_send_bytes",
-                "max_grpc_send_bytes_per_principal"}
-_TIME_FIELDS = {"expiry_bucket_s", "sweep_interval_s", "access_flush_interval_s", "grace_s", "data_frame_timeout_s",
-                "data_idle_timeout_s", "put_record_timeout_s", "rpc_stream_timeout_s", "grpc_handshake_timeout_s",
-                "grpc_connection_idle_s", "register_ttl_s", "hot_window_s", "leave_drain_s"}
-_FIELDS = {f.name: f for f in dataclasses.fields(ServerConfig)}
+# The help of each field whose definition has no comment of its own (the others' comment is their help).
+DESCRIPTIONS = {
+    "data_dir": "segment files, the LMDB index and the LOCK file (docs/operations.md, \"On disk\")",
+    "host": "the address gRPC and the TCP data channel listen on",
+    "capacity_bytes": "budget for segment files on disk; eviction starts at high_watermark of it",
+    "high_watermark": "eviction starts when live blocks fill this share of capacity_bytes",
+    "low_watermark": "... and frees blocks until they are back under this share",
+    "segment_bytes": "an open segment file is sealed at this size and a new one started",
+    "hot_tier_bytes": "DRAM tier in front of the segment files; 0: off",
+    "default_class": "the traffic class of a put that names none (one of [classes])",
+    "sweep_interval_s": "the background pass (expire, evict, compact) runs at least this often",
+    "access_flush_interval_s": "last-access times are written to the index at most this often",
+    "lmdb_map_bytes": "the index's LMDB map to begin with; it doubles as it fills",
+    "lmdb_max_map_bytes": "... up to this, past which puts fail with the index full",
+    "max_block_bytes": "the largest record (one block's header and payload) a put may store",
+    "max_message_bytes": "the largest gRPC message the daemon receives",
+    "max_inflight_put_bytes": "bytes of records being put, daemon-wide; a put past it waits a little, then is refused",
+    "max_keys_per_request": "the most keys one request may name",
+    "max_concurrent_rpcs": "gRPC calls open at once, daemon-wide (not the health check); one more is refused",
+    "io_threads": "threads doing the blocking disk and index work",
+    "grace_s": "on SIGTERM or SIGINT, how long open calls get to finish",
+    "log_level": "DEBUG, INFO, WARNING, ERROR or CRITICAL",
+    "tls_key": "the PEM private key of tls_cert",
+}
 
 
-def _coerce(name: str, value: Any) -> Any:
-    if name not in _FIELDS:
-        raise ValueError(f"unknown setting {name!r}; known: {', '.join(sorted(_FIELDS))}")
-    if name in ("metrics_port", "data_port", "data_socket", "port_file", "access_log", "auth_tokens", "tls_cert",
-                "tls_key", "tls_client_ca", "register", "advertise", "etcd_tls_ca", "etcd_tls_cert", "etcd_tls_key",
-                "etcd_user", "etcd_password_file") and (
-            value is None or str(value).lower() in ("", "none", "off")):
-        return None
-    try:
-        if name in _SIZE_FIELDS:
-            return parse_size(value)
-        if name in _TIME_FIELDS:
-            return parse_duration(value)
-        if name == "classes":
-            if isinstance(value, str):  # "agent=3d,chat=7d" from the environment or a flag
-                value = dict(item.split("=", 1) for item in value.split(",") if item)
-            return {str(k).strip(): v for k, v in dict(value).items()}
-        kind = _FIELDS[name].type
-        if kind == "bool":
-            return boolean(value)
-        if "int" in kind:
-            return int(value)
-        if "float" in kind:
-            return float(value)
-        if not isinstance(value, str):  # a TOML number, list or table where a name or a path belongs
-            raise ValueError(f"expected a string, got {value!r}")
-        return value
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise ValueError(f"setting {name}: {exc}") from exc
+def _classes(value: Any) -> dict[str, Any]:
+    """Traffic class -> TTL as written: "agent=3d,chat=7d" or a TOML table (ServerConfig parses the TTLs)."""
+    if isinstance(value, str):
+        value = dict(item.split("=", 1) for item in value.split(",") if item)
+    return {str(k).strip(): v for k, v in dict(value).items()}
+
+
+COMMAND = Command(ServerConfig, "kvstore-server", "The kvstore storage daemon.", "KVSTORE_",
+                  descriptions=DESCRIPTIONS, metavars={"classes": "NAME=TTL,..."}, parsers={"classes": _classes})
 
 
 def load_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> ServerConfig:
     """Build the config from flags (`argv`), the environment and the TOML file named by --config."""
-    environ = os.environ if environ is None else environ
-    values = layered(_FIELDS, argv, environ, prog="kvstore-server", description="The kvstore storage daemon.",
-                     env_prefix="KVSTORE_")
-    return ServerConfig(**{name: _coerce(name, value) for name, value in values.items()})
+    return COMMAND.load(argv, environ)

@@ -19,8 +19,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvstore.server.config import _SIZE_FIELDS, _TIME_FIELDS, DEFAULT_CLASSES, ServerConfig
-from kvstore.settings import source_comments
+from kvstore.server.config import DEFAULT_CLASSES, DESCRIPTIONS, ServerConfig
+from kvstore.settings import source_comments, unit
 from kvstore.units import format_duration, format_size
 
 # What the example sets otherwise than the defaults: a daemon on a storage host, reachable by its engines.
@@ -33,30 +33,6 @@ DEPLOYMENT: dict[str, Any] = {
     "hot_tier_bytes": 8 * 2**30,
 }
 
-# One line for each field whose definition in ServerConfig has no comment of its own.
-DESCRIPTIONS = {
-    "data_dir": "segment files, the LMDB index and the LOCK file (docs/operations.md, \"On disk\")",
-    "host": "the address gRPC and the TCP data channel listen on",
-    "capacity_bytes": "budget for segment files on disk; eviction starts at high_watermark of it",
-    "high_watermark": "eviction starts when live blocks fill this share of capacity_bytes",
-    "low_watermark": "... and frees blocks until they are back under this share",
-    "segment_bytes": "an open segment file is sealed at this size and a new one started",
-    "hot_tier_bytes": "DRAM tier in front of the segment files; 0: off",
-    "default_class": "the traffic class of a put that names none (one of [classes])",
-    "sweep_interval_s": "the background pass (expire, evict, compact) runs at least this often",
-    "access_flush_interval_s": "last-access times are written to the index at most this often",
-    "lmdb_map_bytes": "the index's LMDB map to begin with; it doubles as it fills",
-    "lmdb_max_map_bytes": "... up to this, past which puts fail with the index full",
-    "max_block_bytes": "the largest record (one block's header and payload) a put may store",
-    "max_message_bytes": "the largest gRPC message the daemon receives",
-    "max_inflight_put_bytes": "bytes of records being put, daemon-wide; a put past it waits a little, then is refused",
-    "max_keys_per_request": "the most keys one request may name",
-    "max_concurrent_rpcs": "gRPC calls open at once, daemon-wide (not the health check); one more is refused",
-    "io_threads": "threads doing the blocking disk and index work",
-    "grace_s": "on SIGTERM or SIGINT, how long open calls get to finish",
-    "log_level": "DEBUG, INFO, WARNING, ERROR or CRITICAL",
-    "tls_key": "the PEM private key of tls_cert",
-}
 
 # Values of an optional setting, shown beside it (the file sets them "off": each must name a readable file).
 EXAMPLES = {
@@ -107,10 +83,10 @@ def toml_value(name: str, value: Any) -> str:
         return '"off"'
     if isinstance(value, bool):
         return "true" if value else "false"
-    if name in _SIZE_FIELDS:
+    if unit(name) == "size":
         text = format_size(value)
         return text if text.isdigit() else json.dumps(text)
-    if name in _TIME_FIELDS:
+    if unit(name) == "duration":
         return json.dumps(format_duration(value))
     if isinstance(value, (int, float)):
         return repr(value)
