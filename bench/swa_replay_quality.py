@@ -10,7 +10,7 @@ turn ending 64+ tokens after P (the template's generation prompt included), so t
 model replies.
 
 For each R in 128, 256, 512, 1024 and each (session, P), against the exact state
-(`engine.swa_replay.quality`): top-1 agreement at the prompt's end and over the next turn's positions,
+(`engine.window.quality`): top-1 agreement at the prompt's end and over the next turn's positions,
 KL(exact || replay) mean and p99 over those positions, max |Δlogit|, how many of 32 greedy tokens match
 exact's, and the perplexity of the next turn's real tokens under both; overall, per P, and over the
 items where P > R only (with R >= P the "replay" recomputes the whole prefix exactly). Beside each R: the share of the
@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.checkpoints.real_model import load_real_model  # noqa: E402
 from engine.model.decoder import Decoder  # noqa: E402
-from engine.swa_replay.quality import CONTINUATION, ReplayQuality, session_replay_quality, spans_at, summarize  # noqa: E402
 from engine.text import real_text  # noqa: E402
+from engine.window.quality import CONTINUATION, ReplayQuality, session_replay_quality, spans_at, summarize  # noqa: E402
 
 REPLAY_TOKENS = (128, 256, 512, 1024)
 PREFIXES = (1024, 2048, 4096, 8192)

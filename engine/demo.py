@@ -11,7 +11,7 @@ computed cold (the whole prompt recomputed without the cache, then the same gree
 "= exact" counts its leading tokens that agree, "12/12" where the whole reply is the same. Half-way, both
 daemons, the client and the engine restart: hits then come from SSD, and the sliding-window states the
 engine kept in host memory are gone, so each session's next turn reads its window from the record the engine
-saved in the store beside the blocks (`engine.swa_replay.record`) and resumes exactly. Where neither holds
+saved in the store beside the blocks (`engine.window.record`) and resumes exactly. Where neither holds
 the window (the record expired), a turn rebuilds it by bounded replay (`replayed`: the stored prefix loaded,
 its last R tokens recomputed). Exact paths (`cold`, `cached`, `window_missing`) give the cold reply token for
 token; a replayed window is an approximation, so a replayed turn's reply, and that of a later turn whose KV

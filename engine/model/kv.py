@@ -8,7 +8,7 @@
   head_dim); position p lives in slot p % W. Only the window is ever needed, so memory stays bounded
   however long the session grows.
 
-Bounded replay (`engine.swa_replay`) bends both: full layers keep the KV loaded below a position rather
+Bounded replay (`engine.window`) bends both: full layers keep the KV loaded below a position rather
 than overwrite it with what the replay recomputes, and the rings hold nothing before the replay began.
 """
 

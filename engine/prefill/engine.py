@@ -7,9 +7,9 @@ the sliding-window state (host memory), and return the first token, its logits a
 
 A sliding-window layer's state cannot be rebuilt exactly from the stored blocks, so a hybrid model
 resumes exactly only where it has that prefix's window: from the window tier in host memory, or else from
-the window record the engine that kept it saved in the store (`engine.swa_replay.record`), so that a
+the window record the engine that kept it saved in the store (`engine.window.record`), so that a
 restarted engine or another instance resumes exactly too. Where both are gone, the engine
-loads the prefix and rebuilds an approximate window by bounded replay (`engine.swa_replay`) if that
+loads the prefix and rebuilds an approximate window by bounded replay (`engine.window`) if that
 saves much, or else recomputes exactly; a request or tenant that needs bit-exact continuation is never
 replayed. Blocks computed after a replay are approximate: they are saved in a namespace of their own
 (the model identity + REPLAYED_SUFFIX), which exact requests never read and later turns of the
@@ -48,9 +48,10 @@ from engine.prefill.request import (
     PrefillResult,
 )
 from engine.prefill.scheduler import Waiting, plan_step
-from engine.swa_replay import WindowTier, begin_replay, default_replay_tokens, worth_replaying
-from engine.swa_replay import record as window_records
 from engine.text.token_ids import checked_token_ids
+from engine.window import WindowTier, begin_replay, default_replay_tokens, worth_replaying
+from engine.window import record as window_records
+from engine.window.replay import REPLAYED_SUFFIX
 from kvstore.block import Block, KVLayout, Namespace
 from kvstore.client import KVClient, PutSummary
 from kvstore.client.loading import LoadCancelled, LoadHandle
@@ -58,7 +59,6 @@ from kvstore.client.torch_kv import PagedKV
 from kvstore.eviction import ReuseHint
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-REPLAYED_SUFFIX = "#replayed"  # the model identity of the namespace that holds KV computed after a replay
 MAX_SESSIONS_TRACKED = 65_536  # sessions whose latest window record is remembered, to delete it once superseded
 
 

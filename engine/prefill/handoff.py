@@ -38,7 +38,7 @@ import torch
 import xxhash
 
 from engine.model.kv import RequestKV, WindowState
-from engine.swa_replay.record import ring_slots, tensor_bytes, view_tensor, window_positions
+from engine.window.record import ring_slots, tensor_bytes, view_tensor, window_positions
 from kvstore.block import Block, Namespace, chain_hash
 
 HANDOFF_CLASS = "handoff"  # the traffic class of continuation records: a short TTL, they are read once

@@ -15,7 +15,7 @@ COLD = "cold"  # the store held nothing of it
 CACHED = "cached"  # loaded from the store (and, for sliding layers, the window state: `window_source`)
 WINDOW_MISSING = "window_missing"  # the store held a prefix but its window state was gone: recomputed exactly
 REPLAYED = "replayed"  # the store held a prefix, its window state was gone: rebuilt by replaying its last
-#                        R tokens (an approximation; `engine.swa_replay`)
+#                        R tokens (an approximation; `engine.window`)
 NOT_WORTH = "not_worth"  # loading was estimated slower than recomputing
 LOAD_FAILED = "load_failed"  # the load delivered less than planned (a daemon died, a block failed
 #                              verification): the rest was recomputed

@@ -8,7 +8,7 @@ import pytest
 from engine.decode import DecodeConfig, DecodeEngine, DecodeRequest, DecodeResult, SamplingParams
 from engine.prefill.engine import PrefillEngine
 from engine.prefill.request import CACHED, REPLAYED, WINDOW_MISSING, PrefillRequest
-from engine.swa_replay import record as window_records
+from engine.window import record as window_records
 from tests.engine.prefill.test_engine import BLOCK, _check, _client, _engine, _tokens
 from tests.engine.prefill.test_replay import STORED, R, _replayed_logits, _stored_first_turn
 

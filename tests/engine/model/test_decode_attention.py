@@ -10,7 +10,7 @@ import torch
 from engine.model.decode_attention import DecodeBatch
 from engine.model.decoder import Chunk, Decoder
 from engine.model.kv import PagePool, RequestKV
-from engine.swa_replay import begin_replay
+from engine.window import begin_replay
 from tests.engine.conftest import GEMMA3_WINDOW, VOCAB
 
 pytestmark = pytest.mark.unit

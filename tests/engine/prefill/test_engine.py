@@ -10,7 +10,7 @@ from engine.prefill.config import PrefillConfig
 from engine.prefill.cost import ChunkCost
 from engine.prefill.engine import PrefillEngine
 from engine.prefill.request import CACHED, COLD, LOAD_FAILED, WINDOW_MISSING, PrefillError, PrefillRequest
-from engine.swa_replay import record as window_records
+from engine.window import record as window_records
 from kvstore.block import Namespace
 from kvstore.client import ClientConfig, KVClient
 from tests.engine.conftest import VOCAB

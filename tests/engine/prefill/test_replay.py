@@ -11,7 +11,7 @@ from engine.model.decoder import Chunk
 from engine.model.kv import PagePool, RequestKV
 from engine.prefill.engine import PrefillEngine
 from engine.prefill.request import CACHED, LOAD_FAILED, REPLAYED, WINDOW_MISSING, PrefillRequest
-from engine.swa_replay import begin_replay
+from engine.window import begin_replay
 from tests.engine.prefill.test_engine import BLOCK, _check, _client, _engine, _tokens
 
 pytestmark = pytest.mark.integration
@@ -218,8 +218,8 @@ def test_a_turn_without_a_new_block_resumes_from_the_replayed_window(gpt_oss, da
 
 
 def test_a_namespace_altered_after_it_was_built_is_refused(gpt_oss):
-    from engine.prefill.engine import REPLAYED_SUFFIX
     from engine.prefill.request import PrefillError
+    from engine.window.replay import REPLAYED_SUFFIX
 
     engine = _engine(gpt_oss, None)
     forged = engine.namespace().with_model_id(engine.model_id + REPLAYED_SUFFIX)

@@ -24,7 +24,7 @@ import torch
 
 from engine.model.decoder import Chunk, Decoder
 from engine.model.kv import PagePool, RequestKV
-from engine.swa_replay.replay import begin_replay
+from engine.window.replay import begin_replay
 
 CONTINUATION = 32  # greedy tokens compared after the prompt's end
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from engine.model.kv import WindowState
-from engine.swa_replay.tier import WindowTier
+from engine.window.tier import WindowTier
 
 pytestmark = pytest.mark.unit
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine.model.decoder import Decoder
-from engine.swa_replay.quality import Span, replay_quality, session_replay_quality, spans_at, summarize
+from engine.window.quality import Span, replay_quality, session_replay_quality, spans_at, summarize
 
 SMALL = dict(continuation=6, chunk_tokens=50, logit_rows=7, block_tokens=32)  # uneven chunks and blocks
 

@@ -7,7 +7,7 @@ import torch
 
 from engine.model.kv import WindowState
 from engine.prefill import handoff
-from engine.swa_replay import record
+from engine.window import record
 from kvstore.block import KVLayout, Namespace
 
 pytestmark = pytest.mark.unit

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from engine.model.kv import RequestKV
 
+REPLAYED_SUFFIX = "#replayed"  # the model identity of the namespace that holds KV computed after a replay
 # The default R, in windows: chosen from the quality measured on Gemma 3 270M (docs/performance.md, "Bounded replay").
 REPLAY_WINDOWS = 2
 

@@ -9,7 +9,7 @@ import torch
 
 from engine.model.decoder import Chunk, Decoder
 from engine.model.kv import PagePool, RequestKV
-from engine.swa_replay.replay import begin_replay
+from engine.window.replay import begin_replay
 
 pytestmark = pytest.mark.unit
 
