@@ -123,7 +123,7 @@ class Command(Generic[T]):
                                     metavar="true|false", help=text)
                 parser.add_argument("--no-" + flags[0][2:], dest=name, action="store_const", const="false",
                                     help=f"the same as {flags[0]}=false")
-            elif kind.startswith(("tuple[", "dict[")):
+            elif kind.startswith("dict[") or kind.endswith(", ...]"):  # a list of any length, or a table
                 parser.add_argument(*flags, dest=name, action="append", default=None,
                                     metavar=self.metavars.get(name, "K=V,..." if kind.startswith("dict") else "A,..."),
                                     help=text + " (repeatable)")
@@ -183,7 +183,7 @@ class Command(Generic[T]):
             return tuple(self._parse(name, inner[0] if inner[-1] == "..." else inner[min(i, len(inner) - 1)], item)
                          for i, item in enumerate(items))
         if kind.startswith("dict["):
-            inner = kind[len("dict["):-1].split(",", 1)[1].strip()
+            entry_kind = kind[len("dict["):-1].split(",", 1)[1].strip()
             pairs: Iterable[tuple[Any, Any]]
             if isinstance(value, Mapping):
                 pairs = value.items()
@@ -195,7 +195,7 @@ class Command(Generic[T]):
                         raise ValueError(f"{self.flag(self.aliases.get(name, name))} takes "
                                          f"{self.metavars.get(name, 'KEY=VALUE').removesuffix(',...')}, got {item!r}")
                     pairs.append((key.strip(), entry.strip()))
-            return {str(key): self._parse(name, inner, entry) for key, entry in pairs}
+            return {str(key): self._parse(name, entry_kind, entry) for key, entry in pairs}
         if kind == "bool":
             return boolean(value)
         if kind == "int":

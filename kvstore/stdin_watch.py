@@ -12,14 +12,14 @@ import threading
 from collections.abc import Callable
 
 
-def watch_stdin(ended: Callable[[], None]) -> threading.Thread:
+def watch_stdin(ended: Callable[[], object]) -> threading.Thread:
     """Call `ended()` from a daemon thread once stdin reaches its end (or cannot be read)."""
     thread = threading.Thread(target=_read_until_end, args=(ended,), name="stdin-watch", daemon=True)
     thread.start()
     return thread
 
 
-def _read_until_end(ended: Callable[[], None]) -> None:
+def _read_until_end(ended: Callable[[], object]) -> None:
     # the raw descriptor, not sys.stdin: a daemon thread blocked inside a buffered reader aborts the
     # interpreter's exit (it cannot take the buffer's lock)
     try:

@@ -1,51 +1,62 @@
-"""The API server's one config."""
+"""The API server's one config, and its command line (`kvstore-api --help`): flags, KVSTORE_API_* variables and
+a TOML file, generated from `ApiConfig` as the daemon's are (kvstore/settings.py); each field's comment is its help."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+
+from engine.prefill.config import BLOCK_TOKENS
+from kvstore.settings import Command
 
 TRAFFIC_CLASSES = ("chat", "agent")
 
 
 @dataclass(frozen=True)
 class ApiConfig:
-    model: Path | None = None  # a model directory (config.json, weights, tokenizer); None: the packaged Gemma 3
+    # A model directory (config.json, safetensors weights, tokenizer); none: the packaged Gemma 3 270M,
+    # converted on first use
+    model: Path | None = None
     model_name: str = "gemma-3-270m"  # what clients name in `model`
-    servers: tuple[str, ...] = ()  # the store's daemons, host:port; none: no store
-    host: str = "127.0.0.1"
-    port: int = 8000
-    # API key -> tenant name (hashed into the namespace salt); empty: one open tenant, for loopback use
+    # The store's daemons (kvstore-server), host:port,... or a dns:///, dns+srv:/// or etcd:// target followed
+    # as they change (docs/deployment.md); none: no store, every prompt computed. A secured cluster's token and
+    # CA come from KVSTORE_TOKEN, KVSTORE_TLS_CA, ... (docs/operations.md)
+    servers: tuple[str, ...] = ()
+    host: str = "127.0.0.1"  # the address to listen on
+    port: int = 8000  # the port to listen on
+    # API key -> tenant; the tenant salts its cached blocks, so tenants never share them; none: one open
+    # tenant, for loopback use
     api_keys: dict[str, str] = field(default_factory=dict)
-    kv_pages: int = 1024  # of block_tokens each: 65,536 tokens of KV
-    # 64: a chat turn leaves on average half a block of its prompt and of its reply uncached; at 64 tokens the
-    # hit rate is 0.987 of a token-granular cache's and TTFT is that of 32-token blocks, at half their records
-    # and lookups per token; 256-token blocks cache 0.884 of it and take 2x the TTFT (bench/block_size.py)
-    block_tokens: int = 64
-    max_running: int = 32
+    kv_pages: int = 1024  # KV pages the engines hold, of block_tokens each: 65,536 tokens of KV
+    # Tokens per KV page and per stored block; the store's namespace includes it, so every process that shares
+    # cached prompts with this one must use the same (engine.prefill.config.BLOCK_TOKENS says why 64)
+    block_tokens: int = BLOCK_TOKENS
+    max_running: int = 32  # sequences decoded at once; more wait for a slot
     # Speculative decoding (DecodeConfig.speculative): n-gram drafts verified on the DSpark schedule, lossless;
-    # its SPS profile is measured at the first start on a machine and cached; --no-speculative turns it off
+    # its SPS profile is measured at the first start on a machine and cached
     speculative: bool = True
-    # The prefill's chunk cost model (a, b, c of engine.prefill.cost.ChunkCost); None: fitted at start-up by
-    # timing forwards (about 20 s on 2 cores, more on a loaded machine)
+    # The prefill's chunk cost model, a,b,c of engine.prefill.cost.ChunkCost, from an earlier fit on this
+    # machine as the start-up line prints it; none: fitted at start-up by timing forwards (about 20 s on 2
+    # cores, more on a loaded machine)
     chunk_cost: tuple[float, float, float] | None = None
     tokenize_workers: int = 2  # processes encoding prompts off the event loop
     # Responses kept for previous_response_id, per tenant, least recently used out first
     max_stored_responses: int = 10_000
-    max_stored_bytes: int = 256 << 20
+    max_stored_bytes: int = 256 << 20  # ... and their bytes, per tenant
     max_body_bytes: int = 4 << 20  # a request body past it is refused (413) before it is read whole
     # A request body's arrays and objects: nested at most max_json_depth deep (far inside Python's recursion
     # limit, leaving headroom for rendering tools and templates) and each holding at most max_array_items
     # entries (messages, input items, content blocks, tools...), so a body's parse stays short; past them, 400
     max_json_depth: int = 64
-    max_array_items: int = 4096
-    # Keys that read every tenant's counts at GET /metrics (the operator's, not a tenant's); a tenant's key
+    max_array_items: int = 4096  # entries of one array or object of a request body; past it, 400
+    # Keys (the operator's, not a tenant's) that read every tenant's counts at GET /metrics; a tenant's key
     # reads its own counts and the server's gauges. Without api_keys the one open tenant reads them all
     metrics_keys: tuple[str, ...] = ()
     max_in_flight: int = 128  # requests admitted and not done; past it, 429 (Anthropic: 529)
     max_in_flight_per_tenant: int = 64  # so one tenant cannot take every slot
     # Engine slots (of max_running) one tenant can never take, kept for the others (engine/api/fair.py);
-    # None: an eighth of max_running when the API keys name several tenants, else 0
+    # none: an eighth of max_running when the API keys name several tenants, else 0
     fair_reserve: int | None = None
     # How long a conversation of each class may idle before the store is advised that it ended: 600 s is
     # about the 95th percentile of the gap between a conversation's turns in the shared trace (chat only;
@@ -85,8 +96,8 @@ class ApiConfig:
             raise ValueError(f"ApiConfig: idle_s maps traffic classes {TRAFFIC_CLASSES} to seconds > 0")
         if self.chunk_cost is not None and (len(self.chunk_cost) != 3 or not all(0 <= v < 1e3 for v in self.chunk_cost)
                                             or not self.chunk_cost[0] + self.chunk_cost[1] > 0):
-            raise ValueError(f"ApiConfig: chunk_cost is three seconds-coefficients a, b, c >= 0 with a + b > 0, "
-                             f"got {self.chunk_cost}")
+            raise ValueError(f"ApiConfig: chunk_cost takes three numbers A,B,C, seconds-coefficients a, b, c >= 0 "
+                             f"with a + b > 0, got {self.chunk_cost}")
         if self.fair_reserve is not None and not 0 <= self.fair_reserve < self.max_running:
             raise ValueError(f"ApiConfig: fair_reserve must lie in [0, max_running), got {self.fair_reserve}")
         if not 1 <= self.max_connections_per_client <= self.max_connections:
@@ -96,3 +107,17 @@ class ApiConfig:
         if not self.sweep_interval_s > 0:
             raise ValueError("ApiConfig: sweep_interval_s must be > 0")
         object.__setattr__(self, "servers", tuple(self.servers))
+
+
+COMMAND = Command(ApiConfig, "kvstore-api", "The HTTP API server: OpenAI Chat Completions and Responses, Anthropic "
+                  "Messages, over the engines.", "KVSTORE_API_",
+                  aliases={"api_keys": "api_key", "metrics_keys": "metrics_key"},
+                  metavars={"model": "DIR", "servers": "HOST:PORT,...", "api_keys": "KEY=TENANT",
+                            "metrics_keys": "KEY", "chunk_cost": "A,B,C", "idle_s": "CLASS=DURATION,..."})
+
+
+def parse_args(argv: Sequence[str] | None = None, prog: str = "kvstore-api",
+               environ: Mapping[str, str] | None = None) -> ApiConfig:
+    """The config from flags, KVSTORE_API_* variables and the TOML file they name; a bad one exits 2 with its
+    message, as a bad flag does."""
+    return replace(COMMAND, prog=prog).parse(argv, environ)

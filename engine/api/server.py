@@ -18,7 +18,6 @@ What the store learns from a request comes from the request, never from its body
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import dataclasses
@@ -27,7 +26,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -35,16 +34,20 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.api import anthropic_messages, openai_chat, openai_responses
-from engine.api.config import TRAFFIC_CLASSES, ApiConfig
+from engine.api.config import TRAFFIC_CLASSES, ApiConfig, parse_args
 from engine.api.conversation import Message, Prompt, Reply
 from engine.api.errors import ApiError
 from engine.api.fair import FairGate
 from engine.api.metrics import TENANT
 from engine.api.service import Service
 
+if TYPE_CHECKING:
+    from kvstore.block import Block
+
 DISCONNECT_POLL_S = 1.0  # how often a request not yet streaming checks that its client is still there
 T = TypeVar("T")
 APIS = ("chat", "responses", "messages", "models")
+Event = list[int] | str | Reply  # what Service.generate yields: the prompt's ids, then text, then the Reply
 
 
 def create_app(service: Service, config: ApiConfig) -> FastAPI:
@@ -145,7 +148,9 @@ def create_app(service: Service, config: ApiConfig) -> FastAPI:
     @app.delete("/v1/responses/{rid}")
     async def delete_response(rid: str, request: Request) -> dict:
         tenant = _tenant(request, config)
-        service.close_conversation(tenant, stored.delete(tenant, rid).tokens)  # the store: it does not go on
+        tokens = stored.get(tenant, rid).tokens  # 404 for a response the tenant does not have
+        stored.delete(tenant, rid)
+        service.close_conversation(tenant, tokens)  # the store: it does not go on
         return openai_responses.deleted(rid)
 
     return app
@@ -159,6 +164,8 @@ async def _answer(service: Service, request: Request, prompt: Prompt, tenant: st
                               overloaded=529 if _api(request.url.path) == "messages" else 429)
     # ApiError here (a refused prompt, too many in flight) is an error status
     ids = await _while_connected(anext(events), request)
+    if not isinstance(ids, list):
+        raise AssertionError("a generation begins with the prompt's ids")
     if not prompt.stream:
         reply = await _while_connected(_until_reply(events), request)
         return JSONResponse(render(reply, ids))
@@ -168,7 +175,7 @@ async def _answer(service: Service, request: Request, prompt: Prompt, tenant: st
     return StreamingResponse(_events(first, events, stream, render, ids), media_type="text/event-stream")
 
 
-async def _until_reply(events: AsyncIterator[str | Reply]) -> Reply:
+async def _until_reply(events: AsyncIterator[Event]) -> Reply:
     async for item in events:
         if isinstance(item, Reply):
             return item
@@ -188,7 +195,7 @@ async def _while_connected(step: Awaitable[T], request: Request) -> T:
     return task.result()
 
 
-async def _events(first: str | Reply, events: AsyncIterator[str | Reply], stream, render, ids: list[int]
+async def _events(first: Event, events: AsyncIterator[Event], stream, render, ids: list[int]
                   ) -> AsyncIterator[bytes]:
     yield stream.start(len(ids), 0)  # cached tokens are known once the prefill is done: the end says them
     item = first
@@ -198,7 +205,8 @@ async def _events(first: str | Reply, events: AsyncIterator[str | Reply], stream
                 render(item, ids)  # what a non-streamed request would have got (and, for Responses, stored)
                 yield stream.finish(item)
                 return
-            yield stream.text(item)
+            if isinstance(item, str):  # the ids came first, before the stream
+                yield stream.text(item)
             item = await anext(events)
     except ApiError as exc:  # after the stream began: the API's error event
         yield stream.error(ApiError(500, exc.message, kind="server_error"))
@@ -327,9 +335,13 @@ def build(config: ApiConfig) -> Service:
         from kvstore.client.config import security_from_environment
 
         # a secured cluster's token and CA come from KVSTORE_TOKEN, KVSTORE_TLS_CA, ... (docs/operations.md)
-        client = KVClient(ClientConfig(tuple(config.servers), **security_from_environment()))
+        client = store = KVClient(ClientConfig(tuple(config.servers), **security_from_environment()))
         advising = ThreadPoolExecutor(1, thread_name_prefix="advise")  # the client blocks; the loop must not
-        advisor = Advisor(lambda blocks, goes_on: advising.submit(client.advise, blocks, goes_on), config.idle_s)
+
+        def advise(blocks: Sequence[Block], goes_on: bool) -> None:
+            advising.submit(store.advise, blocks, goes_on)
+
+        advisor = Advisor(advise, config.idle_s)
     cost = ChunkCost(*config.chunk_cost) if config.chunk_cost else None
     prefill = PrefillEngine.from_pretrained(folder, client, PrefillConfig(block_tokens=config.block_tokens,
                                                                           kv_pages=config.kv_pages, cost=cost))
@@ -339,62 +351,6 @@ def build(config: ApiConfig) -> Service:
     encoder = PromptEncoder(folder, config.tokenize_workers)
     return Service(runner, tokenizer, encoder, sorted(stop_token_ids(tokenizer)), advisor, config.max_in_flight,
                    config.max_in_flight_per_tenant, FairGate(config.max_running, config.reserve))
-
-
-def parse_args(argv: Sequence[str] | None = None, prog: str = "kvstore-api") -> ApiConfig:
-    defaults = ApiConfig()
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--model", default=None, metavar="DIR",
-                        help="model directory (config.json, safetensors weights, tokenizer); "
-                             "default: the packaged Gemma 3 270M, converted on first use")
-    parser.add_argument("--model-name", default=defaults.model_name, help="the name clients give as `model`")
-    parser.add_argument("--servers", default="", metavar="HOST:PORT,...",
-                        help="the store's daemons (kvstore-server), or a dns:///, dns+srv:/// or etcd:// "
-                             "target followed as they change (docs/deployment.md); none: no store, every "
-                             "prompt computed")
-    parser.add_argument("--host", default=defaults.host, help="address to listen on")
-    parser.add_argument("--port", type=int, default=defaults.port, help="port to listen on")
-    parser.add_argument("--api-key", action="append", default=[], metavar="KEY=TENANT",
-                        help="an API key and its tenant (repeatable); the tenant salts its cached blocks, so "
-                             "tenants never share them; none: one open tenant, for loopback use")
-    parser.add_argument("--kv-pages", type=int, default=defaults.kv_pages,
-                        help="KV pages of --block-tokens tokens each that the engines hold")
-    parser.add_argument("--block-tokens", type=int, default=defaults.block_tokens,
-                        help="tokens per KV page and per stored block")
-    parser.add_argument("--max-running", type=int, default=defaults.max_running,
-                        help="sequences decoded at once")
-    parser.add_argument("--tokenize-workers", type=int, default=defaults.tokenize_workers,
-                        help="processes that encode prompts off the event loop")
-    parser.add_argument("--metrics-key", action="append", default=[], metavar="KEY",
-                        help="a key (repeatable, the operator's, not a tenant's) that reads every tenant's counts "
-                             "at /metrics; a tenant's key reads its own")
-    parser.add_argument("--fair-reserve", type=int, default=None, metavar="SLOTS",
-                        help="engine slots no single tenant may take, kept for the others; default: an eighth of "
-                             "--max-running when the API keys name several tenants, else 0")
-    parser.add_argument("--chunk-cost", default=None, metavar="A,B,C",
-                        help="the prefill's chunk cost model (engine.prefill.cost.ChunkCost), from an earlier fit on "
-                             "this machine, as the start-up line prints it; default: fit it at start-up (about 20 s)")
-    parser.add_argument("--speculative", action=argparse.BooleanOptionalAction, default=defaults.speculative,
-                        help="speculative decoding: n-gram drafts verified on the DSpark schedule, lossless "
-                             "(default: on; its SPS profile is measured at the first start on a machine and cached)")
-    args = parser.parse_args(argv)
-    keys = {}
-    for item in args.api_key:
-        key, _, tenant = item.partition("=")
-        if not key or not tenant:
-            parser.error(f"--api-key takes KEY=TENANT, got {item!r}")
-        keys[key] = tenant
-    try:
-        cost = tuple(float(v) for v in args.chunk_cost.split(",")) if args.chunk_cost else None
-        if cost is not None and len(cost) != 3:
-            raise ValueError(f"--chunk-cost takes three numbers A,B,C, got {args.chunk_cost!r}")
-        return ApiConfig(args.model, args.model_name, tuple(s for s in args.servers.split(",") if s), args.host,
-                         args.port, keys, args.kv_pages, args.block_tokens, args.max_running, chunk_cost=cost,
-                         tokenize_workers=args.tokenize_workers, fair_reserve=args.fair_reserve,
-                         metrics_keys=tuple(args.metrics_key), speculative=args.speculative)
-    except ValueError as exc:
-        parser.error(str(exc))
 
 
 class _Stopped(Exception):
@@ -419,9 +375,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "kvstore-api") -> None:
     service = None
     try:
         service = build(config)
-        cost = service.runner.prefill.cost
-        print(f"{prog}: serving {config.model_name} on http://{config.host}:{config.port} "
-              f"(chunk cost {cost.a:.3g},{cost.b:.3g},{cost.c:.3g}: --chunk-cost skips the start-up fit)", flush=True)
+        prefill = service.runner.prefill  # kvstore-api always has one
+        fitted = "" if prefill is None else (f" (chunk cost {prefill.cost.a:.3g},{prefill.cost.b:.3g},"
+                                             f"{prefill.cost.c:.3g}: --chunk-cost skips the start-up fit)")
+        print(f"{prog}: serving {config.model_name} on http://{config.host}:{config.port}{fitted}", flush=True)
         uvicorn.run(create_app(service, config), host=config.host, port=config.port, log_level="warning",
                     timeout_graceful_shutdown=5, http=guarded(config))
     except _Stopped as stopped:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from engine.prefill.config import BLOCK_TOKENS, KV_PAGES
 from engine.speculative.calibration import Calibration
 
 
@@ -12,8 +13,8 @@ from engine.speculative.calibration import Calibration
 class DecodeConfig:
     max_running: int = 64  # sequences one step feeds; more wait in the queue
     prefill_tokens_per_step: int = 2048  # prompt (or recompute) tokens one step feeds besides the decode tokens
-    kv_pages: int = 512  # pages of the engine's own pool: used only when given no pool or prefill engine
-    block_tokens: int = 256  # tokens per page of that own pool
+    kv_pages: int = KV_PAGES  # pages of the engine's own pool: used only when given no pool or prefill engine
+    block_tokens: int = BLOCK_TOKENS  # tokens per page of that own pool
     detokenize: Callable[[Sequence[int]], str] | None = None  # token ids -> text, for stop strings
     # a preempted sequence whose reply goes to the store saves its state there and resumes from it (False:
     # it recomputes prompt + reply, as a sequence of bare token ids always does)
@@ -21,12 +22,13 @@ class DecodeConfig:
     # while a step's forward runs, a worker thread does the next step's host work that does not wait for its
     # tokens (admission, KV pages for every sequence's next token); see DecodeEngine.idle_gaps_s
     overlap: bool = False
-    # speculative decoding (issue 25): each decoding sequence's n-gram drafter proposes up to `gamma` tokens,
-    # the DSpark schedule picks how many of each to verify in the step's one forward, and verification keeps
-    # the target's tokens (greedy) or distribution (sampling) exactly. On by default: the n-gram drafter
-    # runs for every model (bench/speculative.py: faster than not speculating at batch 1 to 32)
+    # speculative decoding, for more tokens per forward with the same reply: each decoding sequence's n-gram
+    # drafter proposes up to `gamma` tokens, the DSpark schedule picks how many of each to verify in the step's
+    # one forward, and verification keeps the target's tokens (greedy) or distribution (sampling) exactly. On
+    # by default: the n-gram drafter runs for every model (bench/speculative.py: faster than not speculating at
+    # batch 1 to 32)
     speculative: bool = True
-    gamma: int = 5  # drafts per sequence and step at most (the issue's γ)
+    gamma: int = 5  # drafts per sequence and step at most (the DSpark schedule's γ)
     # SPS(B), target forward steps per second at B tokens; None: measured at start-up and cached
     # (`engine.speculative.profile.load_or_measure`), then corrected by the engine's own timed forwards
     # (`ObservedSps`; give one here to share what it learned between engines); any other callable as it is

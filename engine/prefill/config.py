@@ -6,11 +6,20 @@ from dataclasses import dataclass, field
 
 from engine.prefill.cost import ChunkCost
 
+# Tokens per KV page and per stored block: the default of every engine process (the prefill and decode engines,
+# kvstore-api, decode instances). The block size is part of the store's namespace, so processes that differ in it
+# share no cached block. 64: each chat turn leaves about half a block of its prompt and of its reply uncached; at
+# 64 tokens a multi-turn chat cached 0.987 of what a token-granular cache would, at a TTFT within the spread of
+# 32-token blocks and half their records and lookups per token; 256-token blocks cached 0.884 of it at twice
+# the TTFT (bench/block_size.py, docs/performance.md "Block size for chat").
+BLOCK_TOKENS = 64
+KV_PAGES = 2048  # of BLOCK_TOKENS each: 131,072 tokens of KV per full layer
+
 
 @dataclass(frozen=True)
 class PrefillConfig:
-    block_tokens: int = 256  # the store's block size: one KV page
-    kv_pages: int = 512  # pages in the engine's pool (per full layer)
+    block_tokens: int = BLOCK_TOKENS  # the store's block size: one KV page
+    kv_pages: int = KV_PAGES  # pages in the engine's pool (per full layer)
     step_budget_s: float = 0.25  # what one step's chunks may cost, by the fitted model
     window_tier_bytes: int = 256 * 2**20  # host memory for sliding-window states of active sessions
     # Save each session's latest window state in the store too (engine.swa_replay.record), so that a restarted

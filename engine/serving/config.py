@@ -1,15 +1,19 @@
-"""A decode instance's one config, and its command line (`python -m engine.serving.instance --help`)."""
+"""A decode instance's one config, and its command line (`python -m engine.serving.instance --help`): flags,
+KVSTORE_DECODE_* variables and a TOML file, generated from `InstanceConfig` as the daemon's are
+(kvstore/settings.py); each field's comment is its help."""
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-from collections.abc import Sequence
+import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.decode import DecodeConfig
-from kvstore.client.config import ClientConfig, add_security_flags, security_settings
+from engine.prefill.config import BLOCK_TOKENS, KV_PAGES
+from kvstore.client.config import ClientConfig
+from kvstore.settings import Command
 
 MAX_MESSAGE_BYTES = 2**20  # a 1 MiB request holds a prompt of >200k token ids: past these models' contexts
 SECURITY_FILES = ("auth_tokens", "tls_cert", "tls_key", "tls_client_ca")
@@ -17,33 +21,47 @@ SECURITY_FILES = ("auth_tokens", "tls_cert", "tls_key", "tls_client_ca")
 
 @dataclass(frozen=True)
 class InstanceConfig:
-    model: Path  # a model directory: config.json and safetensors weights
-    host: str = "127.0.0.1"
-    port: int = 0  # 0: a free port, announced on the READY line
-    kv_pages: int = 512
-    block_tokens: int = 256
-    max_running: int = 64
-    prefill_tokens_per_step: int = 2048
+    model: Path  # the model directory (config.json + safetensors weights)
+    host: str = "127.0.0.1"  # the address to listen on
+    port: int = 0  # the port to listen on; 0: a free one, printed on the READY line
+    kv_pages: int = KV_PAGES  # KV pages the engine holds (its KV capacity is pages x block tokens)
+    # Tokens per KV page, and per stored block with servers; the store's namespace includes it, so a prefill
+    # process handing prompts over, or kvstore-api sharing the store, must use the same (engine.prefill.config)
+    block_tokens: int = BLOCK_TOKENS
+    max_running: int = 64  # sequences decoded at once; more wait for a slot
+    prefill_tokens_per_step: int = 2048  # prompt tokens one step computes besides the decoding sequences' tokens
     threads: int = 1  # torch threads: several instances share a machine's cores, so one each by default
     max_message_bytes: int = MAX_MESSAGE_BYTES  # largest request received; past it, RESOURCE_EXHAUSTED
-    # Generate calls held at once, running or queued, in all and for one principal (a token's name, else the
-    # peer's address: a router is one principal); past either, RESOURCE_EXHAUSTED at once. A queued call holds
-    # its prompt, so these bound the instance's memory; the per-principal share leaves room for the others
+    # Generate calls held at once, running or queued; past it a call ends RESOURCE_EXHAUSTED at once. A queued
+    # call holds its prompt, so this bounds the instance's memory
     max_calls: int = 512
+    # Of max_calls, the calls one principal holds (a token's name, else the peer's address: a router is one
+    # principal), leaving room for the others; past it, RESOURCE_EXHAUSTED
     max_calls_per_principal: int = 256
-    exit_on_stdin_eof: bool = False  # shut down when stdin ends: children started on a pipe die with their parent
-    speculative: bool = True  # DecodeConfig.speculative: n-gram drafts verified on the DSpark schedule, lossless
-    servers: tuple[str, ...] = ()  # the store's daemons (host:port); none: no store
-    # Security, as the daemon's (kvstore/server/config.py): a token file, TLS, and mutual TLS
-    auth_tokens: Path | None = None  # TOML token file (kvstore/server/auth.py); None: no authentication
-    tls_cert: Path | None = None  # PEM certificate chain; with tls_key, the port speaks TLS only
-    tls_key: Path | None = None
-    tls_client_ca: Path | None = None  # PEM CA bundle; set: clients must present a certificate it signed
-    # The instance as a client of secured daemons (with servers): the store client's settings and meaning
-    store_token: str | None = field(default=None, repr=False)  # never shown
-    store_tls_ca: str | None = None
-    store_tls_cert: str | None = None
-    store_tls_key: str | None = None
+    # Shut down when stdin ends (a parent holding the pipe died or closed it): children started on a pipe die
+    # with their parent
+    exit_on_stdin_eof: bool = False
+    # Speculative decoding (DecodeConfig.speculative): n-gram drafts verified on the DSpark schedule, lossless;
+    # its SPS profile is measured at the first start on a machine and cached
+    speculative: bool = True
+    # The store's daemons, host:port,... or a dns:///, dns+srv:/// or etcd:// target (docs/deployment.md):
+    # prompts are prefilled through the store and replies saved; none: prompts are computed here and nothing
+    # is saved
+    servers: tuple[str, ...] = ()
+    # TOML token file, as the daemon's (`kvstore token new`; kvstore/server/auth.py): every call needs a token,
+    # Generate its write verb, Load its read verb; none: no authentication
+    auth_tokens: Path | None = None
+    tls_cert: Path | None = None  # PEM certificate chain: the port speaks TLS only (with tls_key)
+    tls_key: Path | None = None  # the PEM private key of tls_cert
+    tls_client_ca: Path | None = None  # PEM CA bundle: clients must present a certificate it signed (mutual TLS)
+    # The instance as a client of secured daemons (with servers): the store client's token and TLS settings
+    # (`kvstore --help`), each by default the client's own variable. The bearer token: $KVSTORE_TOKEN by
+    # default, which `ps` does not show as it shows a flag; never shown here
+    store_token: str | None = field(default=None, repr=False)
+    store_tls_ca: str | None = None  # PEM CA bundle that signed the daemons' certificates; $KVSTORE_TLS_CA by default
+    store_tls_cert: str | None = None  # PEM client certificate, for mutual TLS; $KVSTORE_TLS_CERT by default
+    store_tls_key: str | None = None  # its PEM key; $KVSTORE_TLS_KEY by default
+    # the name the daemons' certificates carry, if not their address; $KVSTORE_TLS_SERVER_NAME by default
     store_tls_server_name: str | None = None
 
     def __post_init__(self) -> None:
@@ -102,60 +120,16 @@ class InstanceConfig:
 
 FIELDS = tuple(f.name for f in dataclasses.fields(InstanceConfig))
 STORE_SECURITY = tuple(name for name in FIELDS if name.startswith("store_"))
-_HELP = {
-    "model": "model directory (config.json + safetensors weights)",
-    "host": "address to listen on",
-    "port": "port to listen on; 0: a free one, printed on the READY line",
-    "kv_pages": "KV pages the engine holds (its KV capacity is pages x block tokens)",
-    "block_tokens": "tokens per KV page, and per stored block with --servers",
-    "max_running": "sequences decoded at once; more wait for a slot",
-    "prefill_tokens_per_step": "prompt tokens one step computes besides the decoding sequences' tokens",
-    "threads": "torch threads (several instances on one machine: one each)",
-    "max_message_bytes": "largest request accepted; a larger one ends RESOURCE_EXHAUSTED",
-    "max_calls": "Generate calls held at once, running or queued; past it a call ends RESOURCE_EXHAUSTED at once",
-    "max_calls_per_principal": "of --max-calls, the calls one principal holds (a token's name, else the peer's "
-                               "address); past it, RESOURCE_EXHAUSTED",
-    "exit_on_stdin_eof": "shut down when stdin ends (a parent holding the pipe died or closed it)",
-    "speculative": "speculative decoding: n-gram drafts verified on the DSpark schedule, lossless (default: on; "
-                   "its SPS profile is measured at the first start on a machine and cached)",
-    "servers": "the store's daemons, host:port,... or a dns:///, dns+srv:/// or etcd:// target (docs/deployment.md): "
-               "prompts are prefilled through the store and replies saved; none: prompts are computed here and "
-               "nothing is saved",
-    "auth_tokens": "TOML token file, as the daemon's (`kvstore token new`): every call needs a token, Generate "
-                   "its write verb, Load its read verb; none: no authentication",
-    "tls_cert": "PEM certificate chain: the port speaks TLS only (with --tls-key)",
-    "tls_key": "PEM private key of --tls-cert",
-    "tls_client_ca": "PEM CA bundle: clients must present a certificate it signed (mutual TLS)",
-}
-STORE_FLAGS = "store-"  # --store-token, --store-tls-ca, ...: the store client's flags, for secured daemons
+COMMAND = Command(InstanceConfig, "python -m engine.serving.instance",
+                  "A decode instance: a decode engine behind gRPC (proto/decode.proto). Prints `READY <port>` once "
+                  "serving.", "KVSTORE_DECODE_",
+                  metavars={"model": "DIR", "servers": "HOST:PORT,...", **{name: "FILE" for name in SECURITY_FILES}})
 
 
-def parse_args(argv: Sequence[str] | None = None) -> InstanceConfig:
-    defaults = {f.name: f.default for f in dataclasses.fields(InstanceConfig)}
-    # defaults written out by hand: a formatter that shows every default would show a token from the environment
-    parser = argparse.ArgumentParser(prog="python -m engine.serving.instance",
-                                     description="A decode instance: a decode engine behind gRPC "
-                                                 "(proto/decode.proto). Prints `READY <port>` once serving. The "
-                                                 "--store-* flags are the store client's --token and --tls-* "
-                                                 "(`kvstore --help`), for daemons that require them.")
-    parser.add_argument("--model", required=True, type=Path, metavar="DIR", help=_HELP["model"])
-    parser.add_argument("--host", default=defaults["host"], help=f"{_HELP['host']} (default: {defaults['host']})")
-    for name in ("port", "kv_pages", "block_tokens", "max_running", "prefill_tokens_per_step", "threads",
-                 "max_message_bytes", "max_calls", "max_calls_per_principal"):
-        parser.add_argument("--" + name.replace("_", "-"), type=int, default=defaults[name],
-                            help=f"{_HELP[name]} (default: {defaults[name]})")
-    parser.add_argument("--exit-on-stdin-eof", action="store_true", help=_HELP["exit_on_stdin_eof"])
-    parser.add_argument("--speculative", action=argparse.BooleanOptionalAction, default=defaults["speculative"],
-                        help=_HELP["speculative"])
-    parser.add_argument("--servers", default="", metavar="HOST:PORT,...", help=_HELP["servers"])
-    for name in SECURITY_FILES:
-        parser.add_argument("--" + name.replace("_", "-"), type=Path, default=None, metavar="FILE", help=_HELP[name])
-    add_security_flags(parser, STORE_FLAGS)
-    parsed = parser.parse_args(argv)
-    args = {name: value for name, value in vars(parsed).items() if name not in STORE_SECURITY}
-    args["servers"] = tuple(s for s in args["servers"].split(",") if s)
-    args.update({"store_" + name: value for name, value in security_settings(parsed, STORE_FLAGS).items()})
-    try:
-        return InstanceConfig(**args)
-    except ValueError as exc:
-        parser.error(str(exc))
+def parse_args(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> InstanceConfig:
+    """The config from flags, KVSTORE_DECODE_* variables and the TOML file they name, over the store client's
+    KVSTORE_TOKEN, KVSTORE_TLS_* for the store_* settings; a bad one exits 2 with its message."""
+    environ = os.environ if environ is None else environ
+    client = {name: environ[variable] for name in STORE_SECURITY
+              if environ.get(variable := "KVSTORE_" + name.removeprefix("store_").upper())}
+    return COMMAND.parse(argv, environ, fallback=client)

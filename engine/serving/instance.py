@@ -62,8 +62,9 @@ def serve(config: InstanceConfig, ready: TextIO | None = None) -> int:
     status."""
     try:
         authenticator = Authenticator.from_file(config.auth_tokens) if config.auth_tokens else None
-        credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca) \
-            if config.tls_cert else None
+        credentials = None
+        if config.tls_cert is not None and config.tls_key is not None:  # InstanceConfig: both or neither
+            credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
     except (AuthConfigError, OSError) as exc:
         raise StartupError(str(exc)) from None
     _warn_if_exposed(config, authenticator is not None, credentials is not None)
@@ -122,7 +123,8 @@ async def _serve(config: InstanceConfig, model: Decoder, prefill: PrefillEngine 
     await stopping
     if prefill is not None:
         await asyncio.to_thread(prefill.flush, GRACE_S)  # the replies' blocks still on their way to the store
-        prefill.client.close()
+        if prefill.client is not None:
+            prefill.client.close()
     return status[0]
 
 

@@ -21,7 +21,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 from engine.serving.client import InstanceClient
 from engine.serving.config import FIELDS
@@ -52,7 +52,13 @@ class Instances(Sequence[InstanceProcess]):
     def __init__(self, instances: list[InstanceProcess]) -> None:
         self._instances = instances
 
-    def __getitem__(self, index):  # type: ignore[override]
+    @overload
+    def __getitem__(self, index: int) -> InstanceProcess: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[InstanceProcess]: ...
+
+    def __getitem__(self, index: int | slice) -> InstanceProcess | Sequence[InstanceProcess]:
         return self._instances[index]
 
     def __len__(self) -> int:
@@ -85,8 +91,8 @@ def instance_args(model: Path | str, **options: Any) -> list[str]:
             "--exit-on-stdin-eof"]
     for name, value in options.items():
         flag = "--" + name.replace("_", "-")
-        if isinstance(value, bool):
-            args += [flag] if value else []
+        if isinstance(value, bool):  # a switch: --name on, --no-name off (kvstore/settings.py)
+            args.append(flag if value else "--no-" + flag[2:])
         elif value is not None:
             args += [flag, ",".join(value) if isinstance(value, (list, tuple)) else str(value)]
     return args
@@ -133,6 +139,7 @@ def start_instances(model: Path | str, count: int, *, ready_timeout_s: float = 1
 
 def _wait_ready(process: subprocess.Popen, stderr_path: Path, deadline: float) -> int:
     """The port on the child's READY line; InstanceStartError if it exits or the deadline passes first."""
+    assert process.stdout is not None, "started with stdout=PIPE"
     fd = process.stdout.fileno()
     seen = b""
     with selectors.DefaultSelector() as selector:

@@ -65,3 +65,40 @@ def test_the_old_name_still_runs_and_says_it_is_going():
     assert "kvstore-serve is now kvstore-api" in old.stderr and "is now" not in new.stderr
     words = " ".join(old.stdout.split()).replace("usage: kvstore-serve", "usage: kvstore-api")
     assert words == " ".join(new.stdout.split())  # the same options, wrapped to the name's width
+
+
+def test_a_flag_for_every_setting():
+    import dataclasses
+
+    from engine.api.config import COMMAND, ApiConfig
+
+    text = COMMAND.parser().format_help()
+    for f in dataclasses.fields(ApiConfig):
+        assert "--" + f.name.replace("_", "-") in text, f.name
+    assert "--no-speculative" in text and "KVSTORE_API_<NAME>" in text
+
+
+def test_precedence_defaults_toml_env_flags(tmp_path):
+    toml = tmp_path / "api.toml"
+    toml.write_text('port = 8100\nmax_running = 8\nservers = ["127.0.0.1:1"]\nidle_s = {chat = "5m"}\n'
+                    'speculative = false\n[api_keys]\nk1 = "alice"\n')
+    config = parse_args(["--config", str(toml), "--port", "8300"],
+                        environ={"KVSTORE_API_PORT": "8200", "KVSTORE_API_MAX_RUNNING": "6"})
+    assert (config.port, config.max_running, config.kv_pages) == (8300, 6, 1024)  # flag, env over file, default
+    assert config.servers == ("127.0.0.1:1",) and config.api_keys == {"k1": "alice"}
+    assert config.idle_s == {"chat": 300.0} and not config.speculative
+    assert parse_args(["--speculative"], environ={"KVSTORE_API_CONFIG": str(toml)}).speculative
+
+
+@pytest.mark.parametrize("toml, message", [
+    ("max_runing = 4\n", "unknown setting 'max_runing'"),
+    ("max_running = 'many'\n", "setting max_running"),
+    ("chunk_cost = [1, 2]\n", "three numbers"),
+])
+def test_a_bad_config_file_is_refused_by_name(tmp_path, capsys, toml, message):
+    path = tmp_path / "api.toml"
+    path.write_text(toml)
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["--config", str(path)], environ={})
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
