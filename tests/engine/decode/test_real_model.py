@@ -70,7 +70,7 @@ def real() -> Real:
 
 
 def _engine(real: Real) -> DecodeEngine:
-    return DecodeEngine(real.model, None, DecodeConfig(kv_pages=16))
+    return DecodeEngine(real.model, None, DecodeConfig(kv_pages=64))
 
 
 def test_greedy_alone_is_transformers_generate(real):
@@ -91,14 +91,14 @@ def test_greedy_batched_with_seven_joining_at_different_steps_is_transformers_ge
 @pytest.mark.integration
 def test_greedy_handed_over_from_a_prefill_process_is_transformers_generate(real, daemons):
     (daemon,) = daemons(1)
-    config = PrefillConfig(kv_pages=16, cost=ChunkCost(a=1e-10, b=1e-4, c=1e-3))  # fixed: nothing to time
+    config = PrefillConfig(kv_pages=64, cost=ChunkCost(a=1e-10, b=1e-4, c=1e-3))  # fixed: nothing to time
     script = f"""
 import json, sys
 from engine.prefill import PrefillConfig, PrefillEngine, PrefillRequest
 from engine.prefill.cost import ChunkCost
 from kvstore.client import KVClient
 with KVClient([{daemon.address!r}]) as client:
-    config = PrefillConfig(kv_pages=16, cost=ChunkCost(a=1e-10, b=1e-4, c=1e-3))
+    config = PrefillConfig(kv_pages=64, cost=ChunkCost(a=1e-10, b=1e-4, c=1e-3))
     engine = PrefillEngine.from_pretrained({str(real.folder)!r}, client, config)
     result = engine.prefill(PrefillRequest(json.loads(sys.stdin.read()), hand_off=True))
     assert result.handed_off and engine.flush(60)
