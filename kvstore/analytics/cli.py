@@ -19,6 +19,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from kvstore.analytics.drive import replay_through_daemons
 from kvstore.analytics.live import run_live
@@ -199,8 +200,9 @@ def run_replay(args: argparse.Namespace) -> int:
     results = iter(replay_many(requests, jobs, args.jobs, ReplaysProgress(len(jobs), len(requests)),
                                block_tokens=args.block_tokens, ttl_s=ttl,
                                continuation_signal=args.continuation_signal))
-    rows = [{"capacity": label, "capacity_blocks": blocks, **{p: next(results) for p in [*policies, "belady"]}}
-            for label, blocks in capacities]
+    rows: list[dict[str, Any]] = [  # JSON-able: a capacity, then each policy's figures
+        {"capacity": label, "capacity_blocks": blocks, **{p: next(results) for p in [*policies, "belady"]}}
+        for label, blocks in capacities]
     print(f"\n{args.trace}: {len(requests):,} requests, {sum(r.input_length for r in requests):,} input tokens, "
           f"{unique:,} unique full blocks; infinite cache: {infinite.token_hit_rate:.2%} of tokens"
           + (f"; {len(skipped)} bad lines skipped" if skipped else ""))
@@ -219,8 +221,8 @@ def run_replay(args: argparse.Namespace) -> int:
               "skipped_lines": skipped, "ttl_s": ttl, "continuation_signal": args.continuation_signal,
               "infinite": infinite.as_dict(), "rows": rows}
     if args.reuse:
-        report["reuse"] = reuse_statistics(requests)
-        distance, gap = report["reuse"]["reuse_distance_blocks"], report["reuse"]["reuse_time_s"]
+        report["reuse"] = reuse = reuse_statistics(requests)
+        distance, gap = reuse["reuse_distance_blocks"], reuse["reuse_time_s"]
         if distance["count"]:
             print(f"reuse distance (distinct blocks in between): p50 {distance['p50']:,.0f}, "
                   f"p90 {distance['p90']:,.0f},"

@@ -15,7 +15,7 @@ import multiprocessing
 import os
 import signal
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvstore.analytics.simulate import replay
@@ -85,12 +85,16 @@ def _in_this_process(requests: Sequence[Request], jobs: Sequence[Job], progress:
     results, before = [], 0
     for job in jobs:
         started = time.monotonic()
-        results.append(replay(requests, job.policy, job.capacity_blocks,
-                              progress=lambda done, before=before: progress.requests(before + done),
+        results.append(replay(requests, job.policy, job.capacity_blocks, progress=_after(before, progress),
                               **options).as_dict())
         before += len(requests)
         progress.finished(job, time.monotonic() - started)
     return results
+
+
+def _after(before: int, progress: Progress) -> Callable[[int], None]:
+    """A replay's progress callback that tells `progress` of its requests after `before` already replayed."""
+    return lambda done: progress.requests(before + done)
 
 
 def _ignore_interrupts() -> None:
@@ -99,15 +103,16 @@ def _ignore_interrupts() -> None:
 
 def _replay_one(job: Job) -> tuple[dict, float]:
     started, counted = time.monotonic(), 0
-    total = len(_requests)
+    total, replayed = len(_requests), _replayed
+    assert replayed is not None, "replay_many sets the counter before it forks the workers"
 
     def count(done: int) -> None:
         nonlocal counted
         if done - counted >= _REPORT_EVERY or done == total:
             if os.getppid() != _parent:  # the parent is gone (killed): nobody waits for this replay
                 os._exit(1)
-            with _replayed.get_lock():
-                _replayed.value += done - counted
+            with replayed.get_lock():
+                replayed.value += done - counted
             counted = done
 
     result = replay(_requests, job.policy, job.capacity_blocks, progress=count, **_options).as_dict()

@@ -18,6 +18,7 @@ from array import array
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from typing import cast
 
 import numpy as np
 
@@ -73,11 +74,14 @@ def replay(requests: Sequence[Request], policy: str, capacity_blocks: int | None
     present: set = set()
     turns = conversation_turns(requests, block_tokens)
     signals = None if continuation_signal is None else continuation_signals(requests, continuation_signal, block_tokens)
-    # the policy's methods and the counters as locals: this loop runs once per block of a million-request trace
-    access = chooser.access if chooser is not None else None
+    # the policy's methods and the counters as locals: this loop runs once per block of a million-request trace.
+    # A policy orders any hashable keys (EvictionPolicy.insert), here the trace's ints, where its methods'
+    # annotations name the store's bytes.
+    access = cast("Callable[[int], None]", chooser.access) if chooser is not None else None
     insert = chooser.insert if chooser is not None else None
-    advise = chooser.advise if chooser is not None else None
-    room = capacity_blocks if chooser is not None and low_blocks is None else None
+    advise = cast("Callable[[int, ReuseHint], None]", chooser.advise) if chooser is not None else None
+    room = capacity_blocks if chooser is not None and low_blocks is None else None  # one out per block in
+    high = capacity_blocks if chooser is not None and low_blocks is not None else None  # watermarks: past it
     blocks = hit_blocks = tokens = hit_tokens = 0
 
     def evict(key) -> None:
@@ -131,7 +135,7 @@ def replay(requests: Sequence[Request], policy: str, capacity_blocks: int | None
             if insert is not None:
                 insert(key, 1, ids[position - 1] if position else None, hint)
             present.add(key)
-            if low_blocks is not None and chooser is not None and len(present) > capacity_blocks:
+            if high is not None and low_blocks is not None and len(present) > high:
                 while len(present) > low_blocks:
                     _make_room(chooser, ttl, now, present, result)
             if ttl is not None:
@@ -335,7 +339,7 @@ def access_statistics(accesses: Sequence[tuple[object, float]]) -> dict:
         add(position, 1)
         last[key] = (position, now)
 
-    def summary(values: list[float]) -> dict:
+    def summary(values: Sequence[float]) -> dict:
         if not values:
             return {"count": 0}
         array = np.asarray(values, dtype=float)
