@@ -3,6 +3,8 @@ the command, whether it is interrupted or killed."""
 
 import json
 import os
+import pty
+import re
 import signal
 import subprocess
 import sys
@@ -56,32 +58,55 @@ def test_an_error_in_a_worker_is_raised_in_the_caller(trace):
         replay_many(trace, [Job("lru", 10)], 0)
 
 
-def slow_trace(path, requests=12_000):
-    """Long prompts of many branching conversations: a prefix-reuse replay of it takes seconds."""
+def slow_trace(path, requests=48_000, conversations=3_989):
+    """Long prompts of many branching conversations: an adaptive replay of it takes seconds (14 s on a 2-core
+    VM), where the command reads it and replays the infinite cache in about one."""
     lines = []
     for i in range(requests):
-        conversation = i % 997
-        turn = i // 997
+        conversation = i % conversations
+        turn = i // conversations
         ids = [conversation * 10_000 + j for j in range(8 + 3 * turn)] + [10**9 + i]
         lines.append(json.dumps({"timestamp": i, "input_length": 512 * len(ids), "hash_ids": ids}))
     path.write_text("\n".join(lines) + "\n")
     return path
 
 
+REPLAYING = re.compile(r"replays, [1-9][\d,]*/")  # the progress bar counts requests the workers replayed
+
+
 def start_replay(trace):
-    """The command in a process group of its own, as a shell runs it, with two workers each in a replay that
-    takes seconds (adaptive's, at 1% and 2%)."""
+    """The command in a process group of its own, as a shell runs it, its stderr a terminal so that it draws
+    its progress bar, with two workers in replays that take many seconds (adaptive's, at 1% and 2%).
+
+    Returns once the bar counts replayed requests: the workers are replaying, and the adaptive replays are
+    far from done, so whatever the test does next reaches them while they run."""
     command = [sys.executable, "-m", "kvstore.cli", "analytics", "replay", str(trace), "--policies", "adaptive",
                "--capacity", "1%,2%", "--jobs", "2"]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True)
-    parent = psutil.Process(process.pid)
-    deadline = time.monotonic() + 60
-    while len(parent.children()) < 2:  # the workers are up, and replaying
-        assert time.monotonic() < deadline and process.poll() is None, process.communicate()
-        time.sleep(0.05)
-    time.sleep(0.5)
-    return process, parent.children()
+    terminal, stderr = pty.openpty()
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True)
+    os.close(stderr)  # the command and its workers hold it; the terminal reads end of file once they are gone
+    shown = ""
+    while not REPLAYING.search(shown):
+        chunk = read(terminal)
+        assert chunk, f"the command ended before replaying: {shown}{process.communicate()}"
+        shown += chunk
+    return process, terminal, psutil.Process(process.pid).children()
+
+
+def read(terminal):
+    """What the command wrote to its terminal next; "" once no process holds it."""
+    try:
+        return os.read(terminal, 4096).decode(errors="replace")
+    except OSError:  # EIO: every writer closed it
+        return ""
+
+
+def read_to_the_end(terminal):
+    text = ""
+    while chunk := read(terminal):
+        text += chunk
+    os.close(terminal)
+    return text
 
 
 def gone(processes, within_s):
@@ -94,16 +119,17 @@ def gone(processes, within_s):
 
 
 def test_ctrl_c_stops_every_replay_with_one_line_and_exit_130(tmp_path):
-    process, workers = start_replay(slow_trace(tmp_path / "trace.jsonl"))
+    process, terminal, workers = start_replay(slow_trace(tmp_path / "trace.jsonl"))
     os.killpg(process.pid, signal.SIGINT)  # Ctrl-C: the whole foreground group, workers too
-    out, err = process.communicate(timeout=30)
+    err = read_to_the_end(terminal)
+    process.communicate(timeout=30)
     assert process.returncode == 130 and err.strip().endswith("kvstore analytics: interrupted"), err
     assert "Traceback" not in err
     assert gone(workers, 4.0), "workers outlived the interrupted command"
 
 
 def test_workers_end_when_the_command_is_killed(tmp_path):
-    process, workers = start_replay(slow_trace(tmp_path / "trace.jsonl"))
+    process, terminal, workers = start_replay(slow_trace(tmp_path / "trace.jsonl"))
     process.kill()  # the command alone, as the OOM killer would
     process.communicate(timeout=30)
     try:  # they notice within 1,024 requests (under a second), where their replays go on for seconds more
@@ -112,3 +138,4 @@ def test_workers_end_when_the_command_is_killed(tmp_path):
         for worker in workers:
             if worker.is_running():
                 worker.kill()
+        read_to_the_end(terminal)
