@@ -1,4 +1,4 @@
-"""Speculative decoding (issue 25) in the decode engine on the real Gemma 3 270M: DSpark against fixed draft
+"""Speculative decoding in the decode engine on the real Gemma 3 270M: DSpark against fixed draft
 counts and against no speculation.
 
     python bench/speculative.py [--batches 1,8,32] [--prompt-tokens 400] [--tokens 48] [--json out.json]

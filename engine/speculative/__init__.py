@@ -1,4 +1,4 @@
-"""Confidence-scheduled speculative decoding (DSpark, issue 25): the parts outside the decode step loop.
+"""Confidence-scheduled speculative decoding (DSpark): the parts outside the decode step loop.
 
 * `drafter`: an n-gram / prompt-lookup drafter with a raw confidence per proposed token;
 * `calibration`: per-position temperatures fitted on the cumulative product, ECE and AUROC;

@@ -1,4 +1,4 @@
-"""A huge Lookup with the access log on (issue 21, finding 12): 65,536 keys took 0.2 s of the event loop
+"""A huge Lookup with the access log on: 65,536 keys took 0.2 s of the event loop
 and wrote 0.54 MB of log, while other clients' Gets went from 2 to 82 ms. The loop now only queues a
 line's fields for a writer thread, one call logs at most KEYS_PER_CALL keys, and what is not logged is
 counted."""

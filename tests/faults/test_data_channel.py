@@ -1,9 +1,10 @@
-"""Hostile clients of the bulk data channel: idle sockets, connection floods, declared sizes (issue 10, faults 5, 6).
+"""Hostile clients of the bulk data channel: idle sockets, connection floods, declared sizes.
 
-Fault 5: 260 silent sockets turned every other client's hits into misses (connections past the limit were
-reset, idle time between frames was never timed out, and the client did not fall back to gRPC).
-Fault 6: a 13-byte prefix declaring an 8 MiB head made the daemon allocate 8 MiB at once, and the memory
-never came back.
+Fault 5 (the tests named fault5): 260 silent sockets turned every other client's hits into misses (connections
+past the limit were reset, idle time between frames was never timed out, and the client did not fall back to
+gRPC).
+Fault 6 (fault6): a 13-byte prefix declaring an 8 MiB head made the daemon allocate 8 MiB at once, and the
+memory never came back.
 """
 
 from __future__ import annotations

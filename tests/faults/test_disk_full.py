@@ -1,4 +1,4 @@
-"""Fault 7 of issue 10: a full disk must not wedge puts (docs/design.md section 10, invariants 3 and 6).
+"""A full disk must not wedge puts (docs/design.md section 10, invariants 3 and 6).
 
 Eviction needs an LMDB commit, and a commit needs room on the file system: the daemon keeps a reserve
 for it. On a small tmpfs (root, as in CI) puts fill the disk, then must recover once eviction has made
@@ -231,8 +231,8 @@ def capacity(daemon: DaemonProcess) -> float:
 
 
 def test_capacity_comes_back_when_another_writer_frees_the_disk(tmp_path, small_fs, ballast):
-    """Issue 21, finding 9: another writer filled the file system and freed it again; the budget fell to
-    what the segments held at the worst moment and stayed there, so later puts evicted with room free."""
+    """Another writer fills the file system and frees it again: the budget must come back, where it once fell
+    to what the segments held at the worst moment and stayed there, so later puts evicted with room free."""
     daemon = DaemonProcess(small_fs / "data", tmp_path, ARGS).start()
     try:
         putter = Putter(daemon.address)

@@ -226,7 +226,8 @@ BIG = Namespace("kill-loop-16MiB", KVLayout(num_layers=4, kv_heads=8, head_dim=1
 @pytest.mark.parametrize("durability", ["fsync", "os"])
 def test_a_put_answered_exists_while_another_writes_the_key_survives_a_kill(daemons, durability):
     """Two connections put the same 16 MiB record; the daemon is killed as soon as one is answered EXISTS
-    (issue 21, finding 7: that answer came at once, before the other put's record was written)."""
+    (that answer once came at once, before the other put's record was written, so a kill lost a key whose
+    put had been answered)."""
     daemon, = daemons(1, "--durability", durability)
     for round_ in range(3):
         block = BIG.blocks(range(round_ * BIG.block_tokens, (round_ + 1) * BIG.block_tokens))[0]

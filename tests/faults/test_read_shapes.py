@@ -1,10 +1,10 @@
-"""A Get's shape and a client's memory never delete a block (issue 21, findings 1 and 2).
+"""A Get's shape and a client's memory never delete a block.
 
-Finding 1: a Get of 4-layer blocks with layer_begin=5 (layer_end 0: "to the last layer") read a negative
-number of bytes; the daemon took that for a truncated record and dropped every key of the request from
-the index, with nothing but a read-only token. Finding 2: the daemon verified SSD bytes after writing them
-into the client's shared region, which the client can write as well; a client scribbling over its region
-during Gets made blocks fail their checksums, and the daemon dropped them.
+A layer range past the record: a Get of 4-layer blocks with layer_begin=5 (layer_end 0: "to the last layer")
+read a negative number of bytes; the daemon took that for a truncated record and dropped every key of the
+request from the index, with nothing but a read-only token. A region the client writes too: the daemon
+verified SSD bytes after writing them into the client's shared region, which the client can write as well; a
+client scribbling over its region during Gets made blocks fail their checksums, and the daemon dropped them.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Start-up recovery of the index (issue 10, faults 1, 4 and 8; docs/design.md invariant 7).
+"""Start-up recovery of the index (docs/design.md invariant 7).
 
 * A missing or emptied index is rebuilt from the self-describing segments, and no segment is deleted.
 * A damaged LMDB meta page: fsck says so cleanly, the daemon moves the index aside and rebuilds it.

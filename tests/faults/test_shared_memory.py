@@ -1,8 +1,8 @@
-"""Hostile clients of the same-host shared-memory path (issue 10, faults 2 and 3).
+"""Hostile clients of the same-host shared-memory path.
 
-Fault 2: a client registered a 64 KiB /dev/shm object, truncated it to 0 and asked for a Get into it: the
-daemon died of SIGBUS. Fault 3: REGISTER took any /dev/shm name, so a Get overwrote another process's
-object with KV bytes, and `unlink` deleted it.
+Fault 2 (the tests named fault2): a client registered a 64 KiB /dev/shm object, truncated it to 0 and asked
+for a Get into it: the daemon died of SIGBUS. Fault 3 (fault3): REGISTER took any /dev/shm name, so a Get
+overwrote another process's object with KV bytes, and `unlink` deleted it.
 
 Now a region is a sealed memfd whose descriptor the client passes over the daemon's Unix socket: only a
 peer on the host, only memory it holds, and memory that cannot shrink under the daemon's mapping.
@@ -227,7 +227,7 @@ def huge_pages():
 
 
 def test_huge_pages_are_refused_since_seals_do_not_keep_them(daemon_with_block, huge_pages):
-    """Issue 21, finding 6: a sealed MFD_HUGETLB memfd passed the F_SEAL_SHRINK check, but PUNCH_HOLE
+    """Seals do not keep huge pages: a sealed MFD_HUGETLB memfd passed the F_SEAL_SHRINK check, but PUNCH_HOLE
     still freed its pages, and the next Get into it killed the daemon with SIGBUS."""
     daemon, key, _ = daemon_with_block
     size = 2 * 2**20

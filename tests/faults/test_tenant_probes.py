@@ -1,4 +1,4 @@
-"""Copies of another tenant's key cannot be turned into a timing signal (issue 21, finding 10).
+"""Copies of another tenant's key cannot be turned into a timing signal.
 
 With 65,536 copies of one of tenant B's keys in one Touch, Delete or Advise, tenant A got the same answer
 as for a key never stored, but not in the same time (Touch 603 ms against 54, Delete 1,067 against 68,

@@ -1,4 +1,4 @@
-"""One tenant cannot evict another's blocks (issue 21, finding 11): in a 32 MiB store, tenant A writing
+"""One tenant cannot evict another's blocks: in a 32 MiB store, tenant A writing
 2,000 blocks it never read evicted all 200 of tenant B's. With `tenant_max_share` below 1 a tenant past
 its share of the budget loses its own least recently used blocks first."""
 

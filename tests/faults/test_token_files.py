@@ -1,4 +1,4 @@
-"""Token files a careless or huge deployment writes (issue 21, finding 13): 20,000 entries took 17 s to
+"""Token files a careless or huge deployment writes: 20,000 entries took 17 s to
 load (a quadratic duplicate check) and a linear scan on every call; a file starting with a byte-order
 mark was refused as "Invalid statement"."""
 

@@ -1,12 +1,12 @@
-"""One tenant against the others at the transports (issue 21, findings 3, 4, 5 and 8).
+"""One tenant against the others at the transports.
 
-Finding 3: 256 Gets that tenant A never read took every gRPC call slot; tenant B's Lookups, Gets and
+Call slots: 256 Gets that tenant A never read took every gRPC call slot; tenant B's Lookups, Gets and
 even the health check were refused for as long as A held them.
-Finding 4: PutHeads declaring 8 x 64 MiB (136 bytes sent) reserved the whole put budget, so every put of
+The put budget: PutHeads declaring 8 x 64 MiB (136 bytes sent) reserved the whole put budget, so every put of
 tenant B failed; the reservation was never given back on gRPC.
-Finding 5: idle TCP connections to the gRPC port were unlimited and never closed; the daemon ran out of
+Idle connections: idle TCP connections to the gRPC port were unlimited and never closed; the daemon ran out of
 descriptors and failed to open segments for clients already connected.
-Finding 8: 32 gRPC Gets of 4 x 16 MiB that were never read took RSS up by a GiB, for good.
+Unread Gets: 32 gRPC Gets of 4 x 16 MiB that were never read took RSS up by a GiB, for good.
 
 Each test runs real daemons on loopback and asserts what a client sees; the only clocks are hang guards.
 """
@@ -100,7 +100,7 @@ def put_head(nbytes: int) -> bytes:
     return pb.PutHead(record_bytes=nbytes).SerializeToString()
 
 
-# -- finding 3: call slots -------------------------------------------------------------------------------
+# -- call slots ------------------------------------------------------------------------------------------
 
 
 def test_finding3_a_tenant_holding_256_unread_gets_leaves_the_others_served(daemons, token_file):
@@ -165,7 +165,7 @@ def test_finding3_put_streams_that_send_a_head_and_stall_are_ended_and_health_an
     assert "Traceback" not in daemon.log()
 
 
-# -- finding 4: the put budget -----------------------------------------------------------------------------
+# -- the put budget ----------------------------------------------------------------------------------------
 
 
 def authed_data_socket(daemon, token: str) -> socket.socket:
@@ -214,7 +214,7 @@ def test_finding4_put_heads_that_declare_the_whole_budget_leave_other_tenants_pu
     assert "Traceback" not in daemon.log()
 
 
-# -- finding 8: gRPC Gets that are never read --------------------------------------------------------------
+# -- gRPC Gets that are never read -------------------------------------------------------------------------
 
 PLAIN = Namespace("transport-limits", LAYOUT, block_tokens=2048)
 GET_RSS_BOUND = 512 * MiB  # the daemon's send budget (256 MiB) and its own slack; the old code took 1 GiB
@@ -265,7 +265,7 @@ def test_finding8_gets_never_read_hold_bounded_memory_and_are_ended(daemons):
     assert "Traceback" not in daemon.log()
 
 
-# -- finding 5: idle connections to the gRPC port ----------------------------------------------------------
+# -- idle connections to the gRPC port ---------------------------------------------------------------------
 
 DESCRIPTORS = 600  # RLIMIT_NOFILE (soft and hard) the daemon runs under
 

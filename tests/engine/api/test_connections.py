@@ -1,4 +1,4 @@
-"""The HTTP server's connection bounds (engine/api/connections.py; issue 22, findings 2 and 4): half-sent
+"""The HTTP server's connection bounds (engine/api/connections.py): half-sent
 headers, too many connections from one client or in all, and streams nobody reads. A real uvicorn server
 with the guarded protocol, on loopback, in front of a small app."""
 

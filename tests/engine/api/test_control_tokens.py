@@ -1,4 +1,4 @@
-"""No control token from client text (issue 22, finding 6): every added token of the real model's tokenizer,
+"""No control token from client text: every added token of the real model's tokenizer,
 flagged special or not (`<start_of_image>`, `<end_of_image>` and `[multimodal]` are not), stays plain text in
 every field of all three APIs that reaches the prompt. Only the added runs of whitespace are text tokens: the
 vocabulary yields them from the same text anyway."""

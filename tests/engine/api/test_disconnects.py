@@ -1,4 +1,4 @@
-"""A client that goes away before its first token (issue 22, finding 5): the request was cancelled only
+"""A client that goes away before its first token: the request was cancelled only
 when its prefill ended (about 20 s for a 3k-token prompt), its first token already sampled. Now the
 server watches the client while the request is queued, waits for its fair share and prefills."""
 

@@ -1,4 +1,4 @@
-"""What the three APIs document, followed or refused with a 400 naming the field (issue 22, finding 10): an
+"""What the three APIs document, followed or refused with a 400 naming the field: an
 Anthropic prefill is continued; the system text is encoded as the template places it; Chat's `name` and a
 `user` that is not a string are refused and its nulls are defaults; instructions and a developer item make one
 system text; a streamed response is the object GET returns; an engine's refusal of max_output_tokens says so."""

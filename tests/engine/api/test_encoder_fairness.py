@@ -1,4 +1,4 @@
-"""The prompt encoder under one tenant's flood (issue 22, finding 3): a prompt too long for the context by its
+"""The prompt encoder under one tenant's flood: a prompt too long for the context by its
 characters alone is refused without a worker's time, and workers go to tenants in fair turns (start-time fair
 queueing on characters), not first come, first served."""
 

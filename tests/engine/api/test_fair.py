@@ -1,4 +1,5 @@
-"""The fair gate between tenants and the engines (engine/api/fair.py; issue 22, finding 4)."""
+"""The fair gate between tenants and the engines (engine/api/fair.py): a tenant flooding the server never takes
+the reserve another tenant enters by, and a free slot goes to the waiting tenant holding fewest."""
 
 from __future__ import annotations
 

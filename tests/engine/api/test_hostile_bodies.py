@@ -1,4 +1,4 @@
-"""Bodies a hostile tenant sends (issue 22, findings 1 and 8): a 400 (or 404, 429) in the API's own shape, never
+"""Bodies a hostile tenant sends: a 400 (or 404, 429) in the API's own shape, never
 a 500; refused on what costs least before the body is parsed; and the parse linear in the body.
 
 On the scripted app (tests/engine/api/scripted.py), but for the last test, which stalls a real server's loop."""

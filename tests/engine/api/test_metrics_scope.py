@@ -1,4 +1,4 @@
-"""GET /metrics (issue 22, finding 9): a tenant's key reads its own counts, never another's; the operator's
+"""GET /metrics: a tenant's key reads its own counts, never another's; the operator's
 metrics keys read every tenant's, labelled; no key, or a wrong one, reads nothing."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A model's reply never crashes its request (issue 22, finding 7): a fenced tool call whose name is not a string,
+"""A model's reply never crashes its request: a fenced tool call whose name is not a string,
 whose arguments hold NaN or an infinite number, or nest too deep, is text, not a call, in every API, streamed or
 not; and a stream that fails after it began ends with the API's error event."""
 

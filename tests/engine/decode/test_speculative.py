@@ -1,4 +1,4 @@
-"""Speculative decoding in the decode engine (issue 25) on the tiny families: lossless.
+"""Speculative decoding in the decode engine on the tiny families: lossless.
 
 Greedy replies with speculation are transformers' generate, token for token, alone and continuously
 batched, across the sliding window (gemma3's window of 16 wraps its ring every few steps, so a rejected

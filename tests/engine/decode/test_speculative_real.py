@@ -1,4 +1,4 @@
-"""Speculative decoding on the real Gemma 3 270M (issue 25): greedy replies with speculation are the replies
+"""Speculative decoding on the real Gemma 3 270M: greedy replies with speculation are the replies
 without it, token for token, on real prompts: agent sessions (a tool result the base model quotes back,
 where the n-gram drafter's drafts are accepted in runs) and chat; alone, and 8 joining at different steps
 with replies of different lengths leaving early, and 32; a stop string and a stop token inside an accepted run end
