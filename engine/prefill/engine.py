@@ -19,12 +19,10 @@ replayed conversation do. `PrefillResult.path` says which way each request went.
 from __future__ import annotations
 
 import itertools
-import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -49,17 +47,17 @@ from engine.prefill.request import (
 )
 from engine.prefill.scheduler import Waiting, plan_step
 from engine.text.token_ids import checked_token_ids
-from engine.window import WindowTier, begin_replay, default_replay_tokens, worth_replaying
-from engine.window import record as window_records
+from engine.window import begin_replay, worth_replaying
+from engine.window.keeper import WindowKeeper
 from engine.window.replay import REPLAYED_SUFFIX
+from engine.window.tier import WindowTier
 from kvstore.block import Block, KVLayout, Namespace
-from kvstore.client import KVClient, PutSummary
+from kvstore.client import KVClient
 from kvstore.client.loading import LoadCancelled, LoadHandle
 from kvstore.client.torch_kv import PagedKV
 from kvstore.eviction import ReuseHint
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-MAX_SESSIONS_TRACKED = 65_536  # sessions whose latest window record is remembered, to delete it once superseded
 
 
 @dataclass
@@ -101,14 +99,12 @@ class PrefillEngine:
         self.layout = KVLayout(num_layers=len(mc.full_layers), kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
                                dtype=_DTYPE_NAMES[model.dtype])
         self.pool = PagePool(mc, config.kv_pages, config.block_tokens, model.dtype, model.device)
-        self.window_tier = WindowTier(config.window_tier_bytes) if mc.sliding_layers else None
-        self.replay_tokens = 0 if not mc.sliding_layers else (
-            default_replay_tokens(mc.sliding_window) if config.replay_tokens is None else config.replay_tokens)
+        # a hybrid model's sliding-window state (engine.window); None for a model without sliding layers
+        self.windows = WindowKeeper(config.block_tokens, mc.sliding_window or 0, config.window_tier_bytes,
+                                    config.store_windows, config.replay_tokens, config.replay_min_prefix_factor,
+                                    ) if mc.sliding_layers else None
         self._full_index = {layer: i for i, layer in enumerate(mc.full_layers)}
         self._namespaces: OrderedDict[str, Namespace] = OrderedDict()
-        self._session_records: OrderedDict[str, Block] = OrderedDict()  # session -> its latest window record
-        self._records_lock = threading.Lock()  # the engine thread and the write-behind thread settle records
-        self.window_misses: Counter[str] = Counter()  # window records looked up and not used, by cause
         self._queue: list[_Active] = []  # submitted, waiting for KV pages
         self._active: dict[int, _Active] = {}  # admitted, oldest first
         self._ids = itertools.count()
@@ -119,6 +115,21 @@ class PrefillEngine:
                         dtype: torch.dtype = torch.float32, device: str = "cpu") -> PrefillEngine:
         return cls(Decoder.from_pretrained(path, dtype, device), client, config,
                    config.model_id or model_identity(path))
+
+    @property
+    def window_tier(self) -> WindowTier | None:
+        """The host tier of sliding-window states; None for a model without sliding layers."""
+        return self.windows.tier if self.windows is not None else None
+
+    @property
+    def window_misses(self) -> Counter[str]:
+        """Window records looked up and not used, by cause."""
+        return self.windows.misses if self.windows is not None else Counter()
+
+    @property
+    def replay_tokens(self) -> int:
+        """R, the tokens bounded replay recomputes; 0 where the engine never replays."""
+        return self.windows.replay_tokens if self.windows is not None else 0
 
     @property
     def block_bytes(self) -> int:
@@ -157,39 +168,11 @@ class PrefillEngine:
     def keep_window(self, block: Block, state: WindowState, request: PrefillRequest, chain: Namespace,
                     superseded: Block | None = None) -> bool:
         """Keep `state`, the sliding window as of the end of `block` (a block of `chain`), as the latest state
-        of the request's session (sessions are per tenant): in the window tier under the block's key, and in
-        the store as the block's window record (write-behind). The session's older record is deleted, since
-        its next turn never resumes from an earlier boundary: the last one this engine saved for it, and
-        `superseded`, a record of this session another engine saved (the one this request resumed from).
-        Requests of no session delete nothing: their records expire. False if the tier cannot keep it."""
-        if self.window_tier is None:
+        of the request's session, in host memory and in the store (`WindowKeeper.keep`). False if the tier
+        cannot keep it, or the model has no sliding layers."""
+        if self.windows is None:
             return False
-        session = _session(block, request)
-        kept = self.window_tier.put(block.key, state, session)
-        replayed_into_exact = state.window_from and not chain.model_id.endswith(REPLAYED_SUFFIX)
-        if self.client is not None and self.config.store_windows and not replayed_into_exact:
-            record = window_records.window_record(chain, block)
-            payload = window_records.encode(state, window_records.session_tag(session))
-            settle = partial(self._settle_window_record, session, record, superseded)
-            if not self.client.save([(record, payload)], 1, window_records.WINDOW_CLASS, then=settle):
-                settle(None)  # dropped: the older records are superseded all the same
-        return kept
-
-    def _settle_window_record(self, session: str | None, record: Block, superseded: Block | None,
-                              summary: PutSummary | None) -> None:
-        """Once the save of `record`, `session`'s newest window record, is done (on the write-behind thread,
-        in save order): remember it as the session's own only if the daemon stored it, since a record it
-        answered EXISTS for was saved first by another session whose turn ended at the same boundary, and
-        is that session's to supersede, not this one's; then delete the session's older records."""
-        with self._records_lock:
-            older = [self._session_records.pop(session, None) if session is not None else None, superseded]
-            if summary is not None and summary.stored and session is not None:
-                self._session_records[session] = record
-                if len(self._session_records) > MAX_SESSIONS_TRACKED:
-                    self._session_records.popitem(last=False)
-        dead = {r.key: r for r in older if r is not None and r.key != record.key}
-        if dead:
-            self.client.delete(list(dead.values()))
+        return self.windows.keep(self.client, block, state, chain, request.session_id, superseded)
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -294,9 +277,9 @@ class PrefillEngine:
                 return
             self._queue.pop(0)
             a.kv = kv
-            if self.window_tier is not None and a.blocks:
+            if self.windows is not None and a.blocks:
                 kv.capture_at.add(len(a.blocks) * self.block_tokens)  # the window the next turn resumes from
-            if self.window_tier is not None and a.request.hand_off:
+            if self.windows is not None and a.request.hand_off:
                 kv.capture_at.add(len(a.tokens) - 1)  # the window a decode instance continues from
             self._active[a.id] = a
             self._plan_prefix(a)
@@ -358,22 +341,14 @@ class PrefillEngine:
     def _stored_window(self, a: _Active, blocks: int) -> WindowState | None:
         """The window as of the end of `a`'s first `blocks` blocks, from the store's window record; None (the
         cause counted in `window_misses`) where it is absent or not that window: never an error."""
-        if self.client is None or not self.config.store_windows:
+        if self.client is None or self.windows is None:
             return None
         chain = self.chain_namespace(a.request, a.exact, a.namespace)
-        found = self.client.get([window_records.window_record(chain, a.blocks[blocks - 1])])
-        if not found:  # absent, expired, or refused by verification (the client counts which)
-            self.window_misses["absent"] += 1
+        found = self.windows.read_record(self.client, chain, a.blocks, blocks, a.kv, a.exact, a.request.session_id)
+        if found is None:
             return None
-        try:
-            state, session = window_records.decode(found[0].payload, blocks * self.block_tokens, a.kv.rings, a.exact)
-        except window_records.CorruptWindow as exc:
-            self.window_misses[exc.cause] += 1
-            return None
-        a.window_bytes = len(found[0].payload)
-        if session and session == window_records.session_tag(_session(found[0].block, a.request)):
-            a.own_record = found[0].block  # this session's older state: dead weight once this turn keeps its own
-        return state
+        a.window_bytes, a.own_record = found.nbytes, found.own_record
+        return found.state
 
     def _recompute(self, a: _Active, path: str, exact_chain: tuple[list[Block], int]) -> None:
         """The whole prompt is computed from scratch: its KV is exact, so it belongs in the exact chain."""
@@ -441,7 +416,7 @@ class PrefillEngine:
         a.load = None
         if final >= a.loaded:
             return True
-        if self.window_tier is not None:
+        if self.windows is not None:
             final = 0  # the window kept (or replayed) was for the planned boundary, not for this one
             a.window, a.window_source = None, None
             a.kv.window_from = a.kv.keep_full_before = a.replayed = 0
@@ -462,16 +437,10 @@ class PrefillEngine:
             self.client.save(items, self.layout.num_layers, a.request.traffic_class,
                              ReuseHint(a.stored, full, a.request.turn))
         handed_off = a.request.hand_off and self._hand_off(a)
-        if self.window_tier is not None:
-            for boundary, state in sorted(a.kv.captured.items()):
-                if boundary % self.block_tokens or (a.exact and state.window_from):
-                    continue  # not a block boundary (a hand-off's); a replayed window never goes with an exact chain
-                block = a.blocks[boundary // self.block_tokens - 1]
-                if boundary == full * self.block_tokens:  # the session's latest state
-                    self.keep_window(block, state, a.request, self.chain_namespace(a.request, a.exact, a.namespace),
-                                     a.own_record if a.path == CACHED else None)
-                else:
-                    self.window_tier.put(block.key, state)
+        if self.windows is not None:
+            self.windows.keep_captured(self.client, a.kv.captured, a.blocks,
+                                       self.chain_namespace(a.request, a.exact, a.namespace), a.request.session_id,
+                                       a.own_record if a.path == CACHED else None)
         a.kv.capture_at, a.kv.captured = set(), {}
         logits = logits.float().cpu()
         return PrefillResult(a.request, int(logits.argmax()), logits, a.kv, len(a.tokens),
@@ -484,8 +453,8 @@ class PrefillEngine:
         if self.client is None:
             return False
         found = handoff.continuation(self.chain_namespace(a.request, a.exact, a.namespace), a.tokens.tolist())
-        window = a.kv.captured.get(found.position) if self.window_tier is not None else None
-        if self.window_tier is not None and window is None:
+        window = a.kv.captured.get(found.position) if self.windows is not None else None
+        if self.windows is not None and window is None:
             return False
         payload = handoff.encode(a.kv, found.position, window)
         return self.client.save([(found.record, payload)], 1, handoff.HANDOFF_CLASS)
@@ -518,7 +487,3 @@ class PrefillEngine:
 
         return chunk_cost.measure(run_chunk, grid, repeats)
 
-
-def _session(block: Block, request: PrefillRequest) -> str | None:
-    """The request's session, qualified by its tenant: another tenant's session of the same name is another."""
-    return f"{block.tenant.hex()}/{request.session_id}" if request.session_id is not None else None

@@ -292,7 +292,7 @@ def test_a_shared_prefix_gets_its_window_kept_for_the_next_request(tiny_models, 
         engine = _engine(tiny, client, store_windows=False)
         engine.prefill(PrefillRequest(prompts[0][:64])).kv.release()  # e.g. a warm-up of the system prompt
         client.write_behind.flush()
-        engine.window_tier = type(engine.window_tier)(engine.config.window_tier_bytes)  # as if lost
+        engine.windows.tier = type(engine.windows.tier)(engine.config.window_tier_bytes)  # as if lost
         second = engine.prefill(PrefillRequest(prompts[1]))
         assert second.path == WINDOW_MISSING
         _check(tiny, second, prompts[1])
