@@ -153,7 +153,7 @@ VLLM_MODEL_NAME = "gemma"
 
 
 def vllm_store_config(servers: str, **settings) -> str:
-    """The --kv-transfer-config of a vLLM over the store, as the README gives it: the connector, vLLM's
+    """The --kv-transfer-config of a vLLM over the store, as docs/connectors.md gives it: the connector, vLLM's
     recompute policy for loads that fail, and the store's settings."""
     return json.dumps({"kv_connector": "KVStoreConnector", "kv_role": "kv_both",
                        "kv_connector_module_path": "kvstore.connectors.vllm_connector",
