@@ -3,17 +3,18 @@
 Per request: look up the cached prefix (any shard), ask the client whether loading beats recomputing,
 load it layer-pipelined into the request's KV pages while the first chunk computes, compute the rest
 in chunks the scheduler sizes to a time budget per step, save the new full blocks (write-behind) and
-the sliding-window state (host memory), and return the first token, its logits and the KV.
+the sliding-window state, and return the first token, its logits and the KV.
 
 A sliding-window layer's state cannot be rebuilt exactly from the stored blocks, so a hybrid model
 resumes exactly only where it has that prefix's window: from the window tier in host memory, or else from
-the window record the engine that kept it saved in the store (`engine.window.record`), so that a
-restarted engine or another instance resumes exactly too. Where both are gone, the engine
-loads the prefix and rebuilds an approximate window by bounded replay (`engine.window`) if that
-saves much, or else recomputes exactly; a request or tenant that needs bit-exact continuation is never
-replayed. Blocks computed after a replay are approximate: they are saved in a namespace of their own
-(the model identity + REPLAYED_SUFFIX), which exact requests never read and later turns of the
-replayed conversation do. `PrefillResult.path` says which way each request went.
+the window record the engine that kept it saved in the store, so that a restarted engine or another
+instance resumes exactly too. Where both are gone, the engine loads the prefix and rebuilds an
+approximate window by bounded replay if that saves much, or else recomputes exactly; a request or tenant
+that needs bit-exact continuation is never replayed. `engine.window` owns all of it: its `WindowKeeper`
+plans where a prompt's window comes from (`WindowPlan`), and the engine decides whether to load. Blocks
+computed after a replay are approximate: they are saved in a namespace of their own (the model identity +
+REPLAYED_SUFFIX), which exact requests never read and later turns of the replayed conversation do.
+`PrefillResult.path` says which way each request went.
 """
 
 from __future__ import annotations
@@ -47,9 +48,8 @@ from engine.prefill.request import (
 )
 from engine.prefill.scheduler import Waiting, plan_step
 from engine.text.token_ids import checked_token_ids
-from engine.window import begin_replay, worth_replaying
-from engine.window.keeper import WindowKeeper
-from engine.window.replay import REPLAYED_SUFFIX
+from engine.window.keeper import REPLAY, WindowKeeper, WindowPlan
+from engine.window.replay import REPLAYED_SUFFIX, replayed_namespace
 from engine.window.tier import WindowTier
 from kvstore.block import Block, KVLayout, Namespace
 from kvstore.client import KVClient
@@ -79,7 +79,6 @@ class _Active:
     chunks: int = 0
     replayed: int = 0  # stored tokens recomputed to rebuild the window
     exact: bool = True  # False once `blocks` is the replayed chain
-    window: WindowState | None = None  # the window to resume from, read from the store's window record
     window_source: str | None = None  # where the window it resumed from came from: "host" or "store"
     window_bytes: int = 0  # bytes of the window record loaded from the store
     own_record: Block | None = None  # that record, where this request's session saved it: superseded when done
@@ -153,7 +152,7 @@ class PrefillEngine:
         REPLAYED_SUFFIX) for KV that descends from a bounded replay (`PrefillResult.exact` False)."""
         if namespace is None:
             namespace = request.namespace if request.namespace is not None else self.namespace(request.salt)
-        return namespace if exact else namespace.with_model_id(namespace.model_id + REPLAYED_SUFFIX)
+        return namespace if exact else replayed_namespace(namespace)
 
     def save_blocks(self, blocks: Sequence[Block], pages: Sequence[int], request: PrefillRequest,
                     hint: ReuseHint) -> bool:
@@ -285,77 +284,51 @@ class PrefillEngine:
             self._plan_prefix(a)
 
     def _plan_prefix(self, a: _Active) -> None:
-        """Decide what of the stored prefix to load and how to get its window, and start loading it."""
-        if self.client is None or (a.request.from_handoff and self._continue_handoff(a)) or not a.blocks:
+        """Look up the stored prefix, ask where its window comes from (`WindowKeeper.plan`), decide whether
+        loading it beats recomputing, and start loading it."""
+        client = self.client
+        if client is None or (a.request.from_handoff and self._continue_handoff(a)) or not a.blocks:
             return
-        B, hybrid = self.block_tokens, self.window_tier is not None
-        a.stored = a.save_from = self.client.lookup(a.blocks)
-        exact_chain = (a.blocks, a.stored)
-        may_replay = hybrid and self._may_replay(a)
-        if may_replay and (a.stored < len(a.blocks) or not self._window_kept(a.blocks, a.stored, len(a.tokens))):
-            self._follow_replayed_chain(a)
-        if a.stored == 0:
+        B, tokens = self.block_tokens, a.tokens.tolist()
+        a.stored = a.save_from = client.lookup(a.blocks)
+        if self.windows is None:
+            plan = WindowPlan.without_window(a.blocks, a.stored, len(tokens), B)
+        else:
+            plan = self.windows.plan(client, a.namespace, tokens, a.blocks, a.stored, a.kv,
+                                     self._accepts_approximate(a), a.request.session_id)
+            if plan.capture_at is not None:
+                a.kv.capture_at.add(plan.capture_at)  # where this prompt leaves the stored prefix
+            if plan.stored_window is not None:
+                a.window_bytes, a.own_record = plan.stored_window.nbytes, plan.stored_window.own_record
+        if plan.stored == 0:
+            return  # cold
+        if plan.resume == 0:
+            a.path = WINDOW_MISSING if self.windows is not None else NOT_WORTH
             return
-        resumable = min(a.stored, (len(a.tokens) - 1) // B)  # the last token is always computed
-        exact = resumable  # blocks to resume from exactly: a hybrid model needs the window there
-        if hybrid and exact and a.blocks[exact - 1].key not in self.window_tier:
-            a.window = self._stored_window(a, exact)  # host tier first, then the store's window record
-        while hybrid and exact and a.window is None and a.blocks[exact - 1].key not in self.window_tier:
-            exact -= 1
-        if hybrid and exact < a.stored:
-            a.kv.capture_at.add(a.stored * B)  # where this prompt leaves the stored prefix
-        replay = may_replay and exact < resumable and worth_replaying(
-            resumable * B, exact * B, self.replay_tokens, self.config.replay_min_prefix_factor)
-        planned = resumable if replay else exact
-        if planned == 0:
-            self._recompute(a, WINDOW_MISSING if hybrid else NOT_WORTH, exact_chain)
-            return
-        worth = self.client.tokens_worth_loading(a.blocks, planned, self.block_bytes, len(a.tokens),
-                                                 self.cost.prefill_seconds) // B
-        if hybrid and worth:
-            worth = planned  # a hybrid model resumes only where it has (or rebuilds) the window
+        worth = client.tokens_worth_loading(plan.blocks, plan.resume, self.block_bytes, len(tokens),
+                                            self.cost.prefill_seconds) // B
+        if worth and self.windows is not None:
+            worth = plan.resume  # a hybrid model resumes only where it has (or rebuilds) the window
+            if not self.windows.resume(plan, a.kv):
+                a.path = WINDOW_MISSING  # the tier's window went since the plan
+                return
         if worth == 0:
-            self._recompute(a, NOT_WORTH, exact_chain)
+            a.path = NOT_WORTH
             return
-        source = a.blocks[:worth]
-        if replay:
-            a.start = begin_replay(a.kv, worth * B, self.replay_tokens)
-            a.replayed, a.path = worth * B - a.start, REPLAYED
+        # Resumed: the prompt goes on in the plan's chain (an exact resume's KV is exact, a replay's not)
+        a.blocks, a.stored, a.save_from, a.exact = plan.blocks, plan.stored, plan.stored, plan.exact
+        a.start, a.replayed = worth * B - plan.replayed, plan.replayed
+        if plan.source == REPLAY:
+            a.path = REPLAYED
             if a.exact:  # what this request computes from here on is approximate: into the replayed chain
                 a.blocks, a.save_from, a.exact = self._replayed_chain(a), 0, False
         else:
-            if hybrid:
-                state = a.window or self.window_tier.get(a.blocks[worth - 1].key)
-                if state is None:  # evicted since the check
-                    self._recompute(a, WINDOW_MISSING, exact_chain)
-                    return
-                a.kv.restore_window(state)
-                a.window_source = "store" if a.window is not None else "host"
-            a.start, a.path = worth * B, CACHED
-        sources = self.client.block_sources(source)
+            a.path, a.window_source = CACHED, plan.source
+        sources = client.block_sources(plan.blocks[:worth])
         a.sources = dict(Counter("host" if s == "host" else "daemon" for s in sources))
         a.loaded = worth
         destination = PagedKV(self.pool.layers, a.kv.block_table[:worth])
-        a.load = self.client.load(source, destination, hit_blocks=worth)
-
-    def _stored_window(self, a: _Active, blocks: int) -> WindowState | None:
-        """The window as of the end of `a`'s first `blocks` blocks, from the store's window record; None (the
-        cause counted in `window_misses`) where it is absent or not that window: never an error."""
-        if self.client is None or self.windows is None:
-            return None
-        chain = self.chain_namespace(a.request, a.exact, a.namespace)
-        found = self.windows.read_record(self.client, chain, a.blocks, blocks, a.kv, a.exact, a.request.session_id)
-        if found is None:
-            return None
-        a.window_bytes, a.own_record = found.nbytes, found.own_record
-        return found.state
-
-    def _recompute(self, a: _Active, path: str, exact_chain: tuple[list[Block], int]) -> None:
-        """The whole prompt is computed from scratch: its KV is exact, so it belongs in the exact chain."""
-        a.path = path
-        if not a.exact:
-            (a.blocks, a.stored), a.exact = exact_chain, True
-            a.save_from = a.stored
+        a.load = client.load(plan.blocks[:worth], destination, hit_blocks=worth)
 
     def _continue_handoff(self, a: _Active) -> bool:
         """Continue from the state another process handed over (engine.prefill.handoff): its chain's full blocks
@@ -386,25 +359,8 @@ class PrefillEngine:
     def _accepts_approximate(self, a: _Active) -> bool:
         return not a.request.exact and a.namespace.tenant.hex() not in self.config.exact_tenants
 
-    def _may_replay(self, a: _Active) -> bool:
-        return self.replay_tokens > 0 and self._accepts_approximate(a)
-
     def _replayed_chain(self, a: _Active) -> list[Block]:
         return self.chain_namespace(a.request, exact=False, namespace=a.namespace).blocks(a.tokens.tolist())
-
-    def _follow_replayed_chain(self, a: _Active) -> None:
-        """A conversation that went on from a replay has its later blocks in the replayed chain: use it
-        where it holds more of this prompt than the exact one, or as much and the window kept at its end."""
-        chain = self._replayed_chain(a)
-        stored = self.client.lookup(chain)
-        if stored > a.stored or (stored == a.stored and self._window_kept(chain, stored, len(a.tokens))
-                                 and not self._window_kept(a.blocks, stored, len(a.tokens))):
-            a.blocks, a.stored, a.save_from, a.exact = chain, stored, stored, False
-
-    def _window_kept(self, blocks: list[Block], stored: int, length: int) -> bool:
-        """Whether the window tier holds the state a prompt of `length` tokens would resume from."""
-        resumable = min(stored, (length - 1) // self.block_tokens)
-        return resumable > 0 and blocks[resumable - 1].key in self.window_tier
 
     def _load_held(self, a: _Active) -> bool:
         """After a request's first chunk: did the whole planned load arrive? If not, restart from what did."""
@@ -418,7 +374,7 @@ class PrefillEngine:
             return True
         if self.windows is not None:
             final = 0  # the window kept (or replayed) was for the planned boundary, not for this one
-            a.window, a.window_source = None, None
+            a.window_source = None
             a.kv.window_from = a.kv.keep_full_before = a.replayed = 0
             a.kv.captured.clear()  # states the first chunk captured under the replay: recaptured exactly
             if not a.exact:  # recomputed from scratch, the KV is exact again: back to the exact chain

@@ -1,9 +1,17 @@
-"""One prefill engine's sliding-window state: the host tier and the store's window records of its sessions.
+"""One prefill engine's sliding-window state, and the plan that resumes a stored prefix with it.
 
-The keeper keeps a session's latest window in the host tier and, write-behind, as the window record of
-the block it follows, and deletes the session's older record once the newer one is settled; it reads a
-record back for a resumed prefix whose window the tier does not hold. The engine's client is passed to
-each call rather than kept: an engine may be handed another client (a restarted daemon's).
+A hybrid model resumes a stored prefix exactly only with its sliding layers' window as of the prefix's
+end, which no block holds. For one prompt, `plan` says where that window comes from and what resuming
+costs: the host tier (`HOST`, this process's windows of active sessions), else the store's window record
+(`STORE`, saved by whichever engine served the session's last turn), else bounded replay (`REPLAY`: the
+prefix loaded and its last R tokens recomputed, an approximate window) where that saves much and the
+request accepts an approximation, else nothing: the prompt is computed from scratch. The engine then
+decides whether loading beats recomputing and, where it loads, `resume` sets the request's KV up.
+
+Once a request is computed, `keep_captured` keeps the windows it captured: the session's latest in the
+tier and, write-behind, as the record of the block it follows, the session's older record deleted once
+the newer one is settled. The engine's client is passed to each call rather than kept: an engine may be
+handed another client (a restarted daemon's).
 """
 
 from __future__ import annotations
@@ -15,12 +23,22 @@ from functools import partial
 
 from engine.model.kv import RequestKV, WindowState
 from engine.window import record as window_records
-from engine.window.replay import REPLAYED_SUFFIX, default_replay_tokens
+from engine.window.replay import (
+    REPLAYED_SUFFIX,
+    begin_replay,
+    default_replay_tokens,
+    replayed_namespace,
+    worth_replaying,
+)
 from engine.window.tier import WindowTier
 from kvstore.block import Block, Namespace
 from kvstore.client import KVClient, PutSummary
 
 MAX_SESSIONS_TRACKED = 65_536  # sessions whose latest window record is remembered, to delete it once superseded
+# Where the window of a resumed prefix comes from (`PrefillResult.window_source` names the first two).
+HOST = "host"  # this process's host tier
+STORE = "store"  # the store's window record
+REPLAY = "replay"  # rebuilt by bounded replay: approximate
 
 
 @dataclass(frozen=True)
@@ -30,6 +48,31 @@ class StoredWindow:
     state: WindowState
     nbytes: int  # the record's payload
     own_record: Block | None  # the record, where the reader's session saved it: superseded once it keeps a newer
+
+
+@dataclass(frozen=True)
+class WindowPlan:
+    """Where a prompt's stored prefix resumes, where its window there comes from, and what that costs."""
+
+    blocks: list[Block]  # the chain to load from: the prompt's exact chain, or the replayed one it went on in
+    exact: bool  # whether `blocks` is the exact chain
+    stored: int  # leading blocks of `blocks` the store holds
+    resume: int  # leading blocks to load and resume after; 0: none, the prompt is computed from scratch
+    source: str | None = None  # HOST, STORE or REPLAY where `resume` > 0 (None for a model without sliding layers)
+    replayed: int = 0  # tokens of the prefix that REPLAY recomputes (R, or the whole prefix if shorter)
+    stored_window: StoredWindow | None = None  # the window read from the store's record (STORE)
+    capture_at: int | None = None  # where the prompt leaves the stored prefix, not resumed there: a window to keep
+
+    @classmethod
+    def without_window(cls, blocks: list[Block], stored: int, tokens: int, block_tokens: int) -> WindowPlan:
+        """For a model without sliding layers: resume at the last stored boundary before the last token."""
+        return cls(blocks, True, stored, resumable(stored, tokens, block_tokens))
+
+
+def resumable(stored: int, tokens: int, block_tokens: int) -> int:
+    """Of `stored` leading blocks, how many a prompt of `tokens` tokens can resume after: its last token is
+    always computed, for its logits."""
+    return min(stored, (tokens - 1) // block_tokens)
 
 
 class WindowKeeper:
@@ -45,6 +88,66 @@ class WindowKeeper:
         self.misses: Counter[str] = Counter()  # window records looked up and not used, by cause
         self._session_records: OrderedDict[str, Block] = OrderedDict()  # session -> its latest window record
         self._records_lock = threading.Lock()  # the engine thread and the write-behind thread settle records
+
+    # -- resuming a stored prefix -----------------------------------------------------------------------
+
+    def plan(self, client: KVClient, namespace: Namespace, tokens: list[int], blocks: list[Block], stored: int,
+             kv: RequestKV, accepts_approximate: bool, session_id: str | None) -> WindowPlan:
+        """Where the prompt `tokens` resumes and where its window there comes from. `blocks` is its exact chain
+        (in `namespace`), of which the store holds `stored` leading blocks; `kv` its KV, whose rings a record
+        must fit; `accepts_approximate`: it may be replayed; `session_id` (of the namespace's tenant) tells
+        its session's own record from another's.
+
+        A conversation that went on from a replay has its later blocks in the replayed chain: the plan takes
+        that chain where it holds more of the prompt than the exact one, or as much and the window kept at
+        its end. It resumes at the last resumable boundary whose window the tier or the store's record
+        holds; where that is earlier than the last resumable boundary, a request that accepts an
+        approximation is replayed at the last one instead, if that saves much (`worth_replaying`)."""
+        B, n = self.block_tokens, len(tokens)
+        may_replay = accepts_approximate and self.replay_tokens > 0
+        exact = True
+        if may_replay and (stored < len(blocks) or not self._kept(blocks, stored, n)):
+            replayed = replayed_namespace(namespace).blocks(tokens)
+            replayed_stored = client.lookup(replayed)
+            if replayed_stored > stored or (replayed_stored == stored and self._kept(replayed, stored, n)
+                                            and not self._kept(blocks, stored, n)):
+                blocks, stored, exact = replayed, replayed_stored, False
+        if stored == 0:
+            return WindowPlan(blocks, exact, 0, 0)
+        last = resumable(stored, n, B)
+        resume, found = last, None  # blocks to resume after exactly: where the window is kept or recorded
+        if resume and blocks[resume - 1].key not in self.tier:
+            chain = namespace if exact else replayed_namespace(namespace)
+            found = self.read_record(client, chain, blocks, resume, kv, exact, session_id)
+        while resume and found is None and blocks[resume - 1].key not in self.tier:
+            resume -= 1
+        capture_at = stored * B if resume < stored else None
+        if may_replay and resume < last and worth_replaying(last * B, resume * B, self.replay_tokens,
+                                                            self.replay_min_prefix_factor):
+            return WindowPlan(blocks, exact, stored, last, REPLAY, min(self.replay_tokens, last * B),
+                              capture_at=capture_at)  # no record was found: it would have resumed at `last`
+        source = (STORE if found is not None else HOST) if resume else None
+        return WindowPlan(blocks, exact, stored, resume, source, 0, found, capture_at)
+
+    def resume(self, plan: WindowPlan, kv: RequestKV) -> bool:
+        """Set `kv`, into which the plan's `resume` blocks are being loaded, to continue from there: the window
+        restored, or the replay begun. False, `kv` untouched, where the tier's window went since the plan."""
+        if plan.source == REPLAY:
+            begin_replay(kv, plan.resume * self.block_tokens, self.replay_tokens)
+            return True
+        state = plan.stored_window.state if plan.stored_window is not None else \
+            self.tier.get(plan.blocks[plan.resume - 1].key)
+        if state is None:
+            return False
+        kv.restore_window(state)
+        return True
+
+    def _kept(self, blocks: list[Block], stored: int, tokens: int) -> bool:
+        """Whether the tier holds the window a prompt of `tokens` tokens would resume from in `blocks`."""
+        last = resumable(stored, tokens, self.block_tokens)
+        return last > 0 and blocks[last - 1].key in self.tier
+
+    # -- keeping windows ---------------------------------------------------------------------------
 
     def keep(self, client: KVClient | None, block: Block, state: WindowState, chain: Namespace,
              session_id: str | None, superseded: Block | None = None) -> bool:

@@ -1,13 +1,14 @@
 """Bounded replay: rebuild a lost sliding-window state from the last R tokens of a stored prefix.
 
 A hybrid model's full-attention KV is stored, but its sliding layers' window state lives only in the
-host tier; when a resumed session's state is gone, recomputing the whole prompt is exact but costs as
-much as a cold start. Bounded replay (docs/design.md section 8; R = W = 128 in DeepSeek-V4) instead loads
-the stored prefix of P tokens and recomputes only [P - R, P): the full layers attend to the whole
-prefix (they keep the loaded KV, rather than overwrite it with the replay's), the sliding layers only
-within the replay segment. The window it leaves at P is approximate, since the first replayed tokens
-see a truncated window; with R >= P it is exact. The quality this costs is measured by
-`bench/swa_replay_quality.py`; the engine picks replay only where it saves much (`worth_replaying`).
+host tier and, while the session is active, in the store's window record; when a resumed session's
+state is gone from both, recomputing the whole prompt is exact but costs as much as a cold start.
+Bounded replay (docs/design.md section 8; R = W = 128 in DeepSeek-V4) instead loads the stored prefix
+of P tokens and recomputes only [P - R, P): the full layers attend to the whole prefix (they keep the
+loaded KV, rather than overwrite it with the replay's), the sliding layers only within the replay
+segment. The window it leaves at P is approximate, since the first replayed tokens see a truncated
+window; with R >= P it is exact. The quality this costs is measured by `bench/swa_replay_quality.py`;
+the engine picks replay only where it saves much (`worth_replaying`).
 
     start = begin_replay(kv, prefix=P, replay_tokens=R)   # kv holds the full layers' KV of [0, P)
     model.forward([Chunk(kv, tokens[start:], start)])      # the replay and the new tokens, as usual
@@ -16,10 +17,17 @@ see a truncated window; with R >= P it is exact. The quality this costs is measu
 from __future__ import annotations
 
 from engine.model.kv import RequestKV
+from kvstore.block import Namespace
 
 REPLAYED_SUFFIX = "#replayed"  # the model identity of the namespace that holds KV computed after a replay
 # The default R, in windows: chosen from the quality measured on Gemma 3 270M (docs/performance.md, "Bounded replay").
 REPLAY_WINDOWS = 2
+
+
+def replayed_namespace(namespace: Namespace) -> Namespace:
+    """The twin of `namespace` whose chain holds KV computed after a replay: approximate, so never read by
+    exact requests, and followed by later turns of the replayed conversation."""
+    return namespace.with_model_id(namespace.model_id + REPLAYED_SUFFIX)
 
 
 def default_replay_tokens(window: int) -> int:
