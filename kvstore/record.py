@@ -20,6 +20,7 @@ keep their xxh3-64 layer checksums and are still read.
 
 from __future__ import annotations
 
+import mmap
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -36,6 +37,9 @@ CLASS_NAME_BYTES = 16
 # magic, version, flags, header_len, namespace, parent, key, class, n_tokens, n_layers, layer_bytes
 _FIXED_V1 = struct.Struct("<4sHHI16s16s16s16sIIQ")
 _TENANT = struct.Struct("<16s")  # format 2: then the tenant
+# A record's bytes in memory, as a transport delivered them or a tier keeps them (an mmap: a large payload the
+# daemon received from the data channel into a fresh anonymous mapping)
+RecordBytes = bytes | bytearray | memoryview | mmap.mmap
 # The shortest fixed part: enough to learn the header's length (bytes 8..12) whatever the version.
 FIXED_HEADER_BYTES = _FIXED_V1.size
 _FIXED_BYTES = {1: _FIXED_V1.size, 2: _FIXED_V1.size + _TENANT.size, 3: _FIXED_V1.size + _TENANT.size}
@@ -228,7 +232,7 @@ def build_record(block: Block, layers: bytes | memoryview | Iterable[bytes], n_l
     return encode_header(block, traffic_class, n_layers, layer_bytes, sums), payload
 
 
-def payload_layer_sums(chunks: Sequence[bytes | memoryview], layer_bytes: int,
+def payload_layer_sums(chunks: Sequence[RecordBytes], layer_bytes: int,
                        version: int = FORMAT_VERSION) -> list[int]:
     """The layer checksums of a payload that arrives cut into arbitrary chunks (format `version`'s)."""
     sums: list[int] = []

@@ -94,10 +94,10 @@ class AccessTimes:
         try:
             await commit(op)
         except (IndexFull, IndexNoSpace):
-            for key, value in dirty.items():
-                self.extended.setdefault(key, value)
-            for key, value in reclassed.items():
-                self._reclassed.setdefault(key, value)
+            for key, times in dirty.items():
+                self.extended.setdefault(key, times)
+            for key, policy_class in reclassed.items():
+                self._reclassed.setdefault(key, policy_class)
             return
         if learned:
             self._learned_saved = learned

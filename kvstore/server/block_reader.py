@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from kvstore.record import CorruptRecord, RecordHeader, decode_header
+from kvstore.record import CorruptRecord, RecordBytes, RecordHeader, decode_header
 from kvstore.server.hot_tier import HotEntry, HotTier
 from kvstore.server.index import Entry
 from kvstore.server.outcomes import Miss, MissStatus
@@ -34,7 +34,7 @@ class OpenBlock:
     tier: str  # where the hit was found: "dram" or "ssd"
 
     @property
-    def payload(self) -> bytes | bytearray | None:
+    def payload(self) -> RecordBytes | None:
         return self.hot.payload if self.hot is not None else None
 
 
@@ -73,7 +73,7 @@ class BlockReader:
         return OpenBlock(key, entry, header, header_bytes, segment, None, "ssd")
 
     async def read_layers(self, block: OpenBlock, begin: int, end: int,
-                          into: memoryview | None = None) -> bytes | bytearray | memoryview:
+                          into: memoryview | None = None) -> RecordBytes:
         """Payload bytes of layers [begin, end), verified; written into `into` when given.
 
         Raises CorruptRecord or OSError; ValueError for a range outside the block (a caller's bug, never

@@ -16,6 +16,7 @@ import struct
 from dataclasses import dataclass
 
 from kvstore import wire
+from kvstore.record import RecordBytes
 from kvstore.server.requests import RequestError
 
 # Memory is taken at most this far ahead of the bytes that arrived: a head or record header grows by at
@@ -106,7 +107,7 @@ class Connection:
         """Until bytes can be read; Closed past `deadline`."""
         await self._wait(self._loop.add_reader, self._loop.remove_reader, deadline)
 
-    async def send(self, data: bytes | bytearray | memoryview) -> None:
+    async def send(self, data: RecordBytes) -> None:
         """Send it all; Closed if the client takes none of it for `data_frame_timeout_s` (a stuck reader)."""
         view = memoryview(data).cast("B")
         deadline = self._loop.time() + self.frame_timeout_s
@@ -256,7 +257,7 @@ class TlsConnection(Connection):
             raise Closed()
         return received
 
-    async def send(self, data: bytes | bytearray | memoryview) -> None:
+    async def send(self, data: RecordBytes) -> None:
         view = memoryview(data).cast("B")
         deadline = self._loop.time() + self.frame_timeout_s
         while len(view):

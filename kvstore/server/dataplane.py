@@ -24,6 +24,7 @@ named by path) and no truncation can pull pages from under the daemon's mapping.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import mmap
 import os
@@ -35,7 +36,7 @@ from pathlib import Path
 from kvstore import wire
 from kvstore.proto import pb
 from kvstore.record import FIXED_HEADER_BYTES
-from kvstore.server.auth import Principal
+from kvstore.server.auth import Authenticator, Principal
 from kvstore.server.config import ServerConfig
 from kvstore.server.data_connection import (
     POPULATE_STEP,
@@ -101,9 +102,10 @@ class DataPlaneServer:
         self._listen(listener)
         return listener.getsockname()[1]
 
-    async def start_unix(self, path: Path) -> str:
-        """Serve on a Unix socket at `path` (a stale one left by a daemon that died is replaced)."""
-        path = os.path.abspath(path)
+    async def start_unix(self, where: Path) -> str:
+        """Serve on a Unix socket at `where` (a stale one left by a daemon that died is replaced); its
+        absolute path."""
+        path = os.path.abspath(where)
         if os.path.lexists(path):
             if not stat.S_ISSOCK(os.lstat(path).st_mode):
                 raise OSError(f"{path} exists and is not a socket; remove it or set data_socket elsewhere")
@@ -167,7 +169,7 @@ class DataPlaneServer:
             self._per_peer[peer.key] = self._per_peer.get(peer.key, 0) + 1
             task = asyncio.create_task(self._serve(sock, peer))
             self._connections.add(task)
-            task.add_done_callback(lambda done, key=peer.key: self._gone(done, key))
+            task.add_done_callback(functools.partial(self._gone, peer_key=peer.key))
 
     def _refusal(self, peer: Peer) -> str:
         if len(self._connections) >= self.config.max_data_connections:
@@ -223,18 +225,18 @@ class DataPlaneServer:
         try:
             while True:
                 connection.release()
-                unproven = authenticator is not None and principal is None
+                gate = authenticator if principal is None else None  # what the client must still pass, if any
                 try:  # a client that must prove itself first gets no idle time to hold a connection with
-                    prefix = await connection.read(wire.PREFIX.size, idle=not unproven)
+                    prefix = await connection.read(wire.PREFIX.size, idle=gate is None)
                 except Closed:
                     return
                 try:
                     kind, head_len = wire.parse_prefix(prefix)
-                    if unproven:  # before the token, nothing but a small AUTH frame is read
+                    if gate is not None:  # before the token, nothing but a small AUTH frame is read
                         if kind != wire.AUTH or head_len > MAX_AUTH_HEAD_BYTES:
                             raise Unauthenticated("this daemon checks tokens: the first frame must be AUTH "
                                                   f"(DataAuth, at most {MAX_AUTH_HEAD_BYTES} bytes)")
-                        principal = await self._authenticate(connection, await connection.read(head_len))
+                        principal = await self._authenticate(gate, connection, await connection.read(head_len))
                         continue
                     head = await connection.read(head_len)
                     scope = principal.tenants if principal is not None else None
@@ -272,9 +274,10 @@ class DataPlaneServer:
 
     # -- who may do what -----------------------------------------------------------------------------
 
-    async def _authenticate(self, connection: Connection, head: bytes) -> Principal:
+    @staticmethod
+    async def _authenticate(authenticator: Authenticator, connection: Connection, head: bytes) -> Principal:
         """The principal of the token in an AUTH frame's head; Unauthenticated for an unknown one."""
-        principal = self.security.authenticator.authenticate(parse(pb.DataAuth, head).token)
+        principal = authenticator.authenticate(parse(pb.DataAuth, head).token)
         if principal is None:
             raise Unauthenticated("unknown token")
         await connection.send(wire.frame(wire.AUTHED))
@@ -302,13 +305,13 @@ class DataPlaneServer:
         heads: list[bytes] = []  # heads of parts already in the client's memory, sent a layer at a time
         layer = request.layer_begin
         async for head, payload in get_parts(self.store, request, target, scope):
-            in_region = region is not None and payload is not None and isinstance(payload, memoryview) \
-                and payload.obj is region.mapping
+            in_region = region is not None and isinstance(payload, memoryview) and payload.obj is region.mapping
             if heads and (not in_region or head.layer_begin != layer):
                 await connection.send(b"".join(heads))
                 heads.clear()
             layer = head.layer_begin
             if in_region:  # the bytes are already in the client's memory: only the head travels
+                assert region is not None
                 self.metrics.region_bytes.inc(head.payload_bytes)
                 head.in_region = True
                 head.region_offset = self._place(request, region, head.index, head.layer_begin,
@@ -383,11 +386,12 @@ class DataPlaneServer:
             header_bytes = fixed + await connection.read(header_len - FIXED_HEADER_BYTES)
             header = verify_header(header_bytes)
             payload, charged_whole, fresh = self._payload_buffer(connection, header.payload_len)
+            fresh_mapping = payload if fresh and isinstance(payload, mmap.mmap) else None
             view = memoryview(payload)
-            step = POPULATE_STEP if fresh else len(view)
+            step = POPULATE_STEP if fresh_mapping is not None else len(view)
             for start in range(0, len(view), step):
-                if fresh:  # fault each step of a fresh mapping in at once, just before its bytes arrive
-                    populate(payload, start, step)
+                if fresh_mapping is not None:  # fault each step in at once, just before its bytes arrive
+                    populate(fresh_mapping, start, step)
                 await connection.read_into(view[start : start + step], charge=not charged_whole)
             connection.release()  # arrived whole: from here the put budget accounts for it
             return header, header_bytes, [payload]

@@ -115,15 +115,18 @@ def around(handler: grpc.RpcMethodHandler,
     kind it is: an async generator (messages yielded) or a coroutine (unary, or messages written)."""
     kind = next(k for k in ("unary_unary", "unary_stream", "stream_unary", "stream_stream") if getattr(handler, k))
     inner = getattr(handler, kind)
+    behaviour: Callable[[Any, Any], Any]
     if inspect.isasyncgenfunction(inner):
-        async def behaviour(request, context):
+        async def streamed(request, context):
             async with scope(context):
                 async for message in inner(request, context):
                     yield message
+        behaviour = streamed
     elif inspect.iscoroutinefunction(inner):
-        async def behaviour(request, context):
+        async def awaited(request, context):
             async with scope(context):
                 return await inner(request, context)
+        behaviour = awaited
     else:  # a synchronous handler runs on gRPC's thread pool; this daemon registers none
         return handler
     return handler._replace(**{kind: behaviour})

@@ -13,14 +13,16 @@ import mmap
 from dataclasses import dataclass
 
 from kvstore.eviction import LRU, EvictionPolicy
+from kvstore.record import RecordBytes
 
 FREE_BUFFERS_PER_SIZE = 8
+Recyclable = bytearray | mmap.mmap  # a payload buffer the tier hands to the next put or read of its size
 
 
 @dataclass(eq=False, slots=True)
 class HotEntry:
     header: bytes
-    payload: bytes | bytearray
+    payload: RecordBytes
     pins: int = 0
     evicted: bool = False
 
@@ -30,7 +32,7 @@ class HotTier:
         self.capacity_bytes = capacity_bytes
         self._policy = policy or LRU()
         self._entries: dict[bytes, HotEntry] = {}
-        self._free: dict[int, list[bytearray]] = {}  # size -> buffers nobody references
+        self._free: dict[int, list[Recyclable]] = {}  # size -> buffers nobody references
 
     def pin(self, key: bytes) -> HotEntry | None:
         """The entry of `key`, pinned until `unpin`; None on a miss."""
@@ -45,17 +47,17 @@ class HotTier:
         if entry.evicted and entry.pins == 0:
             self._recycle(entry.payload)
 
-    def buffer(self, nbytes: int) -> bytearray | mmap.mmap:
+    def buffer(self, nbytes: int) -> Recyclable:
         """A writable buffer of exactly `nbytes`, recycled when one is free."""
         recycled = self.reuse(nbytes)
         return bytearray(nbytes) if recycled is None else recycled
 
-    def reuse(self, nbytes: int) -> bytearray | mmap.mmap | None:
+    def reuse(self, nbytes: int) -> Recyclable | None:
         """A free buffer of exactly `nbytes` (memory the process holds already), or None."""
         free = self._free.get(nbytes)
         return free.pop() if free else None
 
-    def put(self, key: bytes, header: bytes, payload: bytes | bytearray) -> None:
+    def put(self, key: bytes, header: bytes, payload: RecordBytes) -> None:
         size = len(header) + len(payload)
         if size > self.capacity_bytes:
             # Not recycled: the caller still sends from it (a read of a block too big for the tier), and a
@@ -83,7 +85,7 @@ class HotTier:
         if entry.pins == 0:
             self._recycle(entry.payload)
 
-    def _recycle(self, payload: bytes | bytearray | mmap.mmap) -> None:
+    def _recycle(self, payload: RecordBytes) -> None:
         if isinstance(payload, (bytearray, mmap.mmap)):  # mmap: a large payload from the data channel
             free = self._free.setdefault(len(payload), [])
             if len(free) < FREE_BUFFERS_PER_SIZE:

@@ -18,10 +18,10 @@ import os
 import queue
 import struct
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 import lmdb
 from lmdb.verify import VerifyError
@@ -111,8 +111,10 @@ class Entry:
     def unpack(raw: bytes) -> Entry:
         end = _ENTRY.size + _PARENT_BYTES
         parent = bytes(raw[_ENTRY.size : end])
-        return Entry(*_ENTRY.unpack_from(raw), b"" if parent == bytes(_PARENT_BYTES) else parent,
-                     raw[end] if len(raw) > end else 0, tenant_id_of(raw))
+        segment, offset, header_len, payload_len, expires_ms, access_ms, class_id = _ENTRY.unpack_from(raw)
+        return Entry(segment, offset, header_len, payload_len, expires_ms, access_ms, class_id,
+                     b"" if parent == bytes(_PARENT_BYTES) else parent, raw[end] if len(raw) > end else 0,
+                     tenant_id_of(raw))
 
     def with_access(self, access_ms: int, expires_ms: int, class_id: int | None = None) -> Entry:
         return replace(self, expires_ms=max(self.expires_ms, expires_ms), access_ms=max(self.access_ms, access_ms),
@@ -124,7 +126,10 @@ def tenant_id_of(raw: bytes | memoryview) -> int:
     return _TENANT_ID.unpack_from(raw, TENANT_AT)[0] if len(raw) >= TENANT_AT + _TENANT_ID.size else 0
 
 
-Op = Callable[[lmdb.Transaction, Any], Any]
+# The group commit's write transaction: opened without buffers=True, so its values are bytes (a string:
+# lmdb's Transaction is generic only in its stubs)
+Txn: TypeAlias = "lmdb.Transaction[bytes]"
+Op = Callable[[Txn, Any], Any]
 
 
 def structural_damage(path: Path) -> str:
@@ -221,7 +226,7 @@ class Index:
                 out[i] = expiry(raw, _EXPIRY_AT)[0] > now_ms or extended.get(key, (0, 0))[1] > now_ms
         return bytes(out)
 
-    def items(self) -> Iterator[tuple[bytes, Entry]]:
+    def items(self) -> Generator[tuple[bytes, Entry], None, None]:
         """Every entry, in key order (start-up and tools; holds a read transaction while iterating)."""
         with self._read_lock, self._env.begin(db=self._blocks, buffers=False) as txn:
             for key, raw in txn.cursor():
@@ -260,7 +265,7 @@ class Index:
         return future
 
     def put_op(self, key: bytes, entry: Entry) -> Op:
-        def op(txn: lmdb.Transaction, db: Any) -> Entry | None:
+        def op(txn: Txn, db: Any) -> Entry | None:
             old = txn.get(key, db=db)
             txn.put(key, entry.pack(), db=db)
             return None if old is None else Entry.unpack(old)
@@ -268,7 +273,7 @@ class Index:
 
     def remove_op(self, keys: Sequence[bytes], only_at: dict[bytes, tuple[int, int]] | None = None) -> Op:
         """Delete `keys`; a key in `only_at` only while its entry still points at that (segment, offset)."""
-        def op(txn: lmdb.Transaction, db: Any) -> list[tuple[bytes, Entry]]:
+        def op(txn: Txn, db: Any) -> list[tuple[bytes, Entry]]:
             removed = []
             for key in keys:
                 raw = txn.get(key, db=db)
@@ -284,7 +289,7 @@ class Index:
 
     def move_op(self, key: bytes, old_at: tuple[int, int], new_at: tuple[int, int], expires_ms: int) -> Op:
         """Point `key` at its copy in `new_at`, if it still points at `old_at`; True if it moved."""
-        def op(txn: lmdb.Transaction, db: Any) -> bool:
+        def op(txn: Txn, db: Any) -> bool:
             raw = txn.get(key, db=db)
             if raw is None:
                 return False
@@ -301,7 +306,7 @@ class Index:
             return txn.get(name)
 
     def set_meta_op(self, name: bytes, value: bytes) -> Op:
-        def op(txn: lmdb.Transaction, db: Any) -> None:
+        def op(txn: Txn, db: Any) -> None:
             txn.put(name, value, db=self._meta)
         return op
 
@@ -317,7 +322,7 @@ class Index:
         return self._assign_id_op(b"tenant:", tenant, first=1)
 
     def _assign_id_op(self, prefix: bytes, name: bytes, first: int) -> Op:
-        def op(txn: lmdb.Transaction, db: Any) -> int:
+        def op(txn: Txn, db: Any) -> int:
             existing = txn.get(prefix + name, db=self._meta)
             if existing is not None:
                 return int(existing)

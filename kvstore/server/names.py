@@ -7,6 +7,7 @@ tenants: another tenant's block is as good as absent.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from typing import TypeGuard
 
 from kvstore.record import NO_TENANT
 from kvstore.server.config import ServerConfig
@@ -53,9 +54,12 @@ class Names:
             return None
         return frozenset(self._tenant_ids[t] for t in scope if t in self._tenant_ids)
 
-    def visible(self, entry: Entry | None, scope: Scope) -> bool:
+    def visible(self, entry: Entry | None, scope: Scope) -> TypeGuard[Entry]:
         """Whether a caller limited to `scope` may see `entry`; another tenant's block is as good as absent."""
-        return entry is not None and (scope is None or entry.tenant_id in self.tenant_ids(scope))
+        if entry is None:
+            return False
+        ids = self.tenant_ids(scope)
+        return ids is None or entry.tenant_id in ids
 
     async def tenant_id(self, tenant: bytes, assign: Callable[[bytes], Awaitable[int]]) -> int:
         """The id of `tenant` (0: a record without one); `assign` commits a new one to the index."""

@@ -102,6 +102,8 @@ class DaemonProcess:
             self.proc.stdin.close()
 
     def rss_bytes(self) -> int:
+        if self.proc is None:
+            raise RuntimeError("the daemon has not been started")
         with open(f"/proc/{self.proc.pid}/status") as f:
             for line in f:
                 if line.startswith("VmRSS:"):

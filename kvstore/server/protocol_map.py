@@ -17,6 +17,6 @@ def put_response(results: Iterable[PutResult]) -> pb.PutResponse:
     return pb.PutResponse(results=[_PUT_STATUS[result] for result in results])
 
 
-def part_status(status: MissStatus) -> int:
+def part_status(status: MissStatus) -> pb.PartStatus:
     """The pb.PartStatus of a block not served."""
     return _PART_STATUS[status]

@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable, Sequence
 
 from kvstore.eviction import ReuseHint
 from kvstore.proto import pb
-from kvstore.record import RecordHeader
+from kvstore.record import RecordBytes, RecordHeader
 from kvstore.server.config import ServerConfig
 from kvstore.server.limits import ByteBudget, TimedOut
 from kvstore.server.outcomes import PutResult
@@ -24,7 +24,7 @@ from kvstore.server.protocol_map import put_response
 from kvstore.server.requests import check_payload, check_put_head, check_tenant, parse_record_header, reuse_hint
 from kvstore.server.store import BlockStore
 
-Payload = Sequence[bytes | bytearray | memoryview]  # a record's payload, in the pieces it arrived in
+Payload = Sequence[RecordBytes]  # a record's payload, in the pieces it arrived in
 VerifyHeader = Callable[[bytes], RecordHeader]  # a record's header bytes -> the header, verified
 # How a transport reads one record of `declared` bytes: it hands the header's bytes to `verify` as soon as
 # they are in (so that nothing is allocated for an unverified header) and returns (header, its bytes, payload).

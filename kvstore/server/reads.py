@@ -14,14 +14,14 @@ import collections
 from collections.abc import AsyncIterator, Callable
 
 from kvstore.proto import pb
-from kvstore.record import CorruptRecord
+from kvstore.record import CorruptRecord, RecordBytes
 from kvstore.server.block_reader import OpenBlock
 from kvstore.server.outcomes import Miss, MissStatus
 from kvstore.server.protocol_map import part_status
 from kvstore.server.store import BlockStore, Scope
 
 READ_AHEAD = 3  # blocks of a block-major Get read ahead of the one being sent
-Part = tuple[pb.GetPartHead, "bytes | bytearray | memoryview | None"]
+Part = tuple[pb.GetPartHead, "RecordBytes | None"]
 # (index of the key, first layer of the part, payload bytes) -> where to put the payload
 Target = Callable[[int, int, int], "memoryview | None"]
 
@@ -80,7 +80,7 @@ async def get_parts(store: BlockStore, request: pb.GetRequest, target: Target | 
                                       for i in range(min(READ_AHEAD, len(request.keys))))
             try:
                 for index in range(len(request.keys)):
-                    block, part = await ahead.popleft()
+                    fetched, part = await ahead.popleft()
                     if index + READ_AHEAD < len(request.keys):
                         ahead.append(asyncio.ensure_future(fetch(index + READ_AHEAD)))
                     yield part
@@ -88,8 +88,9 @@ async def get_parts(store: BlockStore, request: pb.GetRequest, target: Target | 
                         if request.stop_at_miss:
                             break
                         continue
+                    assert fetched is not None, "a payload was read, so its block was opened"
                     served_bytes += len(part[1])
-                    served.append(block)
+                    served.append(fetched)
             finally:
                 for task in ahead:  # read ahead but not wanted: let them end, so their blocks can be closed
                     task.cancel()
@@ -131,6 +132,7 @@ async def _read(store: BlockStore, block: OpenBlock, begin: int, end: int, index
     return part, data
 
 
-def head(index: int, status: int, begin: int, end: int, header: bytes, nbytes: int, cause: str = "") -> pb.GetPartHead:
+def head(index: int, status: pb.PartStatus, begin: int, end: int, header: bytes, nbytes: int,
+         cause: str = "") -> pb.GetPartHead:
     return pb.GetPartHead(index=index, status=status, layer_begin=begin, layer_end=end, header=header,
                           payload_bytes=nbytes, cause=cause)

@@ -29,7 +29,7 @@ from typing import Any
 import lmdb
 
 from kvstore.record import NO_TENANT, CorruptRecord, RecordHeader, peek_header
-from kvstore.server.index import Entry, Index, IndexDamaged, IndexUnavailable, is_damage
+from kvstore.server.index import Entry, Index, IndexDamaged, IndexUnavailable, Txn, is_damage
 from kvstore.server.segments import Segment, SegmentSet
 
 log = logging.getLogger(__name__)
@@ -287,7 +287,7 @@ def _insert(index: Index, items: list[tuple[bytes, Entry]]) -> list[tuple[bytes,
     if not items:
         return []
 
-    def op(txn: lmdb.Transaction, db: Any) -> list[tuple[bytes, Entry]]:
+    def op(txn: Txn, db: Any) -> list[tuple[bytes, Entry]]:
         return [(key, entry) for key, entry in items if txn.put(key, entry.pack(), db=db, overwrite=False)]
     return index.submit(op).result()
 

@@ -13,7 +13,7 @@ from google.protobuf.message import DecodeError
 from kvstore.block import KEY_BYTES
 from kvstore.eviction import ReuseHint
 from kvstore.proto import pb
-from kvstore.record import CorruptRecord, RecordHeader, decode_header, payload_layer_sums
+from kvstore.record import CorruptRecord, RecordBytes, RecordHeader, decode_header, payload_layer_sums
 from kvstore.server.config import ServerConfig
 
 
@@ -100,7 +100,7 @@ def parse_record_header(header_bytes: bytes, declared: int, known_classes: Seque
     return header
 
 
-def check_payload(header: RecordHeader, chunks: Sequence[bytes | memoryview]) -> None:
+def check_payload(header: RecordHeader, chunks: Sequence[RecordBytes]) -> None:
     try:
         sums = payload_layer_sums(chunks, header.layer_bytes, header.version)
     except CorruptRecord as exc:

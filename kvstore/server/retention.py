@@ -253,7 +253,7 @@ class Retention:
         chosen = 0.0
         evicted = 0
         while chosen < nbytes:
-            victims = []
+            victims: list[bytes] = []
             while chosen < nbytes and len(victims) < (FULL_DISK_BATCH if self.disk_full else EVICTION_BATCH):
                 victim = self.store.next_victim()
                 if victim is None:

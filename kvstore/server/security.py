@@ -31,7 +31,7 @@ class Security:
         """Raises AuthConfigError (a bad token file) or ValueError (unreadable certificates)."""
         authenticator = Authenticator.from_file(config.auth_tokens) if config.auth_tokens else None
         credentials, context = None, None
-        if config.tls:
+        if config.tls_cert is not None and config.tls_key is not None:  # the config has both or neither (tls)
             try:
                 key, chain = config.tls_key.read_bytes(), config.tls_cert.read_bytes()
                 client_ca = config.tls_client_ca.read_bytes() if config.tls_client_ca else None

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvstore import faults
-from kvstore.record import FIXED_HEADER_BYTES, MAGIC, CorruptRecord, RecordHeader, decode_header
+from kvstore.record import FIXED_HEADER_BYTES, MAGIC, CorruptRecord, RecordBytes, RecordHeader, decode_header
 
 _RESYNC_CHUNK = 1 << 20  # bytes read at a time looking for the next record past a damaged one
 ALIGN = 4096  # O_DIRECT's alignment of file offsets, lengths and memory (512-byte devices included)
@@ -159,7 +159,7 @@ class SegmentSet:
 
     # -- appends (I/O threads) ----------------------------------------------------------------
 
-    def append(self, bucket_end: int, parts: Sequence[bytes | memoryview]) -> tuple[Segment, int]:
+    def append(self, bucket_end: int, parts: Sequence[RecordBytes]) -> tuple[Segment, int]:
         """Write one record at the end of the open segment of `bucket_end`; returns where it went."""
         nbytes = sum(len(p) for p in parts)
         direct = 0 < self.direct_min_bytes <= nbytes
@@ -169,11 +169,11 @@ class SegmentSet:
                 if segment.sealed or segment.deleted:
                     continue  # sealed by another writer meanwhile
                 start = segment.size
-                use_direct = direct and segment.direct_fd is not None
-                offset = align_up(start) if use_direct else start
+                direct_fd = segment.direct_fd if direct else None
+                offset = align_up(start) if direct_fd is not None else start
                 try:
                     faults.hit("segment.before_write")
-                    end = self._write_direct(segment, parts, offset) if use_direct else None
+                    end = self._write_direct(direct_fd, parts, offset) if direct_fd is not None else None
                     if end is None:  # buffered, or O_DIRECT refused just now
                         offset = start
                         _write_all(segment.fd, parts, offset)
@@ -191,9 +191,10 @@ class SegmentSet:
                     self._seal_locked(segment, sync=self.fsync)
                 return segment, offset
 
-    def _write_direct(self, segment: Segment, parts: Sequence[bytes | memoryview], offset: int) -> int | None:
-        """Write the record at the aligned `offset` with O_DIRECT, padded with zeros to ALIGN; its padded
-        end, or None if the file system refuses O_DIRECT's alignment (then appends are buffered)."""
+    def _write_direct(self, direct_fd: int, parts: Sequence[RecordBytes], offset: int) -> int | None:
+        """Write the record at the aligned `offset` of a segment opened with O_DIRECT (`direct_fd`), padded
+        with zeros to ALIGN; its padded end, or None if the file system refuses O_DIRECT's alignment (then
+        appends are buffered)."""
         staging = getattr(self._staging, "buffer", None)
         if staging is None:
             staging = self._staging.buffer = mmap.mmap(-1, STAGING_BYTES)
@@ -206,12 +207,12 @@ class SegmentSet:
                     staging[filled : filled + take] = view[:take]
                     filled, view = filled + take, view[take:]
                     if filled == STAGING_BYTES:
-                        _write_all(segment.direct_fd, [memoryview(staging)], offset)
+                        _write_all(direct_fd, [memoryview(staging)], offset)
                         offset, filled = offset + filled, 0
             if filled:
                 padded = align_up(filled)
                 staging[filled:padded] = bytes(padded - filled)
-                _write_all(segment.direct_fd, [memoryview(staging)[:padded]], offset)
+                _write_all(direct_fd, [memoryview(staging)[:padded]], offset)
                 offset += padded
         except OSError as exc:
             if exc.errno != errno.EINVAL:
@@ -342,7 +343,7 @@ def _close_direct(segment: Segment) -> None:
         segment.direct_fd = None
 
 
-def _write_all(fd: int, parts: Sequence[bytes | memoryview], offset: int) -> None:
+def _write_all(fd: int, parts: Sequence[RecordBytes], offset: int) -> None:
     """pwritev until everything is written; a full disk first writes short, then raises ENOSPC."""
     views = [memoryview(p) for p in parts if len(p)]
     while views:

@@ -9,12 +9,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import NoReturn
 
 import grpc
 
 import kvstore
 from kvstore.hostid import host_id
 from kvstore.proto import SERVICE, pb
+from kvstore.record import RecordBytes
 from kvstore.server.config import ServerConfig
 from kvstore.server.grpc_auth import current_principal
 from kvstore.server.limits import ByteBudget, TimedOut, grpc_caller
@@ -56,11 +58,13 @@ class KVStoreService:
             raise PermissionDenied("no authenticated caller for this call")
         return None if principal is None else principal.tenants
 
-    async def _abort(self, context: grpc.aio.ServicerContext, method: str, code: grpc.StatusCode, details: str):
+    async def _abort(self, context: grpc.aio.ServicerContext, method: str, code: grpc.StatusCode,
+                     details: str) -> NoReturn:
         self.metrics.rpc_errors.labels(method=method, code=code.name).inc()
-        await context.abort(code, details)
+        await context.abort(code, details)  # ends the call with an exception (grpc has no stubs to say so)
+        raise AssertionError("ServicerContext.abort returned")
 
-    async def _reject(self, context, method: str, error: RequestError):
+    async def _reject(self, context, method: str, error: RequestError) -> NoReturn:
         await self._abort(context, method, getattr(grpc.StatusCode, error.code), str(error))
 
     # -- unary RPCs -------------------------------------------------------------------------------
@@ -109,7 +113,7 @@ class KVStoreService:
             if payload is not None:
                 await self._send_payload(context, payload, who)
 
-    async def _send_payload(self, context, payload: bytes | bytearray | memoryview, who: str) -> None:
+    async def _send_payload(self, context, payload: RecordBytes, who: str) -> None:
         """Send one payload, holding its memory against the send budget until the client has taken it.
 
         Until then gRPC holds it twice: the bytes object its API takes and its core's own copy. A payload
@@ -134,18 +138,23 @@ class KVStoreService:
         messages = request_iterator.__aiter__()
         stream = PutStream(self.store, self.config, self.put_budget, grpc_caller(context), self.caller_scope())
 
-        async def next_message(what: str = "", received: int = 0, expected: int = 0) -> bytes | None:
-            """The next message; None where the stream ends between records (`what` empty)."""
+        async def message_or_end() -> bytes | None:
+            """The next message; None where the stream ends."""
             try:
                 return await asyncio.wait_for(messages.__anext__(), self.config.rpc_stream_timeout_s)
             except StopAsyncIteration:
-                if not what:
-                    return None
-                raise RequestError(f"stream ended before {what}" + (
-                    f": {received} of {expected} payload bytes received" if expected else "")) from None
+                return None
             except TimeoutError:
                 raise TimedOut(f"the client sent nothing for {self.config.rpc_stream_timeout_s:g} s "
                                "(rpc_stream_timeout_s)") from None
+
+        async def next_message(what: str, received: int = 0, expected: int = 0) -> bytes:
+            """The next message, inside a record: the stream ending before `what` is the client's error."""
+            message = await message_or_end()
+            if message is None:
+                raise RequestError(f"stream ended before {what}" + (
+                    f": {received} of {expected} payload bytes received" if expected else ""))
+            return message
 
         async def arrive(declared: int, verify_header):
             """A record as messages: its header, then payload chunks of any size."""
@@ -162,7 +171,7 @@ class KVStoreService:
             return header, header_bytes, chunks
 
         try:
-            while (raw := await next_message()) is not None:
+            while (raw := await message_or_end()) is not None:  # the stream may end between records
                 await stream.receive(parse(pb.PutHead, raw), arrive)
             return await stream.results()
         except (RequestError, DiskFull, OSError) as exc:

@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from kvstore.eviction import EvictionPolicy, ReuseHint, make_policy
-from kvstore.record import RecordHeader
+from kvstore.record import RecordBytes, RecordHeader
 from kvstore.server.access_log import KEYS_PER_CALL, AccessLog
 from kvstore.server.access_times import AccessTimes
 from kvstore.server.accounting import Accounting
@@ -206,7 +206,7 @@ class BlockStore:
         return found
 
     async def read_layers(self, block: OpenBlock, begin: int, end: int,
-                          into: memoryview | None = None) -> bytes | bytearray | memoryview:
+                          into: memoryview | None = None) -> RecordBytes:
         """Payload bytes of layers [begin, end), verified (BlockReader.read_layers)."""
         return await self._reader.read_layers(block, begin, end, into)
 
@@ -252,7 +252,7 @@ class BlockStore:
 
     # -- writes -----------------------------------------------------------------------------------
 
-    async def put(self, header: RecordHeader, header_bytes: bytes, chunks: Sequence[bytes],
+    async def put(self, header: RecordHeader, header_bytes: bytes, chunks: Sequence[RecordBytes],
                   hint: ReuseHint | None = None) -> PutResult:
         """Store one verified record: STORED, or EXISTS if a live copy is held already. Raises DiskFull.
 
@@ -308,7 +308,7 @@ class BlockStore:
             self._pending.pop(key).set_result(None)
 
     async def _commit_put(self, key: bytes, new: Entry, segment: Segment, header_bytes: bytes,
-                          payload: bytes | bytearray, hint: ReuseHint | None) -> None:
+                          payload: RecordBytes, hint: ReuseHint | None) -> None:
         sync = [segment] if self.config.durability == "fsync" else []
         old = await self.commit(self.index.put_op(key, new), sync)
         if old is not None:
@@ -389,8 +389,8 @@ class BlockStore:
             if key not in self.policy and self.index.get(key) is not None:  # not removed or put again since
                 return key, size
         tracked = self.policy.tracked_bytes
-        key = self.policy.pop_victim()
-        return None if key is None else (key, tracked - self.policy.tracked_bytes)
+        victim = self.policy.pop_victim()
+        return None if victim is None else (victim, tracked - self.policy.tracked_bytes)
 
     def track_again(self, keys: Sequence[bytes]) -> None:
         """Keep the victims whose removal did not commit first in line, in their order, to be evicted later."""
