@@ -71,7 +71,8 @@ def run(sessions: int, turns: int, workdir: Path) -> None:
                 buffers = client.shared_buffer(64 * block_bytes)
                 print("      -- both daemons and the client restarted: only the daemons' SSD segments remain --")
             before = tier_hits(client)
-            row = dict(prompt=0, hit=0, ideal=0, load_s=0.0)
+            row = dict(prompt=0, hit=0, ideal=0)  # tokens
+            load_s = 0.0
             for conv in convs:
                 conv.tokens += rng.integers(0, 150_000, int(rng.integers(200, 600))).tolist()  # the user's turn
                 blocks = namespace.blocks(conv.tokens)[:64]
@@ -83,7 +84,7 @@ def run(sessions: int, turns: int, workdir: Path) -> None:
                 for layer in range(LAYOUT.num_layers):  # as the model reaches each attention layer
                     handle.wait_layer(layer, timeout=30)
                 hit = handle.wait(timeout=30) // BLOCK_TOKENS
-                row["load_s"] += time.perf_counter() - started
+                load_s += time.perf_counter() - started
                 for block, view in zip(blocks[:hit], views):
                     if view != payload_for(block.key, block_bytes):
                         raise AssertionError(f"block {block.key.hex()} came back different")
@@ -96,7 +97,7 @@ def run(sessions: int, turns: int, workdir: Path) -> None:
             tiers = {k: v - before.get(k, 0) for k, v in tier_hits(client).items()}
             print(f"{turn + 1:>4} {row['prompt']:>10,} {row['hit']:>8,} {row['hit'] / row['prompt']:>8.1%} "
                   f"{row['ideal'] / row['prompt']:>6.1%} {row['hit'] // BLOCK_TOKENS * block_bytes / 2**20:>7.0f}Mi "
-                  f"{_rate(row['hit'] // BLOCK_TOKENS * block_bytes, row['load_s']):>9}  "
+                  f"{_rate(row['hit'] // BLOCK_TOKENS * block_bytes, load_s):>9}  "
                   + ", ".join(f"{tier} {count:.0f}" for tier, count in tiers.items() if count))
             for name in totals:
                 totals[name] += row[name]
