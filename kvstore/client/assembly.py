@@ -22,6 +22,20 @@ if TYPE_CHECKING:
 VERIFY_CHUNK_BYTES = 256 * 1024  # verify a part in chunks of about this size while the rest arrives
 MAX_MISS_CAUSES = 64  # distinct miss causes counted by name; past that a new one counts as "other"
 Buffer = bytes | bytearray | memoryview
+Payload = Buffer | Sequence[Buffer]  # a block's payload to store: layer-major, or one buffer per layer
+
+
+def layer_major(payload: Payload) -> bytes | memoryview:
+    """A payload to store as one layer-major buffer (one buffer per layer is joined)."""
+    if isinstance(payload, bytes | memoryview):
+        return payload
+    if isinstance(payload, bytearray):
+        return memoryview(payload)
+    return b"".join(payload)
+
+
+def payload_bytes(payload: Payload) -> int:
+    return len(payload) if isinstance(payload, bytes | bytearray | memoryview) else sum(len(p) for p in payload)
 
 
 @dataclass(slots=True)

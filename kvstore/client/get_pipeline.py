@@ -1,19 +1,17 @@
-"""The stages of a Get, shared by every face of the client (AsyncKVClient.get, KVClient.get, the loader).
+"""The one Get path, shared by every face of the client (AsyncKVClient.get, KVClient.get, the loader).
 
     from_host      the leading blocks held in this process's host tier, copied out
-    plan           the rest, grouped by owning daemon: one ShardGet (request + assembly) per daemon
-    fetch          a daemon's share: `fetch_over_channel` on a worker thread (the data channel's blocking
-                   sockets; gRPC instead when the channel refuses before any part arrived), `fetch_grpc` on
-                   the event loop; `fetch` does either from the loop, `fetch_plan_over_channel` from a
-                   thread that already knows the channel, each with the accounting below
+    plan           the rest, grouped by the daemon to read each from: one ShardGet (request + assembly) each
+    fetch          a daemon's share over the transport its shard chose (kvstore/client/transport.py):
+                   `fetch` from the event loop, `fetch_blocking` from any other thread; a failure is
+                   counted (the daemon marked down, and the miss cause of one that broke the protocol),
+                   never raised, and what a daemon delivered is measured for the load-or-recompute estimates
     finish         the verified leading run, counted and kept in the host tier
 
-and the accounting of each: `shard_failed` (a daemon failed a call: marked down, counted),
-`get_failed` (the same, and the miss cause of a daemon that broke the protocol), `fell_back` (its data
-channel refused: gRPC carries the call), `measured` (the bandwidth a daemon delivered).
-
-Blocking stages run on the client's one thread pool (`executor`); the gRPC fallback of a data-channel
-call made on a worker thread runs on `loop`, the event loop the client's gRPC channels live on.
+`get` runs them from the event loop; `get_blocking` from an engine thread, driving the data channels'
+sockets from that thread (and the pool, for every extra daemon) when every daemon involved has a known
+one, which skips two thread hops. Each daemon's share, once done, is told to `after_get` (the copies of
+hot blocks, kvstore/client/copier.py).
 """
 
 from __future__ import annotations
@@ -22,38 +20,72 @@ import asyncio
 import time
 from collections.abc import Callable, Container, Sequence
 from concurrent.futures import Executor
-from typing import TYPE_CHECKING
 
 import grpc
 
 from kvstore.block import Block, same_namespace
 from kvstore.client.assembly import BlockData, Buffer, GetAssembly, ShardGet
 from kvstore.client.cost import BandwidthMeter
-from kvstore.client.dataplane import DataChannel, SharedBuffer, SharedPlacement, TransportError
+from kvstore.client.dataplane import SharedBuffer, SharedPlacement, TransportError
 from kvstore.client.host_tier import HostTier
+from kvstore.client.shard import Shard
 from kvstore.client.stats import ClientStats
+from kvstore.client.transport import Offload, Transport
 from kvstore.proto import pb
 from kvstore.record import CorruptRecord
 
-if TYPE_CHECKING:
-    from kvstore.client.shard import Shard
-
-# A Get the data channel could not serve, before any part arrived, is repeated over gRPC with these codes.
-RETRY_GET_CODES = frozenset({"RESOURCE_EXHAUSTED", "UNAVAILABLE"})
+# told each daemon's share of a get or load and the positions it delivered, once it is done
+AfterGet = Callable[[Shard, GetAssembly, Container[int]], None]
 
 
 class GetPipeline:
     def __init__(self, stats: ClientStats, bandwidth: BandwidthMeter, host: HostTier | None,
-                 owner: Callable[[bytes], Shard | None], executor: Executor, timeout_s: float,
+                 reader: Callable[[bytes], Shard | None], executor: Executor, after_get: AfterGet | None = None,
                  loop: asyncio.AbstractEventLoop | None = None) -> None:
         self.stats, self.bandwidth, self.host = stats, bandwidth, host
-        self.owner = owner  # key -> the live daemon to read it from (its owner or a copy's holder), or None
-        # told each daemon's share and the positions it delivered, once a get or load is done (hot blocks' copies)
-        self.after_get: Callable[[Shard, GetAssembly, Container[int]], None] | None = None
+        self.reader = reader  # key -> the live daemon to read it from (its owner or a copy's holder), or None
+        self.after_get = after_get
         self.executor = executor
-        self.timeout_s = timeout_s
-        self.loop = loop  # where gRPC fallbacks of data-channel calls made on worker threads run
+        self.loop = loop  # the event loop get_blocking hands a get to when not every data channel is known
         self.shared_buffers: list[SharedBuffer] = []  # memory lent to same-host daemons (shared_buffer)
+
+    # -- the whole get ------------------------------------------------------------------------------
+
+    async def get(self, blocks: Sequence[Block], layer_begin: int = 0, layer_end: int | None = None,
+                  layer_major: bool = False, into: Sequence[Buffer] | None = None) -> list[BlockData]:
+        """The leading run of `blocks` that could be read and verified, from the event loop."""
+        from_host = self.from_host(blocks, layer_begin, layer_end, into)
+        rest = len(from_host)
+        if rest == len(blocks):
+            return from_host
+        plans = self.plan(blocks[rest:], layer_begin, layer_end, layer_major, into[rest:] if into else None)
+        await self._fetch_all(plans)
+        return from_host + self.finish(plans)
+
+    def get_blocking(self, blocks: Sequence[Block], layer_begin: int = 0, layer_end: int | None = None,
+                     layer_major: bool = False, into: Sequence[Buffer] | None = None) -> list[BlockData]:
+        """As `get`, from a thread other than the event loop's."""
+        from_host = self.from_host(blocks, layer_begin, layer_end, into)
+        rest = len(from_host)
+        if rest == len(blocks):
+            return from_host
+        plans = self.plan(blocks[rest:], layer_begin, layer_end, layer_major, into[rest:] if into else None)
+        transports = [plan.shard.known_transport() for plan in plans]
+        known = [transport for transport in transports if transport is not None]
+        if len(known) < len(plans):
+            if self.loop is None:
+                raise RuntimeError("a blocking get needs the event loop the client was made on")
+            asyncio.run_coroutine_threadsafe(self._fetch_all(plans), self.loop).result()
+        elif plans:
+            extra = [self.executor.submit(self.fetch_blocking, plan, transport)
+                     for plan, transport in zip(plans[1:], known[1:])]
+            self.fetch_blocking(plans[0], known[0])
+            for future in extra:
+                future.result()
+        return from_host + self.finish(plans)
+
+    async def _fetch_all(self, plans: Sequence[ShardGet]) -> None:
+        await asyncio.gather(*(self.fetch(plan.shard, plan.request, plan.assembly, plan.shared) for plan in plans))
 
     # -- the host tier ------------------------------------------------------------------------------
 
@@ -99,7 +131,7 @@ class GetPipeline:
             raise ValueError(f"`into` has {len(into)} buffers for {len(blocks)} blocks")
         groups: dict[Shard, list[int]] = {}
         for i, block in enumerate(blocks):
-            shard = self.owner(block.key)
+            shard = self.reader(block.key)
             if shard is not None:
                 groups.setdefault(shard, []).append(i)
         plans = []
@@ -115,102 +147,48 @@ class GetPipeline:
     def placement(self, buffers: Sequence[Buffer], layer_stride: int = 0) -> SharedPlacement | None:
         """Where `buffers` lie in one of the shared buffers; None if they do not all lie in one."""
         for shared in self.shared_buffers:
-            offsets = [shared.offset_of(b) for b in buffers]
-            if all(offset is not None for offset in offsets):
+            offsets = [offset for b in buffers if (offset := shared.offset_of(b)) is not None]
+            if len(offsets) == len(buffers):
                 return SharedPlacement(shared, offsets, layer_stride)
         return None
 
-    # -- fetching -----------------------------------------------------------------------------------
+    # -- one daemon's share --------------------------------------------------------------------------
 
-    async def fetch(self, plan: ShardGet) -> None:
-        """One daemon's share, from the event loop: its data channel on a worker thread, or gRPC here.
-        A failure is counted (get_failed), never raised."""
-        self.loop = asyncio.get_running_loop()
+    async def fetch(self, shard: Shard, request: pb.GetRequest, parts: GetAssembly,
+                    shared: SharedPlacement | None = None, offload: Offload | None = None) -> bool:
+        """One daemon's share, from the event loop, over the transport its shard chose; `offload`: where its
+        blocking socket work runs (default: the client's pool). Whether it ended without failing."""
         started = time.perf_counter()
         try:
-            channel = await plan.shard.data_channel()
-            if channel is not None:
-                await self.loop.run_in_executor(self.executor, self.fetch_over_channel, channel, plan.shard,
-                                                plan.request, plan.assembly, plan.shared)
-            else:
-                await self.fetch_grpc(plan.shard, plan.request, plan.assembly)
+            transport = await shard.transport()
+            await transport.get(request, parts, shared, offload)
+        except (grpc.RpcError, TransportError, CorruptRecord) as exc:
+            self.get_failed(shard, exc)
+            return False
+        self._succeeded(shard, parts, time.perf_counter() - started)
+        return True
+
+    def fetch_blocking(self, plan: ShardGet, transport: Transport) -> None:
+        """One daemon's share over a transport already known, from a thread other than the event loop's."""
+        started = time.perf_counter()
+        try:
+            transport.get_blocking(plan.request, plan.assembly, plan.shared)
         except (grpc.RpcError, TransportError, CorruptRecord) as exc:
             self.get_failed(plan.shard, exc)
         else:
-            plan.shard.succeeded()
-            self.measured(plan.shard, plan.assembly, time.perf_counter() - started)
-
-    def fetch_plan_over_channel(self, plan: ShardGet, channel: DataChannel) -> None:
-        """One daemon's share over its (known) data channel, from a thread other than the event loop's;
-        as `fetch`, a failure is counted, never raised."""
-        started = time.perf_counter()
-        try:
-            self.fetch_over_channel(channel, plan.shard, plan.request, plan.assembly, plan.shared)
-        except (TransportError, CorruptRecord) as exc:
-            self.get_failed(plan.shard, exc)
-        else:
-            plan.shard.succeeded()
-            self.measured(plan.shard, plan.assembly, time.perf_counter() - started)
-
-    def fetch_over_channel(self, channel: DataChannel, shard: Shard, request: pb.GetRequest, assembly,
-                           shared: SharedPlacement | None = None) -> None:
-        """A Get over the data channel, from a worker thread (never the event loop's). Refused or unavailable
-        before any part arrived (the daemon's connection or memory limits, a data channel that is gone), it
-        goes over gRPC instead (reads are safe to repeat): counted in stats.data_fallbacks, and the daemon is
-        not marked down for it. `assembly`: a GetAssembly or the loader's LoadAssembly. Raises what failed."""
-        parts = 0
-
-        def sink(head: pb.GetPartHead):
-            nonlocal parts
-            parts += 1
-            return assembly.sink(head)
-
-        try:
-            channel.get(request, sink, assembly.received, self.timeout_s, shared)
-        except TransportError as exc:
-            if parts or exc.code not in RETRY_GET_CODES or self.loop is None:
-                raise
-            self.fell_back(shard, exc)
-            try:
-                asyncio.run_coroutine_threadsafe(self.fetch_grpc(shard, request, assembly), self.loop).result()
-            except grpc.RpcError as rpc:  # reported like the data channel's failures
-                raise TransportError(rpc.code().name, rpc.details() or "") from rpc
-
-    @staticmethod
-    async def fetch_grpc(shard: Shard, request: pb.GetRequest, assembly) -> None:
-        """A Get over gRPC, on the event loop; raises what failed."""
-        pending: pb.GetPartHead | None = None
-        async for message in shard.get(request):
-            if pending is None:
-                head = pb.GetPartHead.FromString(message)
-                assembly.accept(head)
-                if head.status == pb.OK and head.payload_bytes:
-                    pending = head  # its payload is the next message, wanted or not
-                continue
-            head, pending = pending, None
-            assembly.received_message(head, message)
-
-    # -- accounting ---------------------------------------------------------------------------------
-
-    def shard_failed(self, shard: Shard, error: Exception) -> None:
-        """A daemon failed a call: marked down if the failure was its own, and counted."""
-        shard.failed(error)
-        self.stats.shard_errors[shard.address] += 1
+            self._succeeded(plan.shard, plan.assembly, time.perf_counter() - started)
 
     def get_failed(self, shard: Shard, error: Exception) -> None:
-        """A daemon failed a Get: as shard_failed, and a daemon that broke the protocol counts a miss cause."""
+        """A daemon failed a Get: counted and perhaps marked down (Shard.failed), and a daemon that broke the
+        protocol counts a miss cause."""
         if isinstance(error, CorruptRecord):
             self.stats.miss_causes[error.cause] += 1
-        self.shard_failed(shard, error)
+        shard.failed(error)
 
-    def fell_back(self, shard: Shard, error: TransportError) -> None:
-        """A daemon's data channel refused a call that gRPC carries instead: counted, the daemon is not down."""
-        shard.data_refused(error)
-        self.stats.data_fallbacks[shard.address] += 1
-
-    def measured(self, shard: Shard, assembly, seconds: float) -> None:
+    def _succeeded(self, shard: Shard, parts: GetAssembly, seconds: float) -> None:
         """What a daemon delivered in `seconds`, for the load-or-recompute estimates."""
-        self.bandwidth.record(shard.address, assembly.bytes_received, seconds)
+        shard.succeeded()
+        self.bandwidth.record(shard.address, parts.bytes_received, seconds)
 
     # -- finishing ----------------------------------------------------------------------------------
 

@@ -1,12 +1,12 @@
 """Starts layer-pipelined loads (loading.py) on the client's one thread pool; no thread is made per load.
 
 A load runs in pieces at once: the host tier's blocks, copied layer by layer on a pool thread, and each
-daemon's blocks, one layer-major Get streamed straight into the destination (over its data channel on a
-pool thread, or over gRPC on the event loop). Every piece marks the (layer, block) pairs it wrote, so
-layer l is complete, and `wait_layer(l)` returns, while later layers are still arriving. A daemon's piece
-starts on the event loop (its data channel is looked up there) and hands only the blocking socket work
-to the pool, so no pool thread ever waits for another one: a bounded pool cannot deadlock, it can only
-queue. The last piece to end finishes the load.
+daemon's blocks, one layer-major Get streamed straight into the destination through the Get pipeline's
+`fetch` (over its data channel on a pool thread, or over gRPC on the event loop). Every piece marks the
+(layer, block) pairs it wrote, so layer l is complete, and `wait_layer(l)` returns, while later layers
+are still arriving. A daemon's piece starts on the event loop (its transport is chosen there) and hands
+only the blocking socket work to the pool, so no pool thread ever waits for another one: a bounded pool
+cannot deadlock, it can only queue. The last piece to end finishes the load.
 """
 
 from __future__ import annotations
@@ -17,20 +17,18 @@ import threading
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import Executor
-from typing import TYPE_CHECKING
-
-import grpc
 
 from kvstore.block import Block, same_namespace
 from kvstore.client.assembly import GetAssembly
-from kvstore.client.dataplane import DataChannel, SharedPlacement, TransportError, address_of
+from kvstore.client.cost import BandwidthMeter
+from kvstore.client.dataplane import SharedPlacement, address_of
+from kvstore.client.get_pipeline import GetPipeline
+from kvstore.client.host_tier import HostBlock, HostTier
 from kvstore.client.loading import KVDestination, LoadCancelled, LoadHandle, LoadProgress
+from kvstore.client.shard import Shard
+from kvstore.client.stats import ClientStats
 from kvstore.proto import pb
 from kvstore.record import CorruptRecord
-
-if TYPE_CHECKING:
-    from kvstore.client.client import AsyncKVClient
-    from kvstore.client.shard import Shard
 
 log = logging.getLogger(__name__)
 
@@ -139,40 +137,46 @@ class LoadWork:
 
 
 class Loader:
-    def __init__(self, client: AsyncKVClient, loop: asyncio.AbstractEventLoop) -> None:
-        self.client, self.loop = client, loop
+    """Starts loads; it reads through `gets` (the daemons) and `host` (this process's host tier)."""
 
-    def start(self, blocks: Sequence[Block], destination: KVDestination, hit_blocks: int,
-              block_tokens: int) -> LoadHandle:
+    def __init__(self, gets: GetPipeline, host: HostTier | None, stats: ClientStats, bandwidth: BandwidthMeter,
+                 reader: Callable[[bytes], Shard | None], executor: Executor) -> None:
+        self.gets, self.host, self.stats, self.bandwidth = gets, host, stats, bandwidth
+        self.reader = reader  # key -> the live daemon to read it from (its owner or a copy's holder), or None
+        self.executor = executor
+
+    def start(self, blocks: Sequence[Block], destination: KVDestination, hit_blocks: int, block_tokens: int,
+              loop: asyncio.AbstractEventLoop) -> LoadHandle:
+        """From any thread; the daemons' pieces run on `loop`, the event loop the client's channels live on."""
         same_namespace(blocks)
         hit = max(0, min(hit_blocks, len(blocks)))
         progress = LoadProgress(destination.num_layers, hit, destination)
         keys = [b.key for b in blocks[:hit]]
-        host = self.client.host
+        host = self.host
         pinned = host.pin(keys) if host is not None else []
         groups = self._daemon_groups(blocks, len(pinned), hit)
         first = 1 if pinned else 0  # piece 0: the host tier's blocks, if it holds any
         work = LoadWork(progress, first + len(groups))
-        if pinned:
+        if host is not None and pinned:
             try:
-                self.client.executor.submit(work.run, 0, self._from_host, pinned, progress, destination)
+                self.executor.submit(work.run, 0, self._from_host, host, pinned, progress, destination)
             except BaseException:  # the pool is shut down: the client is closing
                 host.unpin(pinned)
                 raise
         for piece, (shard, positions) in enumerate(groups.items(), start=first):
             asyncio.run_coroutine_threadsafe(
                 work.run_async(piece, self._from_daemon(work, piece, shard, blocks, positions, progress, destination)),
-                self.loop)
+                loop)
         return LoadHandle(progress, block_tokens, [work])
 
-    def _daemon_groups(self, blocks: Sequence[Block], start: int, end: int) -> dict[Shard, list[int]]:
-        groups: dict = {}
+    def _daemon_groups(self, blocks: Sequence[Block], start: int, end: int) -> dict[Shard | None, list[int]]:
+        groups: dict[Shard | None, list[int]] = {}
         for position in range(start, end):
-            groups.setdefault(self.client.reader(blocks[position].key), []).append(position)
+            groups.setdefault(self.reader(blocks[position].key), []).append(position)
         return groups
 
-    def _from_host(self, pinned, progress: LoadProgress, destination: KVDestination) -> None:
-        host = self.client.host
+    def _from_host(self, host: HostTier, pinned: Sequence[HostBlock], progress: LoadProgress,
+                   destination: KVDestination) -> None:
         started = time.perf_counter()
         try:
             for position, block in enumerate(pinned):
@@ -189,14 +193,12 @@ class Loader:
                         layer * size : (layer + 1) * size]
                     destination.layer_written(layer, position)
                     progress.mark(layer, position)
-            self.client.stats.tier_hits["host"] += len(pinned)
-            self.client.bandwidth.record("host", sum(b.header.payload_len for b in pinned),
-                                         time.perf_counter() - started)
+            self.stats.tier_hits["host"] += len(pinned)
+            self.bandwidth.record("host", sum(b.header.payload_len for b in pinned), time.perf_counter() - started)
         except LoadCancelled:
             return
         finally:
-            if host is not None:
-                host.unpin(pinned)
+            host.unpin(pinned)
 
     async def _from_daemon(self, work: LoadWork, piece: int, shard: Shard | None, blocks: Sequence[Block],
                            positions: list[int], progress: LoadProgress, destination: KVDestination) -> None:
@@ -206,46 +208,33 @@ class Loader:
             return
         if progress.cancelled:
             return
-        gets, pool = self.client.gets, self.client.executor
-        assembly = LoadAssembly(blocks, positions, progress, destination, self.client.stats.miss_causes)
+        assembly = LoadAssembly(blocks, positions, progress, destination, self.stats.miss_causes)
         request = pb.GetRequest(keys=[blocks[p].key for p in positions], layer_begin=0,
                                 layer_end=destination.num_layers, order=pb.LAYER_MAJOR, stop_at_miss=True)
-        started = time.perf_counter()
-        try:
-            channel = await shard.data_channel()
-            if channel is not None:
-                await work.in_pool(piece, pool, self._over_channel, channel, shard, request, assembly, destination,
-                                   positions)
-            else:
-                await gets.fetch_grpc(shard, request, assembly)
-            shard.succeeded()
+
+        async def on_pool(step: Callable[[], None]) -> None:
+            await work.in_pool(piece, self.executor, step)
+
+        try:  # a failure is a shorter hit, never an error
+            await self.gets.fetch(shard, request, assembly, self._placement(destination, positions), on_pool)
         except LoadCancelled:
             return
-        except (TransportError, CorruptRecord, grpc.RpcError) as exc:  # a shorter hit, never an error
-            gets.shard_failed(shard, exc)
         # Blocks of this daemon that did not arrive in every layer end the hit.
         incomplete = [p for p in positions if not progress.done[:, p].all()]
         if incomplete:
             progress.shrink(incomplete[0], "incomplete")
         else:
-            self.client.stats.tier_hits["daemon"] += len(positions)
-            gets.measured(shard, assembly, time.perf_counter() - started)
+            self.stats.tier_hits["daemon"] += len(positions)
         whole = [p for p in positions if p not in incomplete]
-        if gets.after_get is not None:
-            gets.after_get(shard, assembly, set(whole))
-        if whole and self.client.host is not None and getattr(destination, "host_resident", False):
-            await work.in_pool(piece, pool, self._keep_in_host, destination, assembly, whole)
+        if self.gets.after_get is not None:
+            self.gets.after_get(shard, assembly, set(whole))
+        if whole and self.host is not None and getattr(destination, "host_resident", False):
+            await work.in_pool(piece, self.executor, self._keep_in_host, self.host, destination, assembly, whole)
 
-    def _over_channel(self, channel: DataChannel, shard: Shard, request: pb.GetRequest, assembly: LoadAssembly,
-                      destination: KVDestination, positions: list[int]) -> None:
-        self.client.gets.fetch_over_channel(channel, shard, request, assembly, self._placement(destination, positions))
-
-    def _keep_in_host(self, destination: KVDestination, assembly: LoadAssembly, positions: list[int]) -> None:
-        """Copy blocks that arrived whole into the host tier, leaf first, when the destination is host
-        memory that stays put (not CUDA staging)."""
-        host = self.client.host
-        if host is None or not getattr(destination, "host_resident", False):
-            return
+    def _keep_in_host(self, host: HostTier, destination: KVDestination, assembly: LoadAssembly,
+                      positions: list[int]) -> None:
+        """Copy blocks that arrived whole into the host tier, leaf first (the destination is host memory
+        that stays put, not CUDA staging)."""
         local = {position: i for i, position in enumerate(assembly.positions)}
         for position in reversed(positions):
             header = assembly.headers.get(local[position])
@@ -256,7 +245,7 @@ class Loader:
     def _placement(self, destination: KVDestination, positions: list[int]) -> SharedPlacement | None:
         """If the destination's (layer, block) views lie in a shared buffer at a fixed step between layers
         (paged KV allocated from `shared_buffer`), the daemon can write every layer straight into place."""
-        gets = self.client.gets
+        gets = self.gets
         if not gets.shared_buffers or destination.num_layers < 2:
             return gets.placement([destination.layer_view(0, p) for p in positions])
         first = [destination.layer_view(0, p) for p in positions]

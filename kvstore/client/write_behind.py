@@ -19,11 +19,13 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 
 from kvstore.block import Block
+from kvstore.client.assembly import Payload, payload_bytes
+from kvstore.client.stats import PutSummary
 from kvstore.eviction import ReuseHint
 
-# (items, num_layers, traffic_class, hint) -> a PutSummary (stored, existed, failed)
-Put = Callable[[Sequence[tuple[Block, bytes]], int, str, ReuseHint | None], object]
-Then = Callable[[object], None]  # called with the put's summary, or None where it raised
+# (items, num_layers, traffic_class, hint) -> what the put did
+Put = Callable[[Sequence[tuple[Block, Payload]], int, str, ReuseHint | None], PutSummary]
+Then = Callable[[PutSummary | None], None]  # called with the put's summary, or None where it raised
 
 
 class WriteBehind:
@@ -42,11 +44,11 @@ class WriteBehind:
         self._executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-write-behind")
         self._draining: Future | None = None  # the drain task, while one runs
 
-    def save(self, items: Sequence[tuple[Block, bytes]], num_layers: int, traffic_class: str = "chat",
+    def save(self, items: Sequence[tuple[Block, Payload]], num_layers: int, traffic_class: str = "chat",
              hint: ReuseHint | None = None, then: Then | None = None) -> bool:
         """Queue blocks for saving; False (and counted as dropped, `then` never called) if the queue has no
         room."""
-        nbytes = sum(len(payload) for _, payload in items)
+        nbytes = sum(payload_bytes(payload) for _, payload in items)
         with self._changed:
             if self._closed or self._queued_bytes + nbytes > self.max_bytes or not self._drain_soon():
                 self.counters["dropped"] += len(items)
@@ -56,6 +58,10 @@ class WriteBehind:
             self.counters["queued"] += len(items)
             self._changed.notify_all()
         return True
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     @property
     def pending_bytes(self) -> int:
@@ -98,7 +104,7 @@ class WriteBehind:
                 items, num_layers, traffic_class, hint, then, nbytes = self._queue.popleft()
                 self._busy = True
             try:
-                summary = None
+                summary: PutSummary | None = None
                 try:
                     summary = self.put(items, num_layers, traffic_class, hint)
                     self.counters["stored"] += summary.stored
