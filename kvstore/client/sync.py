@@ -7,12 +7,13 @@ import asyncio
 import threading
 from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvstore.block import Block
 from kvstore.client.assembly import BlockData, Buffer, Payload
 from kvstore.client.client import AsyncKVClient
 from kvstore.client.config import ClientConfig
+from kvstore.client.face import StoreClient
 from kvstore.client.host_tier import HostTier
 from kvstore.client.loading import KVDestination, LoadHandle
 from kvstore.client.stats import ClientStats, PutSummary
@@ -143,3 +144,7 @@ def _new_loop() -> asyncio.AbstractEventLoop:
         return uvloop.new_event_loop()
     except ImportError:  # pragma: no cover
         return asyncio.new_event_loop()
+
+
+if TYPE_CHECKING:  # mypy checks that KVClient has every call of the face engines and plug-ins take
+    _serves_the_face: type[StoreClient] = KVClient

@@ -42,7 +42,7 @@ from lmcache.v1.storage_backend.connector import ConnectorAdapter, ConnectorCont
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from kvstore.block import Block
-from kvstore.client import KVClient
+from kvstore.client import StoreClient
 from kvstore.connectors.identity import EngineIdentity, model_identity
 from kvstore.connectors.store import LazyClient, client_config
 
@@ -78,7 +78,7 @@ class KVStoreConnector(RemoteConnector):
                                        str(settings.get("tenant", "")))
 
     @property
-    def client(self) -> KVClient:
+    def client(self) -> StoreClient:
         return self.store.get()
 
     def _block(self, key: CacheEngineKey) -> Block:

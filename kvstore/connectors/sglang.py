@@ -55,7 +55,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
 from kvstore.block import Block
-from kvstore.client import KVClient
+from kvstore.client import StoreClient
 from kvstore.client.loading import LayerViews
 from kvstore.connectors.identity import KEY_TOKENS, EngineIdentity, model_identity
 from kvstore.connectors.store import SETTINGS, LazyClient, client_config
@@ -154,7 +154,7 @@ class KVStoreHiCache(HiCacheStorage):
         self.load_deadline_s = 2 * self.client_config.timeout_s + 1.0
 
     @property
-    def client(self) -> KVClient:
+    def client(self) -> StoreClient:
         return self.store.get()
 
     # -- registration -------------------------------------------------------------------------------

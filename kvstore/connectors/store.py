@@ -8,7 +8,7 @@ import threading
 from collections.abc import Mapping
 from pathlib import Path
 
-from kvstore.client import ClientConfig, KVClient
+from kvstore.client import ClientConfig, KVClient, StoreClient
 from kvstore.client.config import security_from_environment
 
 # the settings a plug-in reads from its engine's config (a JSON flag, a YAML file), each optional
@@ -43,21 +43,21 @@ def client_config(settings: Mapping[str, object], where: str, **fields) -> Clien
 
 
 class LazyClient:
-    """A KVClient connected on first use, shared by an engine's threads."""
+    """A store client (a KVClient) connected on first use, shared by an engine's threads."""
 
     def __init__(self, config: ClientConfig) -> None:
         self.config = config
-        self._client: KVClient | None = None
+        self._client: StoreClient | None = None
         self._lock = threading.Lock()
 
-    def get(self) -> KVClient:
+    def get(self) -> StoreClient:
         with self._lock:
             if self._client is None:
                 self._client = KVClient(self.config)
             return self._client
 
     @property
-    def existing(self) -> KVClient | None:
+    def existing(self) -> StoreClient | None:
         """The client if it was made; None before the first use."""
         return self._client
 

@@ -67,7 +67,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.model_executor.models.utils import extract_layer_index
 
-from kvstore.client import KVClient
+from kvstore.client import StoreClient
 from kvstore.client.loading import LoadCancelled, LoadHandle
 from kvstore.client.torch_kv import PagedKV
 from kvstore.connectors.identity import model_identity
@@ -190,7 +190,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     # -- the store ---------------------------------------------------------------------------------
 
     @property
-    def client(self) -> KVClient:
+    def client(self) -> StoreClient:
         return self.store.get()
 
     def namespaces(self, cache_salt: str | None, rank: int = 0) -> Namespaces:

@@ -53,7 +53,7 @@ from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobResult, ScheduleEndContext, SecondaryTierManager, TransferJob
 
 from kvstore.block import Block
-from kvstore.client import KVClient
+from kvstore.client import StoreClient
 from kvstore.connectors.identity import EngineIdentity, model_identity
 from kvstore.connectors.store import LazyClient, client_config
 
@@ -117,7 +117,7 @@ class KVStoreTier(SecondaryTierManager):
     # -- the store, from the worker threads ------------------------------------------------------
 
     @property
-    def client(self) -> KVClient:
+    def client(self) -> StoreClient:
         return self.store.get()
 
     def _row(self, chunk_id: int) -> memoryview:
