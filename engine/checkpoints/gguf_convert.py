@@ -217,7 +217,7 @@ def gemma3_config(metadata: dict, path: Path | str) -> dict:
         raise ValueError(f"{path}: GGUF metadata {', '.join(unknown)} describes what the converter does not "
                          "implement; the engine refuses what it would ignore. Use a plain Gemma 3 text GGUF")
 
-    def key(name: str, default: object = None) -> object:
+    def key(name: str, default: float | None = None) -> float:  # each key read here is a number (int or float)
         value = metadata.get(f"gemma3.{name}", default)
         if value is None:
             raise ValueError(f"{path}: GGUF metadata gemma3.{name} is missing; the file is incomplete, "

@@ -77,7 +77,7 @@ class DecodeBatch:
 
     def sliding(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """q (B, heads, d), k and v (B, kv_heads, d) of sliding layer `layer`; returns (B, heads * d)."""
-        rings = [kv.rings[layer] for kv in self.kvs]  # each (2, W, kv_heads, d)
+        rings = [_ring(kv, layer) for kv in self.kvs]  # each (2, W, kv_heads, d)
         for ring, slot, key, value in zip(rings, self.slot.tolist(), k, v):
             ring[0, slot] = key
             ring[1, slot] = value
@@ -95,6 +95,13 @@ def _write_and_gather(pages: torch.Tensor, page: torch.Tensor, offset: torch.Ten
     used = pages[tables]  # (B, pages, 2, block_tokens, kv_heads, d)
     B, width, _, block, kv_heads, d = used.shape
     return used[:, :, 0].reshape(B, width * block, kv_heads, d), used[:, :, 1].reshape(B, width * block, kv_heads, d)
+
+
+def _ring(kv: RequestKV, layer: int) -> torch.Tensor:
+    """The ring (2, W, kv_heads, d) of sliding layer `layer` in `kv` (a model with sliding layers gives
+    every KV rings)."""
+    assert kv.rings is not None, "sliding attention on a KV without sliding layers"
+    return kv.rings[layer]
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
@@ -182,7 +189,7 @@ class VerifyBatch:
 
     def sliding(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """q (T, heads, d), k and v (T, kv_heads, d) of sliding layer `layer`; returns (T, heads * d)."""
-        rings = [kv.rings[layer] for kv in self.kvs]  # each (2, W, kv_heads, d)
+        rings = [_ring(kv, layer) for kv in self.kvs]  # each (2, W, kv_heads, d)
         stacked = torch.stack([ring[:, : self.slots] for ring in rings])  # (B, 2, slots, kv_heads, d): a copy
         keys = torch.cat((stacked[:, 0], self._padded(k)), dim=1)  # (B, slots + X, kv_heads, d)
         values = torch.cat((stacked[:, 1], self._padded(v)), dim=1)

@@ -21,8 +21,9 @@ from __future__ import annotations
 import importlib
 import inspect
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 CHAT, AGENT = "chat", "agent"
 
@@ -97,6 +98,15 @@ def example_exchange() -> list[dict]:
             {"role": "assistant", "content": EXAMPLE_REPLY}]
 
 
+class ChatTokenizer(Protocol):
+    """What a session uses of a transformers tokenizer: its chat template rendered as text, and encoding."""
+
+    def apply_chat_template(self, conversation: list[dict[str, str]], *, tokenize: bool,
+                            add_generation_prompt: bool) -> str: ...
+
+    def __call__(self, text: str, *, add_special_tokens: bool) -> Mapping[str, list[int]]: ...
+
+
 @dataclass
 class Session:
     """One conversation: a system prompt, then alternating user and assistant turns, as token ids.
@@ -104,12 +114,12 @@ class Session:
     `next_prompt()` adds the next user turn and returns the whole prompt (ending in the template's
     generation prompt); `add_reply(text)` records the model's answer before the next user turn."""
 
-    tokenizer: object  # a transformers tokenizer with a chat template
+    tokenizer: ChatTokenizer  # a transformers tokenizer with a chat template
     name: str
     kind: str  # CHAT or AGENT: also the store's traffic class
     topics: Sequence[str]  # docstrings for the user turns, in order
     system: str = field(default_factory=system_prompt)
-    messages: list[dict] = field(default_factory=list)
+    messages: list[dict[str, str]] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)  # the prompt so far
     _rendered: str = ""  # the template's text for `tokens`
 
