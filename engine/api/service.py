@@ -31,7 +31,7 @@ from engine.api.fair import FairGate
 from engine.api.metrics import ApiMetrics
 from engine.api.reply_text import ReplyText
 from engine.api.tokenize import PromptEncoder
-from engine.decode import DecodeError, DecodeRequest
+from engine.decode import DecodeError, DecodeRequest, DecodeResult
 from engine.decode.request import CONTEXT, MAX_TOKENS
 from engine.prefill import PrefillRequest
 from engine.serving.loop import ServingBusy, ServingClosed, ServingLoop
@@ -49,10 +49,19 @@ class Service:
         self.stop_token_ids = tuple(stop_token_ids)
         self.max_in_flight, self.max_in_flight_per_tenant = max_in_flight, max_in_flight_per_tenant
         self.in_flight: Counter[str] = Counter()  # requests admitted and not yet done, by tenant
-        client = runner.prefill.client
+        if runner.prefill is None:
+            raise ValueError("the API serves prompts: its serving loop needs a prefill engine")
+        self.prefill = runner.prefill
+        client = self.prefill.client
         writes = (lambda: {"pending_bytes": client.write_behind.pending_bytes, **client.write_behind.counters}
                   ) if client is not None else dict
-        self.metrics = ApiMetrics(lambda: runner.load, lambda: advisor.advised if advisor else {}, writes)
+
+        def engine_load() -> dict[str, int]:  # the loop's Load (a TypedDict) as the plain counts metrics read
+            load = runner.load
+            return {"running": load["running"], "waiting": load["waiting"], "kv_tokens": load["kv_tokens"],
+                    "queued_tokens": load["queued_tokens"], "kv_capacity": load["kv_capacity"]}
+
+        self.metrics = ApiMetrics(engine_load, lambda: advisor.advised if advisor else {}, writes)
 
     async def generate(self, prompt: Prompt, tenant: str, traffic_class: str, overloaded: int = 429
                        ) -> AsyncIterator[list[int] | str | Reply]:
@@ -81,14 +90,19 @@ class Service:
         try:
             started, loop = time.monotonic(), asyncio.get_running_loop()
             events: asyncio.Queue = asyncio.Queue()
+
+            def on_token(token: int) -> None:
+                loop.call_soon_threadsafe(events.put_nowait, ("token", token))
+
+            def on_done(result: DecodeResult | None, error: Exception | None) -> None:
+                loop.call_soon_threadsafe(events.put_nowait, ("done", (result, error)))
+
             # the tenant's salt comes from its API key, never from the request body
-            on_token = lambda token: loop.call_soon_threadsafe(events.put_nowait, ("token", token))
             prefill = PrefillRequest(ids, salt=tenant, traffic_class=traffic_class, session_id=conversation_id(prompt))
             request = DecodeRequest(prefill, prompt.sampling, on_token=on_token)
             text = ReplyText(self.tokenizer.decode, self.stop_token_ids, prompt.sampling.stop, bool(prompt.tools))
             try:
-                ticket = self.runner.submit(request, lambda result, error: loop.call_soon_threadsafe(
-                    events.put_nowait, ("done", (result, error))), tenant)
+                ticket = self.runner.submit(request, on_done, tenant)
             except ServingClosed:
                 raise ApiError(503, "the server is shutting down; retry later", kind="overloaded_error") from None
             except ServingBusy:  # a loop built with bounds of its own: the same answer as this API's own limits
@@ -145,13 +159,13 @@ class Service:
 
     def blocks(self, tenant: str, tokens: Sequence[int]) -> list[Block]:
         """The full blocks of `tokens` in the tenant's namespace: what the store holds of them."""
-        return self.runner.prefill.namespace(tenant).blocks(tokens)
+        return self.prefill.namespace(tenant).blocks(tokens)
 
     def close(self) -> None:
         """Stop the engines, then store what they queued for the store, then end the encoder's processes."""
         self.runner.close()
-        if self.runner.prefill.client is not None:
-            self.runner.prefill.client.close()
+        if self.prefill.client is not None:
+            self.prefill.client.close()
         self.encoder.close()
 
     def close_conversation(self, tenant: str, tokens: Sequence[int]) -> None:

@@ -78,12 +78,13 @@ class ReplySaver:
     def save_state(self, chain: ReplyChain, kv: RequestKV, tokens: list[int]) -> PrefillRequest | None:
         """Save the state of a sequence about to give up its KV, which holds every token but the last (its
         blocks are saved already); the prefill request that resumes it, or None where it could not be queued."""
+        client = self.prefill.client  # present: a chain exists only where there is a store
         found = handoff.continuation(chain.namespace, tokens)
-        if kv.length != found.position or chain.saved < len(found.blocks):
+        if client is None or kv.length != found.position or chain.saved < len(found.blocks):
             return None
-        window = WindowState(found.position, kv.rings, kv.window_from) if self.hybrid else None
+        window = WindowState(found.position, kv.rings, kv.window_from) if kv.rings is not None else None
         record = [(found.record, handoff.encode(kv, found.position, window))]
-        if not self.prefill.client.save(record, 1, handoff.HANDOFF_CLASS):
+        if not client.save(record, 1, handoff.HANDOFF_CLASS):
             return None
         request = chain.result.request
         return PrefillRequest(list(tokens), request.salt, request.traffic_class, request.session_id,

@@ -8,7 +8,7 @@
   head_dim); position p lives in slot p % W. Only the window is ever needed, so memory stays bounded
   however long the session grows.
 
-Bounded replay (`engine.window`) bends both: full layers keep the KV loaded below a position rather
+Bounded replay (`engine.window.replay`) bends both: full layers keep the KV loaded below a position rather
 than overwrite it with what the replay recomputes, and the rings hold nothing before the replay began.
 """
 
@@ -52,7 +52,8 @@ class PagePool:
 
 @dataclass
 class WindowState:
-    """The sliding layers' KV as of `position` (tokens before it): what the host SWA tier keeps."""
+    """The sliding layers' KV as of `position` (tokens before it): what the window tier and the window records
+    keep (engine.window)."""
 
     position: int
     rings: torch.Tensor  # (n_sliding, 2, W, kv_heads, head_dim), position p in slot p % W
@@ -120,9 +121,10 @@ class RequestKV:
         layers: `length` goes back (their pages past it are masked, then overwritten); sliding layers: the
         rejected positions' slots get back what they held, the window of the positions kept."""
         self.length = min(self.length, keep)
-        if checkpoint is not None and keep < checkpoint.begin + checkpoint.slots.numel():
+        rings = self.rings  # a checkpoint exists only where there are rings
+        if checkpoint is not None and rings is not None and keep < checkpoint.begin + checkpoint.slots.numel():
             first = max(0, keep - checkpoint.begin)  # the first rejected draft, within the checkpoint
-            self.rings[:, :, checkpoint.slots[first:]] = checkpoint.saved[:, :, first:]
+            rings[:, :, checkpoint.slots[first:]] = checkpoint.saved[:, :, first:]
 
     def restore_window(self, state: WindowState) -> None:
         assert self.rings is not None and state.rings.shape == self.rings.shape
@@ -149,11 +151,12 @@ class RequestKV:
                    start: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Keys, values and positions a chunk at [start, start+x) of sliding layer `layer` attends to: the
         window before it from the ring, then the chunk; the ring then holds the window after the chunk."""
-        assert self.rings is not None
+        rings = self.rings
+        assert rings is not None, "sliding_kv on a KV without sliding layers"
         if start < self.window_from:
             raise ValueError(f"a chunk at position {start} starts before the window this KV holds (from "
                              f"{self.window_from}, where a replay began); restart from the replay's start")
-        ring, window, x = self.rings[layer], self.window, k.shape[0]  # ring (2, W, kv_heads, head_dim)
+        ring, window, x = rings[layer], self.window, k.shape[0]  # ring (2, W, kv_heads, head_dim)
         low = max(self.window_from, start - window)
         if start - low == window:  # a whole window before the chunk: the ring as it lies, slot s at the
             # latest position before `start` that is s mod W (attention masks by position, not by order)
@@ -165,18 +168,20 @@ class RequestKV:
         positions = torch.cat((before, torch.arange(start, start + x, device=k.device)))  # (n,)
         for boundary in self.capture_at:
             if start <= boundary <= start + x:
-                self._capture(layer, boundary, keys, values, positions)
+                self._capture(rings, layer, boundary, keys, values, positions)
         new = min(x, window)  # of the window after the chunk, the ring already holds what precedes the chunk
         slots = torch.arange(start + x - new, start + x, device=k.device) % window
         ring[0, slots] = k[-new:]
         ring[1, slots] = v[-new:]
         return keys, values, positions
 
-    def _capture(self, layer: int, boundary: int, keys: torch.Tensor, values: torch.Tensor,
+    def _capture(self, rings: torch.Tensor, layer: int, boundary: int, keys: torch.Tensor, values: torch.Tensor,
                  positions: torch.Tensor) -> None:
+        """Add sliding layer `layer`'s part of the window as of `boundary` to `captured`; `rings` the KV's own
+        (n_sliding, 2, W, kv_heads, head_dim), whose shape the captured window takes."""
         state = self.captured.get(boundary)
         if state is None:
-            state = self.captured[boundary] = WindowState(boundary, torch.zeros_like(self.rings), self.window_from)
+            state = self.captured[boundary] = WindowState(boundary, torch.zeros_like(rings), self.window_from)
         wanted = (positions < boundary) & (positions >= boundary - self.window)
         slots = positions[wanted] % self.window
         state.rings[layer, 0, slots] = keys[wanted]

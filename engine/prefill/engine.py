@@ -68,7 +68,7 @@ class _Active:
     namespace: Namespace
     blocks: list[Block]  # the chain the prompt's blocks are looked up, loaded and saved in
     submitted: float
-    kv: RequestKV | None = None
+    kv: RequestKV = field(init=False, repr=False)  # pages reserved at admission: a queued request has none yet
     start: int = 0  # tokens in the KV: loaded or computed
     stored: int = 0  # leading blocks the store holds
     save_from: int = 0  # first block to save when done
@@ -241,23 +241,23 @@ class PrefillEngine:
         waiting = [Waiting(a.id, a.start, len(a.tokens) - a.start) for a in self._active.values()]
         plan = plan_step(waiting, self.cost, self.config.step_budget_s, self.block_tokens)
         chosen = [(self._active[rid], x) for rid, x in plan]
-        loading = [a for a, _ in chosen if a.load is not None]
+        loading = [a.load for a, _ in chosen if a.load is not None]
 
         def before_layer(layer: int) -> None:
             full = self._full_index.get(layer)
             if full is None:
                 return
-            for a in loading:
+            for load in loading:
                 try:
-                    a.load.wait_layer(full, self.config.load_timeout_s)
+                    load.wait_layer(full, self.config.load_timeout_s)
                 except (TimeoutError, LoadCancelled):
-                    a.load.cancel()
+                    load.cancel()
 
         chunks = [Chunk(a.kv, a.tokens[a.start : a.start + x], a.start) for a, x in chosen]
         logits = self.model.forward(chunks, before_layer if loading else None)
         finished = []
         for (a, x), last in zip(chosen, logits):
-            if a.load is not None and not self._load_held(a):
+            if a.load is not None and not self._load_held(a, a.load):
                 continue  # restarted from what did load
             a.start += x
             a.chunks += 1
@@ -287,7 +287,7 @@ class PrefillEngine:
         """Look up the stored prefix, ask where its window comes from (`WindowKeeper.plan`), decide whether
         loading it beats recomputing, and start loading it."""
         client = self.client
-        if client is None or (a.request.from_handoff and self._continue_handoff(a)) or not a.blocks:
+        if client is None or (a.request.from_handoff and self._continue_handoff(a, client)) or not a.blocks:
             return
         B, tokens = self.block_tokens, a.tokens.tolist()
         a.stored = a.save_from = client.lookup(a.blocks)
@@ -330,7 +330,7 @@ class PrefillEngine:
         destination = PagedKV(self.pool.layers, a.kv.block_table[:worth])
         a.load = client.load(plan.blocks[:worth], destination, hit_blocks=worth)
 
-    def _continue_handoff(self, a: _Active) -> bool:
+    def _continue_handoff(self, a: _Active, client: KVClient) -> bool:
         """Continue from the state another process handed over (engine.prefill.handoff): its chain's full blocks
         loaded, the partial block and the window from the continuation record, the last token to compute.
         False, touching nothing the normal path needs, where the record or a block is gone or corrupt."""
@@ -338,9 +338,9 @@ class PrefillEngine:
         for exact in (True, False) if self._accepts_approximate(a) else (True,):
             space = self.chain_namespace(a.request, exact, a.namespace)
             found = handoff.continuation(space, tokens)
-            records = self.client.get([found.record])
+            records = client.get([found.record])
             full = len(found.blocks)
-            if not records or (full and self.client.lookup(found.blocks) < full):
+            if not records or (full and client.lookup(found.blocks) < full):
                 continue
             try:
                 handoff.restore(records[0].payload, a.kv, found.position, exact)
@@ -350,9 +350,9 @@ class PrefillEngine:
             a.stored = a.save_from = a.loaded = full
             a.start, a.path = found.position, HANDED_OVER
             if full:
-                sources = self.client.block_sources(found.blocks)
+                sources = client.block_sources(found.blocks)
                 a.sources = dict(Counter("host" if s == "host" else "daemon" for s in sources))
-                a.load = self.client.load(found.blocks, PagedKV(self.pool.layers, a.kv.block_table[:full]), full)
+                a.load = client.load(found.blocks, PagedKV(self.pool.layers, a.kv.block_table[:full]), full)
             return True
         return False
 
@@ -362,12 +362,13 @@ class PrefillEngine:
     def _replayed_chain(self, a: _Active) -> list[Block]:
         return self.chain_namespace(a.request, exact=False, namespace=a.namespace).blocks(a.tokens.tolist())
 
-    def _load_held(self, a: _Active) -> bool:
-        """After a request's first chunk: did the whole planned load arrive? If not, restart from what did."""
+    def _load_held(self, a: _Active, load: LoadHandle) -> bool:
+        """After a request's first chunk: did the whole planned load (`load`, a's) arrive? If not, restart from
+        what did."""
         try:
-            final = a.load.wait(self.config.load_timeout_s) // self.block_tokens
+            final = load.wait(self.config.load_timeout_s) // self.block_tokens
         except (TimeoutError, LoadCancelled):
-            a.load.cancel()
+            load.cancel()
             final = 0
         a.load = None
         if final >= a.loaded:

@@ -101,7 +101,7 @@ def encode(kv: RequestKV, position: int, window: WindowState | None) -> bytes:
     return prelude + tensor_bytes(full) + tensor_bytes(sliding)
 
 
-def restore(payload: bytes | memoryview, kv: RequestKV, position: int, exact: bool) -> None:
+def restore(payload: bytes | bytearray | memoryview, kv: RequestKV, position: int, exact: bool) -> None:
     """Write the continuation at `position` into `kv`: the tail into its pages (already reserved), the window
     into its rings. CorruptContinuation, leaving `kv`'s pages of [0, F·B) untouched, if it does not fit, or
     if it holds a replayed window (`window_from` > 0) for an `exact` chain."""

@@ -12,21 +12,24 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from engine.prefill.cost import ChunkCost
 
+Request = TypeVar("Request", bound=Hashable)  # what names a request: the plan gives it back with its chunk
+
 
 @dataclass(frozen=True)
-class Waiting:
-    request: Hashable
+class Waiting(Generic[Request]):
+    request: Request
     start: int  # tokens already in its KV (loaded or computed)
     remaining: int  # tokens still to compute
 
 
-def plan_step(waiting: Sequence[Waiting], cost: ChunkCost, budget_s: float,
-              block_tokens: int) -> list[tuple[Hashable, int]]:
+def plan_step(waiting: Sequence[Waiting[Request]], cost: ChunkCost, budget_s: float,
+              block_tokens: int) -> list[tuple[Request, int]]:
     """(request, tokens) chunks for the next step, in the order given (oldest first)."""
-    plan: list[tuple[Hashable, int]] = []
+    plan: list[tuple[Request, int]] = []
     left = budget_s
     for item in waiting:
         if item.remaining <= 0:

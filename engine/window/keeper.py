@@ -204,6 +204,9 @@ class WindowKeeper:
         """The window as of the end of the first `count` of `blocks` (a chain in `chain`, exact or replayed), from
         the store's window record, as rings for `kv`; None (the cause counted in `misses`) where it is absent
         or not that window: never an error."""
+        rings = kv.rings
+        if rings is None:
+            raise ValueError("window records hold sliding layers' windows; this model has none")
         if not self.store_records:
             return None
         found = client.get([window_records.window_record(chain, blocks[count - 1])])
@@ -211,7 +214,7 @@ class WindowKeeper:
             self.misses["absent"] += 1
             return None
         try:
-            state, session = window_records.decode(found[0].payload, count * self.block_tokens, kv.rings, exact)
+            state, session = window_records.decode(found[0].payload, count * self.block_tokens, rings, exact)
         except window_records.CorruptWindow as exc:
             self.misses[exc.cause] += 1
             return None

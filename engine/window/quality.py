@@ -150,7 +150,11 @@ def _measure_span(model: Decoder, ids: torch.Tensor, exact: RequestKV, span: Spa
     prefix, end = span.prefix, span.end
     blocks = [(prefix - 1, prefix)] + [(a, min(a + logit_rows, end)) for a in range(prefix, end, logit_rows)]
     replays: list[RequestKV] = []
-    kl, top1, nll_exact, nll_replay = ([[] for _ in replay_tokens] for _ in range(4))
+    # per R, one tensor per block of positions
+    kl: list[list[torch.Tensor]] = [[] for _ in replay_tokens]
+    top1: list[list[torch.Tensor]] = [[] for _ in replay_tokens]
+    nll_exact: list[list[torch.Tensor]] = [[] for _ in replay_tokens]
+    nll_replay: list[list[torch.Tensor]] = [[] for _ in replay_tokens]
     max_dlogit = [0.0] * len(replay_tokens)
     for a, b in blocks:
         (exact_logits,) = model.forward([Chunk(exact, ids[a:b], a)], all_logits=True)  # (b - a, vocab)
@@ -221,7 +225,7 @@ def _clone(model: Decoder, kv: RequestKV) -> RequestKV:
     copy = _new_kv(model, len(kv.block_table) * kv.block_tokens, kv.block_tokens)
     for source, target in zip(kv.pool.layers, copy.pool.layers):
         target[copy.block_table] = source[kv.block_table]
-    if kv.rings is not None:
+    if kv.rings is not None and copy.rings is not None:  # both of one model: rings in both or neither
         copy.rings.copy_(kv.rings)
     copy.length, copy.window_from, copy.keep_full_before = kv.length, kv.window_from, kv.keep_full_before
     return copy

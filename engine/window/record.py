@@ -91,7 +91,8 @@ def encode(state: WindowState, session: int = 0) -> bytes:
                          session, sliding, kv_heads, head_dim) + tensor_bytes(ordered)
 
 
-def decode(payload: bytes | memoryview, position: int, like: torch.Tensor, exact: bool) -> tuple[WindowState, int]:
+def decode(payload: bytes | bytearray | memoryview, position: int, like: torch.Tensor,
+           exact: bool) -> tuple[WindowState, int]:
     """The window as of `position` a payload holds, as rings shaped and typed `like` (a request's rings), and
     the session tag it was saved with. CorruptWindow where it is not that: another format, position or shape,
     or a replayed window for an `exact` chain."""
