@@ -309,7 +309,7 @@ class PrefillEngine:
                                             self.cost.prefill_seconds) // B
         if worth and self.windows is not None:
             worth = plan.resume  # a hybrid model resumes only where it has (or rebuilds) the window
-            if not self.windows.resume(plan, a.kv):
+            if not self.windows.apply(plan, a.kv):
                 a.path = WINDOW_MISSING  # the tier's window went since the plan
                 return
         if worth == 0:
@@ -324,11 +324,14 @@ class PrefillEngine:
                 a.blocks, a.save_from, a.exact = self._replayed_chain(a), 0, False
         else:
             a.path, a.window_source = CACHED, plan.source
-        sources = client.block_sources(plan.blocks[:worth])
+        self._start_load(a, client, plan.blocks[:worth])
+
+    def _start_load(self, a: _Active, client: KVClient, blocks: list[Block]) -> None:
+        """Start loading `blocks`, the leading blocks of `a`'s prefix, into its first pages, layer by layer."""
+        sources = client.block_sources(blocks)
         a.sources = dict(Counter("host" if s == "host" else "daemon" for s in sources))
-        a.loaded = worth
-        destination = PagedKV(self.pool.layers, a.kv.block_table[:worth])
-        a.load = client.load(plan.blocks[:worth], destination, hit_blocks=worth)
+        a.loaded = len(blocks)
+        a.load = client.load(blocks, PagedKV(self.pool.layers, a.kv.block_table[: len(blocks)]), len(blocks))
 
     def _continue_handoff(self, a: _Active, client: KVClient) -> bool:
         """Continue from the state another process handed over (engine.prefill.handoff): its chain's full blocks
@@ -350,9 +353,7 @@ class PrefillEngine:
             a.stored = a.save_from = a.loaded = full
             a.start, a.path = found.position, HANDED_OVER
             if full:
-                sources = client.block_sources(found.blocks)
-                a.sources = dict(Counter("host" if s == "host" else "daemon" for s in sources))
-                a.load = client.load(found.blocks, PagedKV(self.pool.layers, a.kv.block_table[:full]), full)
+                self._start_load(a, client, found.blocks)
             return True
         return False
 

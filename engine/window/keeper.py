@@ -1,12 +1,14 @@
 """One prefill engine's sliding-window state, and the plan that resumes a stored prefix with it.
 
 A hybrid model resumes a stored prefix exactly only with its sliding layers' window as of the prefix's
-end, which no block holds. For one prompt, `plan` says where that window comes from and what resuming
-costs: the host tier (`HOST`, this process's windows of active sessions), else the store's window record
-(`STORE`, saved by whichever engine served the session's last turn), else bounded replay (`REPLAY`: the
-prefix loaded and its last R tokens recomputed, an approximate window) where that saves much and the
-request accepts an approximation, else nothing: the prompt is computed from scratch. The engine then
-decides whether loading beats recomputing and, where it loads, `resume` sets the request's KV up.
+end, which no block holds. For one prompt, `plan` says how far its stored prefix resumes, where the
+window there comes from and what that costs: at the last boundary before the prompt's last token, the
+host tier (`HOST`, this process's windows of active sessions) or else the store's window record
+(`STORE`, saved by whichever engine served the session's last turn); where neither holds it, an earlier
+boundary whose window the tier holds, or bounded replay at the last one (`REPLAY`: its last R tokens
+recomputed, an approximate window) where that saves much and the request accepts an approximation; or
+nothing, and the prompt is computed from scratch. The engine then decides whether loading beats
+recomputing and, where it loads, `apply` sets the request's KV up.
 
 Once a request is computed, `keep_captured` keeps the windows it captured: the session's latest in the
 tier and, write-behind, as the record of the block it follows, the session's older record deleted once
@@ -129,8 +131,8 @@ class WindowKeeper:
         source = (STORE if found is not None else HOST) if resume else None
         return WindowPlan(blocks, exact, stored, resume, source, 0, found, capture_at)
 
-    def resume(self, plan: WindowPlan, kv: RequestKV) -> bool:
-        """Set `kv`, into which the plan's `resume` blocks are being loaded, to continue from there: the window
+    def apply(self, plan: WindowPlan, kv: RequestKV) -> bool:
+        """Set `kv`, into which the plan's `resume` blocks are to be loaded, to continue from there: the window
         restored, or the replay begun. False, `kv` untouched, where the tier's window went since the plan."""
         if plan.source == REPLAY:
             begin_replay(kv, plan.resume * self.block_tokens, self.replay_tokens)
