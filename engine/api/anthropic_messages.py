@@ -88,7 +88,7 @@ def _string(value: dict, name: str, where: str, empty: bool = False) -> str:
 def _block(block: Any, where: str, kinds: dict[str, set[str]]) -> dict:
     block = _object(block, where)
     kind = block.get("type")
-    if kind not in kinds:
+    if not isinstance(kind, str) or kind not in kinds:  # a list or an object is no key to look up
         raise ApiError(400, f"{where}.type: {kind!r} blocks are not supported here (only {sorted(kinds)})",
                        f"{where}.type")
     _fields(block, kinds[kind] | {"type", "cache_control"}, where)
@@ -109,7 +109,7 @@ def _message(message: Any, where: str) -> list[Message]:
     message = _object(message, where)
     _fields(message, {"role", "content"}, where)
     role, content = message.get("role"), message.get("content")
-    if role not in BLOCKS:
+    if not isinstance(role, str) or role not in BLOCKS:
         raise ApiError(400, f"{where}.role: must be 'user' or 'assistant', got {role!r}", f"{where}.role")
     if isinstance(content, str):
         return [Message(role, content)]
@@ -228,8 +228,9 @@ class MessageStream:
         self.text_open = False
 
     def start(self, prompt_tokens: int, cached_tokens: int) -> bytes:
-        body = {"id": self.rid, "type": "message", "role": "assistant", "model": self.model, "content": [],
-                "stop_reason": None, "stop_sequence": None, "usage": _usage(prompt_tokens, cached_tokens, 1)}
+        body: dict[str, Any] = {
+            "id": self.rid, "type": "message", "role": "assistant", "model": self.model, "content": [],
+            "stop_reason": None, "stop_sequence": None, "usage": _usage(prompt_tokens, cached_tokens, 1)}
         return _event({"type": "message_start", "message": body})
 
     def text(self, delta: str) -> bytes:

@@ -62,14 +62,15 @@ def _messages(messages: Any) -> list[Message]:
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise ApiError(400, f"messages[{i}] must be an object", "messages")
-        role = {"developer": "system"}.get(message.get("role"), message.get("role"))
+        given = message.get("role")
         if message.get("name") is not None:  # the template has no participants' names to give the model
             raise ApiError(400, f"messages[{i}].name is not supported: this server's template cannot tell "
                                 "participants apart", f"messages[{i}].name")
-        allowed = {"role", "content", "name"} | {"assistant": {"tool_calls"}, "tool": {"tool_call_id"}}.get(role, set())
-        if role not in ("system", "user", "assistant", "tool"):
-            raise ApiError(400, f"messages[{i}].role {message.get('role')!r} is not supported (system, developer, "
+        if given not in ("system", "developer", "user", "assistant", "tool"):  # compared, never hashed: any JSON
+            raise ApiError(400, f"messages[{i}].role {given!r} is not supported (system, developer, "
                                 "user, assistant, tool)", "messages")
+        role: str = "system" if given == "developer" else given
+        allowed = {"role", "content", "name"} | {"assistant": {"tool_calls"}, "tool": {"tool_call_id"}}.get(role, set())
         if set(message) - allowed:
             raise ApiError(400, f"messages[{i}] has unsupported fields {sorted(set(message) - allowed)}", "messages")
         calls = tuple(_call(call, i) for call in message.get("tool_calls") or ())
@@ -161,7 +162,8 @@ def _tool_calls(reply: Reply) -> list[dict]:
 
 
 def completion(reply: Reply, rid: str, model: str) -> dict:
-    message = {"role": "assistant", "content": reply.text if reply.text or not reply.tool_calls else None}
+    text = reply.text if reply.text or not reply.tool_calls else None
+    message: dict[str, Any] = {"role": "assistant", "content": text}
     if reply.tool_calls:
         message["tool_calls"] = [{k: v for k, v in call.items() if k != "index"} for call in _tool_calls(reply)]
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,

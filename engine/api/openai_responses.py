@@ -76,7 +76,7 @@ def parse(body: Any, stop_token_ids: Sequence[int]) -> ResponsesRequest:
         isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512 for k, v in metadata.items()),
         "metadata must be an object of at most 16 string keys (64 chars) and string values (512 chars)", "metadata")
     instructions = given.get("instructions")
-    messages = [Message("system", instructions)] * (instructions is not None) + _input(given.get("input"))
+    messages = ([Message("system", instructions)] if instructions is not None else []) + _input(given.get("input"))
     tools, given_tools = _tools(given.get("tools", []))
     echo = {"instructions": instructions, "metadata": metadata, "tools": given_tools, "store": given.get("store", True),
             "user": given.get("user")}
@@ -110,7 +110,8 @@ def _input(value: Any) -> list[Message]:
         where = f"input[{i}]"
         _check(not isinstance(item, dict), f"{where} must be an object", where)
         kind = item.get("type", "message")
-        _check(kind not in ITEMS, f"{where}.type {kind!r} is not supported ({', '.join(ITEMS)})", f"{where}.type")
+        _check(not isinstance(kind, str) or kind not in ITEMS,  # a list or an object is no key to look up
+               f"{where}.type {kind!r} is not supported ({', '.join(ITEMS)})", f"{where}.type")
         _fields(item, ITEMS[kind], where)
         if kind == "function_call":
             calls.append(ToolCall(_string(item, "call_id", where), _string(item, "name", where),
@@ -118,9 +119,10 @@ def _input(value: Any) -> list[Message]:
             continue
         _with_calls(messages, calls)
         if kind == "message":
-            role = {"developer": "system"}.get(item.get("role"), item.get("role"))
-            _check(role not in ("system", "user", "assistant"),
+            given = item.get("role")
+            _check(given not in ("system", "developer", "user", "assistant"),
                    f"{where}.role must be user, assistant, system or developer", f"{where}.role")
+            role = "system" if given == "developer" else given
             messages.append(Message(role, _content(item.get("content"), where)))
         else:
             call_id = _string(item, "call_id", where)
@@ -364,8 +366,8 @@ class ResponseStore:
 
     def get(self, tenant: str, rid: str, param: str = "response_id") -> StoredResponse:
         """The tenant's response (now its most recently used), or ApiError 404."""
-        entries = self.tenants.get(tenant, {})
-        if rid not in entries:
+        entries = self.tenants.get(tenant)
+        if entries is None or rid not in entries:
             raise ApiError(404, f"Response with id {rid!r} not found.", param, "not_found_error")
         entries.move_to_end(rid)
         return entries[rid][0]
@@ -386,7 +388,8 @@ class ResponseStore:
             return list(prompt.messages)
         earlier = self.get(tenant, previous_response_id, "previous_response_id")
         old, new = earlier.messages, prompt.messages
-        if old and old[0] == Message("system", earlier.body.get("instructions")):
+        earlier_instructions = earlier.body.get("instructions")
+        if old and earlier_instructions is not None and old[0] == Message("system", earlier_instructions):
             old = old[1:]
         instructions = _echo(prompt)["instructions"]
         head = [new[0]] if instructions is not None and new and new[0] == Message("system", instructions) else []

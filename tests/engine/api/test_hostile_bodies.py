@@ -85,6 +85,28 @@ def test_the_depth_and_item_limits_are_config():
         client(max_json_depth=5000)
 
 
+@pytest.mark.unit
+def test_a_role_or_type_that_is_a_list_or_an_object_gets_a_400_naming_the_field():
+    """Such a value cannot be a key of the tables of roles and kinds: it is refused like any unknown one, not
+    as a 'malformed request' that names no field."""
+    api = client()
+    for bad in ([], {}, ["user"]):
+        cases = [("/v1/chat/completions", {"model": MODEL, "messages": [{"role": bad, "content": "hi"}]},
+                  "messages[0].role"),
+                 ("/v1/responses", {"model": MODEL, "input": [{"role": bad, "content": "hi"}]}, "input[0].role"),
+                 ("/v1/responses", {"model": MODEL, "input": [{"type": bad, "content": "hi"}]}, "input[0].type"),
+                 ("/v1/messages", {"model": MODEL, "max_tokens": 3, "messages": [{"role": bad, "content": "hi"}]},
+                  "messages.0.role"),
+                 ("/v1/messages", {"model": MODEL, "max_tokens": 3,
+                                   "messages": [{"role": "user", "content": [{"type": bad}]}]},
+                  "messages.0.content.0.type")]
+        for path, body, field in cases:
+            response = api.post(path, json=body)
+            assert response.status_code == 400, (path, bad, response.text[:200])
+            assert _error(path, response)["message"].startswith(field), (path, bad, response.text[:200])
+    assert api.service.generated == 0
+
+
 def _function_calls(n: int, model: str = MODEL) -> dict:
     call = {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}
     return {"model": model, "input": [{"role": "user", "content": "x"}] + [call] * n}
