@@ -131,7 +131,7 @@ def chat_messages(prompt: Prompt) -> list[dict[str, Any]]:
             turns[-1][1].append(content)
         else:
             turns.append((role, [content]))
-    out = [{"role": role, "content": "\n\n".join(contents)} for role, contents in turns]
+    out: list[dict[str, Any]] = [{"role": role, "content": "\n\n".join(contents)} for role, contents in turns]
     if prompt.prefill and out[-1]["role"] == "assistant":
         out[-1]["continue"] = True  # engine.text.chat_prompt leaves its turn open
     return out

@@ -59,19 +59,24 @@ class ApiMetrics:
         advice = Gauge("kvstore_api_advised_conversations", "Conversations the store was advised of, by why",
                        ["why"], registry=r)
         for why in ("goes_on", "ended", "idle"):
-            advice.labels(why).set_function(lambda why=why: advised().get(why, 0))
+            advice.labels(why).set_function(_reading(advised, why))
         load = Gauge("kvstore_api_engine", "The engines' load at the scrape", ["what"], registry=r)
         for what in ("running", "waiting", "kv_tokens"):
-            load.labels(what).set_function(lambda what=what: engine_load().get(what, 0))
+            load.labels(what).set_function(_reading(engine_load, what))
         writes = Gauge("kvstore_api_store_writes", "Write-behind to the store: bytes pending, blocks by outcome",
                        ["what"], registry=r)
         for what in ("pending_bytes", "queued", "stored", "existed", "failed", "dropped"):
-            writes.labels(what).set_function(lambda what=what: store_writes().get(what, 0))
+            writes.labels(what).set_function(_reading(store_writes, what))
 
     def exposition(self, tenant: str | None) -> bytes:
         """The text format of a scrape: the tenant's own counts (without the tenant label) and the server's
         gauges; None: every tenant's counts, labelled."""
         return generate_latest(self.registry if tenant is None else _Scoped(self.registry, tenant))
+
+
+def _reading(source: Callable[[], dict[str, int]], name: str) -> Callable[[], int]:
+    """A gauge's callback: `name`'s count in what `source` reports at the scrape (0 when it names none)."""
+    return lambda: source().get(name, 0)
 
 
 class _Tenants:

@@ -24,7 +24,7 @@ import multiprocessing
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
@@ -56,7 +56,7 @@ class PromptEncoder:
             future.result()  # each worker has loaded the tokenizer: the first request does not wait for it
         return pool
 
-    async def encode(self, messages: Sequence[dict[str, str]], tenant: str | None = None) -> list[int]:
+    async def encode(self, messages: Sequence[Mapping[str, Any]], tenant: str | None = None) -> list[int]:
         """The prompt's ids; ChatPromptError for messages the template refuses or too long to fit the context.
         `tenant` (default: the request's, engine.api.metrics.TENANT) waits its fair turn for a worker."""
         from engine.api.metrics import TENANT
@@ -77,7 +77,7 @@ class PromptEncoder:
         if not job.cancelled():
             job.exception()  # a job whose client left: its error is nobody's to raise
 
-    async def _encode(self, messages: Sequence[dict[str, str]]) -> list[int]:
+    async def _encode(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
         """A worker that died (the OOM killer, a crash) breaks the whole pool: it is started again once, and
         the request retried."""
         loop = asyncio.get_running_loop()
@@ -96,7 +96,8 @@ class PromptEncoder:
         self.pool.shutdown(wait=True, cancel_futures=True)  # the workers have exited when this returns
 
     def worker_pids(self) -> list[int]:
-        return [p.pid for p in self.pool._processes.values()]  # the executor exposes no public list
+        # the executor exposes no public list; a started worker has its pid
+        return [p.pid for p in self.pool._processes.values() if p.pid is not None]
 
 
 class FairQueue:
@@ -174,7 +175,7 @@ def _ready() -> bool:
     return _tokenizer is not None
 
 
-def _encode(messages: list[dict[str, str]]) -> list[int]:
+def _encode(messages: list[Mapping[str, Any]]) -> list[int]:
     from engine.text.chat_prompt import encode_chat
 
     return encode_chat(_tokenizer, messages)
