@@ -22,13 +22,13 @@ class PrefillConfig:
     kv_pages: int = KV_PAGES  # pages in the engine's pool (per full layer)
     step_budget_s: float = 0.25  # what one step's chunks may cost, by the fitted model
     window_tier_bytes: int = 256 * 2**20  # host memory for sliding-window states of active sessions
-    # Save each session's latest window state in the store too (engine.swa_replay.record), so that a restarted
+    # Save each session's latest window state in the store too (engine.window.record), so that a restarted
     # engine or another instance resumes it exactly
     store_windows: bool = True
     cost: ChunkCost | None = None  # None: fit at start-up on this machine
     load_timeout_s: float = 30.0  # a layer not loaded within this is treated as a failed load
     model_id: str | None = None  # the namespace's model identity; None: directory name + weights digest
-    # Bounded replay (engine.swa_replay) where a hybrid model's window state is gone:
+    # Bounded replay (engine.window) where a hybrid model's window state is gone:
     replay_tokens: int | None = None  # R; None: the default for the model's window; 0: never replay
     replay_min_prefix_factor: float = 2.0  # replay only a prefix at least this many times R long
     exact_tenants: frozenset[str] = field(default_factory=frozenset)  # tenants (hex, `kvstore tenant`) never replayed

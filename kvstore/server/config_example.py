@@ -46,7 +46,7 @@ EXAMPLES = {
 
 CLASS_NOTES = {
     "handoff": "prefill -> decode continuation records (engine/prefill/handoff.py): read once, soon",
-    "window": "a session's latest sliding-window state (engine/swa_replay/record.py): while it is active",
+    "window": "a session's latest sliding-window state (engine/window/record.py): while it is active",
 }
 
 HEADER = """\
