@@ -186,10 +186,11 @@ def demo_sessions(tokenizer, count: int) -> list[Session]:
     return sessions
 
 
-def stop_token_ids(tokenizer) -> set[int]:
-    """Token ids that end a reply: the end of the model's turn and the end of sequence."""
+def stop_token_ids(tokenizer) -> tuple[int, ...]:
+    """Token ids that end a reply: the end of the model's turn and the end of sequence (sorted, distinct: as
+    SamplingParams takes them)."""
     ids = {tokenizer.convert_tokens_to_ids("<end_of_turn>"), tokenizer.eos_token_id}
-    return {i for i in ids if isinstance(i, int) and i != tokenizer.unk_token_id}
+    return tuple(sorted(i for i in ids if isinstance(i, int) and i != tokenizer.unk_token_id))
 
 
 # Held-out text: standard-library modules that no demo topic, system reference or worked example comes
