@@ -130,7 +130,7 @@ class GetAssembly:
         start = (head.layer_begin - self.layer_begin) * header.layer_bytes
         if head.layer_begin < self.layer_begin or start + head.payload_bytes > size:
             raise CorruptRecord("protocol", "part outside the requested layer range")
-        return self.payloads[local][start : start + head.payload_bytes]
+        return memoryview(self.payloads[local])[start : start + head.payload_bytes]
 
     def sink(self, head: pb.GetPartHead) -> tuple[memoryview, int] | None:
         if not self.accept(head):

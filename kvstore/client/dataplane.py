@@ -80,7 +80,7 @@ class DataChannel:
         with self._connection(deadline) as connection:
             sock = connection.sock
             lent = connection.lent.get(id(shared.buffer)) if shared else None
-            if lent is not None:
+            if shared is not None and lent is not None:
                 request = _copy(request)
                 request.region_id = lent
                 request.region_offsets.extend(shared.offsets)
@@ -337,7 +337,7 @@ def read_frame(sock: socket.socket, deadline: float) -> tuple[int, bytes]:
     prefix = bytearray(wire.PREFIX.size)
     _recv_exact(sock, memoryview(prefix), deadline)
     try:
-        kind, head_len = wire.parse_prefix(prefix)
+        kind, head_len = wire.parse_prefix(memoryview(prefix))
     except wire.FrameError as exc:
         raise TransportError("INTERNAL", str(exc)) from None
     head = bytearray(head_len)

@@ -152,7 +152,7 @@ def _credentials(config: ClientConfig) -> grpc.ChannelCredentials | None:
 
 def _channel(member: Member, config: ClientConfig, credentials: grpc.ChannelCredentials | None) -> grpc.Channel:
     """A channel to `member`; TLS verifies the member's name, as its Shard's channel does."""
-    options = [("grpc.enable_retries", 0)]
+    options: list[tuple[str, int | str]] = [("grpc.enable_retries", 0)]
     if credentials is None:
         return grpc.insecure_channel(member.address, options=options)
     server_name = config.tls_server_name or (member.name.rpartition(":")[0].strip("[]")

@@ -221,7 +221,7 @@ class Shard:
 def open_channel(address: str, config: ClientConfig, server_name: str | None = None) -> grpc.aio.Channel:
     """A gRPC channel to one daemon: TLS (mutual, with a client certificate) where the config says so;
     `server_name`: the name its certificate must carry, if not `address`'s host."""
-    options = [
+    options: list[tuple[str, int | str]] = [
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.initial_reconnect_backoff_ms", 200),
@@ -237,8 +237,8 @@ def open_channel(address: str, config: ClientConfig, server_name: str | None = N
     credentials = grpc.ssl_channel_credentials(
         root_certificates=_read(config.tls_ca), private_key=_read(config.tls_key),
         certificate_chain=_read(config.tls_cert))
-    if server_name or config.tls_server_name:
-        options.append(("grpc.ssl_target_name_override", server_name or config.tls_server_name))
+    if name_override := server_name or config.tls_server_name:
+        options.append(("grpc.ssl_target_name_override", name_override))
     return grpc.aio.secure_channel(address, credentials, options=options)
 
 

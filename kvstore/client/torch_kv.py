@@ -14,6 +14,7 @@ a block table: the page of each block of its prefix.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 
@@ -31,8 +32,10 @@ class PagedKV:
         for t in layers:
             if not t.is_contiguous():
                 raise ValueError("layer tensors must be contiguous: (num_pages, *page_shape)")
-        per_layer = bool(block_table) and isinstance(block_table[0], Sequence)
-        tables = [list(t) for t in block_table] if per_layer else [list(block_table)] * len(layers)  # type: ignore[arg-type]
+        if block_table and isinstance(block_table[0], Sequence):  # one table per layer
+            tables = [list(cast(Sequence[int], t)) for t in block_table]
+        else:
+            tables = [list(cast(Sequence[int], block_table))] * len(layers)
         if len(tables) != len(layers) or len({len(t) for t in tables}) != 1:
             raise ValueError("PagedKV needs one block table, or one per layer, each as long")
         pages = layers[0].shape[0]
@@ -53,7 +56,7 @@ class PagedKV:
             # (ring, blocks, layer_bytes) uint8, pinned: the copy engine reads it asynchronously
             self._staging = torch.empty((self._ring, len(self.block_table), self.layer_bytes), dtype=torch.uint8,
                                         pin_memory=True)
-            self._staging_view = memoryview(self._staging.numpy()).cast("B")
+            self._staging_view = self._staging.numpy().data.cast("B")
             # (ring, blocks): the event after the last copy out of each staging slot. Daemons stream at
             # their own pace, so a slot is reused per block, once that block's earlier copy is done.
             self._copied: list[list[torch.cuda.Event | None]] = [[None] * len(self.block_table)
@@ -64,10 +67,11 @@ class PagedKV:
 
     def layer_view(self, layer: int, block: int) -> memoryview:
         if self.device.type != "cuda":
-            if self._bytes[layer] is None:  # (num_pages * layer_bytes,) bytes of the whole layer tensor
-                self._bytes[layer] = memoryview(self.layers[layer].view(-1).view(torch.uint8).numpy()).cast("B")
+            whole = self._bytes[layer]
+            if whole is None:  # (num_pages * layer_bytes,) bytes of the whole layer tensor
+                whole = self._bytes[layer] = self.layers[layer].view(-1).view(torch.uint8).numpy().data.cast("B")
             start = self.tables[layer][block] * self.layer_bytes
-            return self._bytes[layer][start : start + self.layer_bytes]
+            return whole[start : start + self.layer_bytes]
         slot = layer % self._ring
         previous = self._copied[slot][block]
         if previous is not None:

@@ -32,6 +32,7 @@ the first call.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import logging
 from typing import Any
 
@@ -159,6 +160,7 @@ class KVStoreConnector(RemoteConnector):
     async def put(self, key: CacheEngineKey, memory_obj: MemoryObj) -> None:
         await self._in_thread(self._write, [key], [memory_obj])
 
+    # LMCache names a method `list`: below it, `builtins.list` is the type
     async def list(self) -> list[str]:
         return []  # the daemons index keys, not LMCache's strings: there is nothing to list them from
 
@@ -168,19 +170,22 @@ class KVStoreConnector(RemoteConnector):
     def support_batched_get(self) -> bool:
         return True
 
-    async def batched_get(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
+    async def batched_get(self, keys: builtins.list[CacheEngineKey]) -> builtins.list[MemoryObj | None]:
         return await self._in_thread(self._read, list(keys))
 
     def support_batched_put(self) -> bool:
         return True
 
-    async def batched_put(self, keys: list[CacheEngineKey], memory_objs: list[MemoryObj]) -> None:
+    async def batched_put(self, keys: builtins.list[CacheEngineKey],
+                          memory_objs: builtins.list[MemoryObj]) -> None:
         await self._in_thread(self._write, list(keys), list(memory_objs))
 
-    async def batched_async_contains(self, lookup_id: str, keys: list[CacheEngineKey], pin: bool = False) -> int:
+    async def batched_async_contains(self, lookup_id: str, keys: builtins.list[CacheEngineKey],
+                                     pin: bool = False) -> int:
         return await self._in_thread(self._leading, list(keys))
 
-    async def batched_get_non_blocking(self, lookup_id: str, keys: list[CacheEngineKey]) -> list[MemoryObj]:
+    async def batched_get_non_blocking(self, lookup_id: str,
+                                       keys: builtins.list[CacheEngineKey]) -> builtins.list[MemoryObj]:
         """The leading run of chunks that were found; any found after a miss are given back."""
         leading, missed = [], False
         for memory_obj in await self._in_thread(self._read, list(keys)):
@@ -195,7 +200,7 @@ class KVStoreConnector(RemoteConnector):
     def support_batched_contains(self) -> bool:
         return True
 
-    def batched_contains(self, keys: list[CacheEngineKey]) -> int:
+    def batched_contains(self, keys: builtins.list[CacheEngineKey]) -> int:
         return self._leading(list(keys))
 
     def __repr__(self) -> str:

@@ -377,7 +377,7 @@ class KVStoreHiCache(HiCacheStorage):
 
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
-    return memoryview(tensor.detach().cpu().contiguous().view(torch.uint8).numpy()).cast("B")
+    return tensor.detach().cpu().contiguous().view(torch.uint8).numpy().data.cast("B")
 
 
 def _split(view: memoryview, parts: int) -> list[memoryview]:

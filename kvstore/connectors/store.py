@@ -38,8 +38,11 @@ def client_config(settings: Mapping[str, object], where: str, **fields) -> Clien
             raise ValueError(f"{where}token_file: cannot read {path}: {exc.strerror}") from None
     if not servers.strip():
         raise ValueError(f"{where}servers (or $KVSTORE_SERVERS) must list the daemons as host:port,...")
+    timeout_s = settings.get("timeout_s", 5.0)
+    if not isinstance(timeout_s, int | float | str):
+        raise ValueError(f"{where}timeout_s must be a number of seconds, got {timeout_s!r}")
     return ClientConfig(tuple(s.strip() for s in servers.split(",") if s.strip()),
-                        timeout_s=float(settings.get("timeout_s", 5.0)), **security, **fields)
+                        timeout_s=float(timeout_s), **security, **fields)
 
 
 class LazyClient:

@@ -183,7 +183,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._kv: dict[str, torch.Tensor] = {}  # layer -> [num_blocks, *page], from register_kv_caches
         self._loading: list[_Load] = []  # this step's layer-pipelined loads (one group)
         self._receiving: dict[str, _Load] = {}  # asynchronous loads by request (several groups)
-        self._saving: dict[int, tuple[Transfer, torch.Tensor | None, torch.Tensor | None, set[str]]] = {}
+        self._saving: dict[int, tuple[Transfer, torch.Tensor, torch.Tensor | None, set[str]]] = {}
         self._save_failed = 0  # layers whose pages could not be copied (their steps' saves skipped)
         self._load_errors: set[int] = set()
 
@@ -413,9 +413,10 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                                            dtype=kv_layer.dtype) if window_blocks and self.groups.hybrid else None
                 entry = self._saving[id(transfer)] = (transfer, full_pages, window_pages, set())
             ids = transfer.block_ids[group]
+            pages: torch.Tensor | None = None
             if full is not None:
                 pages, index, begin = entry[1], full, 0
-            else:
+            elif window is not None:  # (one of the two is this layer's index: checked above)
                 pages, index, begin = entry[2], window, transfer.window_first - transfer.first
             if pages is not None:  # a copy: the blocks may be reused once the step is over
                 pages[:, index].copy_(kv_layer[torch.tensor(ids[begin:], dtype=torch.long, device=kv_layer.device)])
@@ -434,7 +435,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             if spaces.window is not None and window_pages is not None:
                 chains.append((spaces.window, window_pages, transfer.window_first))
             for space, pages, first in chains:
-                data = memoryview(pages.reshape(-1).view(torch.uint8).numpy()).cast("B")
+                data = pages.reshape(-1).view(torch.uint8).numpy().data.cast("B")
                 size = len(data) // pages.shape[0]
                 blocks = space.blocks(transfer.tokens)[first : transfer.end]
                 items = [(block, data[i * size : (i + 1) * size]) for i, block in enumerate(blocks)]
@@ -519,7 +520,7 @@ class _StagedPages:
         blocks = len(self.tables[0])
         # (layers, blocks, layer_bytes) uint8
         self._staging = torch.empty((self.num_layers, blocks, self.layer_bytes), dtype=torch.uint8)
-        self._view = memoryview(self._staging.numpy()).cast("B")
+        self._view = self._staging.numpy().data.cast("B")
         self._blocks = blocks
 
     def layer_view(self, layer: int, block: int) -> memoryview:
