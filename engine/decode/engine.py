@@ -161,9 +161,13 @@ class DecodeEngine:
                     self._end(sequence)
                     self._done.append(sequence.result(CANCELLED))
                     return True
-        for sequence in self._prefilling.values():
+        for prefill_id, sequence in self._prefilling.items():
             if sequence.id == request_id and not sequence.cancelled:
-                sequence.cancelled = True  # its KV is freed when its prefill returns it
+                assert self._prefill is not None, "only a prefill engine's requests are prefilling"
+                if self._prefill.cancel(prefill_id):  # its load stopped, its pages back: no more work for it
+                    del self._prefilling[prefill_id]
+                else:
+                    sequence.cancelled = True  # its KV is freed when its prefill returns it
                 self._done.append(sequence.result(CANCELLED))
                 return True
         return False

@@ -204,6 +204,21 @@ class PrefillEngine:
         self._queue.append(active)
         return active.id
 
+    def cancel(self, request_id: int) -> bool:
+        """Drop a request now: a queued one leaves the queue; an admitted one stops its load (no byte lands
+        after this returns) and gives its KV pages back. Nothing of it is saved. False if unknown or done."""
+        for i, queued in enumerate(self._queue):
+            if queued.id == request_id:
+                del self._queue[i]
+                return True
+        active = self._active.pop(request_id, None)
+        if active is None:
+            return False
+        if active.load is not None:
+            active.load.cancel()
+        active.kv.release()
+        return True
+
     def run(self) -> list[PrefillResult]:
         """Step until every submitted request has its first token; results in completion order."""
         results = []

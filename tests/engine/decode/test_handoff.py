@@ -88,3 +88,19 @@ def test_a_result_from_another_pool_or_handed_over_twice_is_refused(qwen3):
     with pytest.raises(DecodeError, match="released"):  # its KV was released when it finished
         decode.submit(DecodeRequest(result))
     assert prefill.pool.free_pages == PAGES
+
+
+def test_cancelling_a_request_in_its_prefill_stops_the_prefill_and_frees_its_pages(qwen3):
+    """A cancel must end the work too, not only the reply: a prompt left to prefill after its cancel costs
+    the steps of every other request, and submitting then cancelling would pass every bound on requests."""
+    prefill = _prefill_engine(qwen3.model)
+    decode = DecodeEngine(qwen3.model, prefill, DecodeConfig(speculative=False))
+    gone = decode.submit(DecodeRequest(PrefillRequest(qwen3.prompt(200)), SamplingParams(max_tokens=REPLY)))
+    assert decode.step() == [] and prefill.pending == 1  # part of its prompt computed, the rest to come
+    assert decode.cancel(gone) and not decode.cancel(gone)
+    assert prefill.pending == 0 and prefill.pool.free_pages == PAGES
+    (cancelled,) = decode.step()
+    assert (cancelled.id, cancelled.finish_reason, cancelled.tokens) == (gone, "cancelled", [])
+    assert decode.pending == 0
+    queued = decode.submit(DecodeRequest(PrefillRequest(qwen3.prompt(40)), SamplingParams(max_tokens=REPLY)))
+    assert decode.cancel(queued) and prefill.pending == 0  # cancelled before it was admitted
