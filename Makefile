@@ -30,9 +30,11 @@ install: $(STAMP) $(PROTO_OUT) $(DECODE_PROTO_OUT)
 demo: install
 	$(BIN)/python -m engine.demo
 
-# style: pycodestyle, pyflakes, import order, modern syntax (pyproject.toml [tool.ruff]); .ci/run runs it first
+# style: pycodestyle, pyflakes, import order, modern syntax (pyproject.toml [tool.ruff]); then the types of kvstore/
+# and engine/ (pyproject.toml [tool.mypy]); .ci/run runs it first
 lint: install
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 # unit + integration + crash tests; benchmarks and slow work are marked `bench` and left out.
 test: install

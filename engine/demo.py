@@ -74,7 +74,7 @@ def run_real(sessions: int, turns: int, workdir: Path, reply_tokens: int = REPLY
           "descends from a bounded replay)\n")
     print(f"{'turn':>4} {'session':>9} {'prompt':>6} {'hit':>6}  {'path':<14} {'window':<6} {'host':>4} "
           f"{'DRAM':>4} {'SSD':>4} {'ttft':>7} {'no cache':>8} {'speed-up':>8}  = exact")
-    totals = Counter()
+    totals: Counter[str] = Counter()
     try:
         for turn in range(turns):
             if turn == turns // 2 and turn:
@@ -176,7 +176,7 @@ def run_random(sessions: int, turns: int, workdir: Path) -> None:
     conversations = [list(system_prompt) for _ in range(sessions)]
     print(f"{'turn':>4} {'session':>9} {'prompt':>6} {'hit':>6}  {'path':<14} {'host':>4} {'DRAM':>4} {'SSD':>4} "
           f"{'ttft':>7} {'no cache':>8} {'speed-up':>8}  same token")
-    totals = Counter()
+    totals: Counter[str] = Counter()
     try:
         for turn in range(turns):
             if turn == turns // 2:
