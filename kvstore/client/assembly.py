@@ -9,15 +9,10 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from kvstore.block import Block
 from kvstore.proto import pb
 from kvstore.record import CorruptRecord, RecordHeader, decode_header
-
-if TYPE_CHECKING:
-    from kvstore.client.dataplane import SharedPlacement
-    from kvstore.client.shard import Shard
 
 VERIFY_CHUNK_BYTES = 256 * 1024  # verify a part in chunks of about this size while the rest arrives
 MAX_MISS_CAUSES = 64  # distinct miss causes counted by name; past that a new one counts as "other"
@@ -52,14 +47,6 @@ class BlockData:
         size = self.header.layer_bytes
         start = (layer - self.layer_begin) * size
         return memoryview(self.payload)[start : start + size]
-
-
-@dataclass(slots=True)
-class ShardGet:
-    shard: Shard
-    request: pb.GetRequest
-    assembly: GetAssembly
-    shared: SharedPlacement | None = None  # where the destinations lie in a shared buffer
 
 
 class GetAssembly:

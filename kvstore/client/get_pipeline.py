@@ -20,11 +20,12 @@ import asyncio
 import time
 from collections.abc import Callable, Container, Sequence
 from concurrent.futures import Executor
+from dataclasses import dataclass
 
 import grpc
 
 from kvstore.block import Block, same_namespace
-from kvstore.client.assembly import BlockData, Buffer, GetAssembly, ShardGet
+from kvstore.client.assembly import BlockData, Buffer, GetAssembly
 from kvstore.client.cost import BandwidthMeter
 from kvstore.client.dataplane import SharedBuffer, SharedPlacement, TransportError
 from kvstore.client.host_tier import HostTier
@@ -33,6 +34,15 @@ from kvstore.client.stats import ClientStats
 from kvstore.client.transport import Offload, Transport
 from kvstore.proto import pb
 from kvstore.record import CorruptRecord
+
+
+@dataclass(slots=True)
+class ShardGet:
+    shard: Shard
+    request: pb.GetRequest
+    assembly: GetAssembly
+    shared: SharedPlacement | None = None  # where the destinations lie in a shared buffer
+
 
 # told each daemon's share of a get or load and the positions it delivered, once it is done
 AfterGet = Callable[[Shard, GetAssembly, Container[int]], None]
