@@ -52,7 +52,7 @@ from engine.window.keeper import REPLAY, WindowKeeper, WindowPlan
 from engine.window.replay import REPLAYED_SUFFIX, replayed_namespace
 from engine.window.tier import WindowTier
 from kvstore.block import Block, KVLayout, Namespace
-from kvstore.client import KVClient
+from kvstore.client import StoreClient
 from kvstore.client.loading import LoadCancelled, LoadHandle
 from kvstore.client.torch_kv import PagedKV
 from kvstore.eviction import ReuseHint
@@ -85,7 +85,7 @@ class _Active:
 
 
 class PrefillEngine:
-    def __init__(self, model: Decoder, client: KVClient | None, config: PrefillConfig, model_id: str) -> None:
+    def __init__(self, model: Decoder, client: StoreClient | None, config: PrefillConfig, model_id: str) -> None:
         mc = model.config
         if not mc.full_layers:
             raise ValueError("the prefill engine needs a model with at least one full-attention layer to store")
@@ -110,7 +110,7 @@ class PrefillEngine:
         self.cost = config.cost or self.measure_cost()
 
     @classmethod
-    def from_pretrained(cls, path: Path | str, client: KVClient | None, config: PrefillConfig = PrefillConfig(),
+    def from_pretrained(cls, path: Path | str, client: StoreClient | None, config: PrefillConfig = PrefillConfig(),
                         dtype: torch.dtype = torch.float32, device: str = "cpu") -> PrefillEngine:
         return cls(Decoder.from_pretrained(path, dtype, device), client, config,
                    config.model_id or model_identity(path))
@@ -341,14 +341,14 @@ class PrefillEngine:
             a.path, a.window_source = CACHED, plan.source
         self._start_load(a, client, plan.blocks[:worth])
 
-    def _start_load(self, a: _Active, client: KVClient, blocks: list[Block]) -> None:
+    def _start_load(self, a: _Active, client: StoreClient, blocks: list[Block]) -> None:
         """Start loading `blocks`, the leading blocks of `a`'s prefix, into its first pages, layer by layer."""
         sources = client.block_sources(blocks)
         a.sources = dict(Counter("host" if s == "host" else "daemon" for s in sources))
         a.loaded = len(blocks)
         a.load = client.load(blocks, PagedKV(self.pool.layers, a.kv.block_table[: len(blocks)]), len(blocks))
 
-    def _continue_handoff(self, a: _Active, client: KVClient) -> bool:
+    def _continue_handoff(self, a: _Active, client: StoreClient) -> bool:
         """Continue from the state another process handed over (engine.prefill.handoff): its chain's full blocks
         loaded, the partial block and the window from the continuation record, the last token to compute.
         False, touching nothing the normal path needs, where the record or a block is gone or corrupt."""

@@ -34,7 +34,7 @@ from engine.window.replay import (
 )
 from engine.window.tier import WindowTier
 from kvstore.block import Block, Namespace
-from kvstore.client import KVClient, PutSummary
+from kvstore.client import PutSummary, StoreClient
 
 MAX_SESSIONS_TRACKED = 65_536  # sessions whose latest window record is remembered, to delete it once superseded
 # Where the window of a resumed prefix comes from (`PrefillResult.window_source` names the first two).
@@ -93,7 +93,7 @@ class WindowKeeper:
 
     # -- resuming a stored prefix -----------------------------------------------------------------------
 
-    def plan(self, client: KVClient, namespace: Namespace, tokens: list[int], blocks: list[Block], stored: int,
+    def plan(self, client: StoreClient, namespace: Namespace, tokens: list[int], blocks: list[Block], stored: int,
              kv: RequestKV, accepts_approximate: bool, session_id: str | None) -> WindowPlan:
         """Where the prompt `tokens` resumes and where its window there comes from. `blocks` is its exact chain
         (in `namespace`), of which the store holds `stored` leading blocks; `kv` its KV, whose rings a record
@@ -151,7 +151,7 @@ class WindowKeeper:
 
     # -- keeping windows ---------------------------------------------------------------------------
 
-    def keep(self, client: KVClient | None, block: Block, state: WindowState, chain: Namespace,
+    def keep(self, client: StoreClient | None, block: Block, state: WindowState, chain: Namespace,
              session_id: str | None, superseded: Block | None = None) -> bool:
         """Keep `state`, the sliding window as of the end of `block` (a block of `chain`), as the latest state
         of the session `session_id` (sessions are per tenant): in the tier under the block's key, and in
@@ -170,7 +170,7 @@ class WindowKeeper:
                 settle(None)  # dropped: the older records are superseded all the same
         return kept
 
-    def keep_captured(self, client: KVClient | None, captured: dict[int, WindowState], blocks: list[Block],
+    def keep_captured(self, client: StoreClient | None, captured: dict[int, WindowState], blocks: list[Block],
                       chain: Namespace, session_id: str | None, superseded: Block | None) -> None:
         """Keep the windows a request captured at block boundaries of `blocks` (its chain, in `chain`): the one
         at the chain's end as the session's latest state (`keep`), the others (where the prompt left a stored
@@ -185,7 +185,7 @@ class WindowKeeper:
             else:
                 self.tier.put(block.key, state)
 
-    def _settle_record(self, client: KVClient, session: str | None, record: Block, superseded: Block | None,
+    def _settle_record(self, client: StoreClient, session: str | None, record: Block, superseded: Block | None,
                        summary: PutSummary | None) -> None:
         """Once the save of `record`, `session`'s newest window record, is done (on the write-behind thread,
         in save order): remember it as the session's own only if the daemon stored it, since a record it
@@ -201,7 +201,7 @@ class WindowKeeper:
         if dead:
             client.delete(list(dead.values()))
 
-    def read_record(self, client: KVClient, chain: Namespace, blocks: list[Block], count: int, kv: RequestKV,
+    def read_record(self, client: StoreClient, chain: Namespace, blocks: list[Block], count: int, kv: RequestKV,
                     exact: bool, session_id: str | None) -> StoredWindow | None:
         """The window as of the end of the first `count` of `blocks` (a chain in `chain`, exact or replayed), from
         the store's window record, as rings for `kv`; None (the cause counted in `misses`) where it is absent
