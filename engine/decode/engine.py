@@ -21,12 +21,15 @@ there first and resumes from it when admitted again (one token recomputed); any 
 would have had alone.
 
 Built on a prefill engine of this process (sharing its page pool), the engine continues what it prefills:
-a `PrefillResult` handed over in place, or a `PrefillRequest` it submits to that engine itself, stepping
-it before each decode step; with `from_handoff` the prefill continues from the state a prefill process
-saved in the store (`engine.prefill.handoff`) and computes only the last prompt token. Either way the decode
-engine takes over the request's KV and samples the first token from the prefill's logits. As its reply
-fills KV blocks they are saved (write-behind) in the prompt's chain, and for a hybrid model the window at
-the last block boundary is kept, so the next turn finds prompt and reply cached (`engine.decode.saving`).
+a `PrefillResult` handed over in place, or a `PrefillRequest` it submits to that engine itself. Each step
+it takes the prefill engine's planned chunks into its own one forward, beside the decode tokens (a second
+forward a step cost 6-10% of every step on 2 cores, bench/mixed_step.py); only chunks whose layers are still
+arriving from the store get a forward of their own first, so no decode token waits on a load. With
+`from_handoff` the prefill continues from the state a prefill process saved in the store
+(`engine.prefill.handoff`) and computes only the last prompt token. Either way the decode engine takes over
+the request's KV and samples the first token from the prefill's logits. As its reply fills KV blocks they
+are saved (write-behind) in the prompt's chain, and for a hybrid model the window at the last block
+boundary is kept, so the next turn finds prompt and reply cached (`engine.decode.saving`).
 Prompt ids are computed here, without the store, and their replies are not saved.
 
 Faults: a request whose own work raises in a step (its draw, its drafter, its stop check, its first token
@@ -179,24 +182,38 @@ class DecodeEngine:
         (they are held outside this engine, e.g. by unreleased prefill results)."""
         finished, self._done = self._done, []
         prefill_moved = False  # the prefill engine computed (its requests may be holding pages others wait for)
-        if self._prefill is not None and self._prefill.pending:
+        prefill = self._prefill
+        prompts = None  # the prefill engine's chunks this step's one forward computes besides the decode chunks
+        if prefill is not None and prefill.pending:
             try:
-                for result in self._prefill.step():
-                    self._continue_alone(self._prefilling.pop(result.id), result)
-                prefill_moved = True
+                prompts = prefill.plan_step()
             except KVCapacityError:  # it waits for pages; the running sequences may free them
                 pass
-            finished, self._done = finished + self._done, []
-        batch = self._prepare()
+            if prompts is not None and prompts.waits_on_store:  # a forward of its own: no decode token waits
+                self._continue_prompts(prefill.compute_step(prompts))  # for a layer to arrive from the store
+                prompts, prefill_moved = None, True
+        batch = self._prepare(sum(len(chunk.tokens) for chunk in prompts.chunks) if prompts is not None else 0)
         finished, self._done = finished + self._done, []  # sequences whose drafting failed in the preparation
-        if batch.chunks:
-            finished += self._complete(batch, self._timed_execute(batch))
+        if batch.chunks or prompts is not None:
+            logits = self._timed_execute(batch, prompts.chunks if prompts is not None else [])
+            finished += self._complete(batch, logits[:len(batch.chunks)])
+            if prefill is not None and prompts is not None:
+                # each prompt's last token's (vocab,), or (1, vocab) where the forward scored drafts
+                last = [row if row.dim() == 1 else row[-1] for row in logits[len(batch.chunks):]]
+                self._continue_prompts(prefill.finish_step(prompts, last))
+                prefill_moved = True
+                finished, self._done = finished + self._done, []
         else:
             self._forward_ended = None  # idle: no gap to count until work comes
         if not batch.chunks and not prefill_moved and not finished and (self._waiting or self._prefilling):
             raise KVCapacityError(f"{self.pool.free_pages} free KV pages cannot hold the oldest waiting sequence "
                                   "and nothing runs here to free more: release finished prefill results' KV")
         return finished
+
+    def _continue_prompts(self, results: list[PrefillResult]) -> None:
+        """The prompts the prefill engine finished: each continues here (or ends, its first token a stop)."""
+        for result in results:
+            self._continue_alone(self._prefilling.pop(result.id), result)
 
     def run(self) -> list[DecodeResult]:
         """Step until every submitted request has finished; results in completion order."""
@@ -319,9 +336,10 @@ class DecodeEngine:
 
     # -- steps --------------------------------------------------------------------------------------
 
-    def _prepare(self) -> StepBatch:
+    def _prepare(self, prompt_tokens: int = 0) -> StepBatch:
         """Host side of a step: admit, plan each running sequence's tokens, grow its pages (preempting
-        the youngest where the pool is full), and build the chunks."""
+        the youngest where the pool is full), and build the chunks. `prompt_tokens`: what the prefill
+        engine's chunks add to the step's forward."""
         self._admit()
         budget = self.config.prefill_tokens_per_step
         planned: list[tuple[DecodeSequence, int]] = []
@@ -343,13 +361,13 @@ class DecodeEngine:
             batch.drafts.append([])
             batch.checkpoints.append(None)
         if self.config.speculative:
-            self._speculate(batch)
+            self._speculate(batch, prompt_tokens)
         for sequence, chunk in zip(batch.sequences, batch.chunks):  # after drafting: it sets the chunks' sizes
             if sequence.chain is not None:
                 self._replies.before_chunk(sequence.chain, sequence.held_kv, chunk.start, len(chunk.tokens))
         return batch
 
-    def _speculate(self, batch: StepBatch) -> None:
+    def _speculate(self, batch: StepBatch, prompt_tokens: int) -> None:
         """Extend the decoding chunks with drafts: each drafter proposes up to γ tokens, and the DSpark
         schedule (or `fixed_drafts`) picks how many of each to verify. The choice reads only confidences and
         the SPS profile, never the tokens this step will produce, which keeps verification lossless."""
@@ -387,7 +405,7 @@ class DecodeEngine:
             # No ℓ changes a request's tokens (greedy: the argmax; seeded sampling: one draw per token, as
             # without drafts), so every decoding sequence shares the one DSpark choice. B counts the step's
             # other tokens too (prompt chunks): they share the forward, not the drafts' expected gain.
-            others = sum(len(chunk.tokens) for chunk in batch.chunks) - len(decoding)
+            others = sum(len(chunk.tokens) for chunk in batch.chunks) - len(decoding) + prompt_tokens
             lengths = schedule(survivals, (lambda b: sps(b + others)) if others else sps).lengths
         for i, drafts, length in zip(decoding, proposals, lengths):
             if not length:
@@ -431,20 +449,22 @@ class DecodeEngine:
         row = {old: new for new, old in enumerate(kept)}
         return {row[i]: drafts for i, drafts in proposed.items()}
 
-    def _timed_execute(self, batch: StepBatch) -> list[torch.Tensor]:
-        """The forward, with the next step's pages reserved meanwhile on the worker thread (overlap). The
-        forward stays on this thread: torch ops from a second thread bring a second OpenMP team, whose
-        spinning threads slowed a batch-8 step on 2 cores from 219 to 300 ms."""
+    def _timed_execute(self, batch: StepBatch, prompts: list[Chunk]) -> list[torch.Tensor]:
+        """The forward (the batch's chunks, then the prefill engine's `prompts`), with the next step's pages
+        reserved meanwhile on the worker thread (overlap). The forward stays on this thread: torch ops from a
+        second thread bring a second OpenMP team, whose spinning threads slowed a batch-8 step on 2 cores from
+        219 to 300 ms."""
         started = time.perf_counter()
         if self._forward_ended is not None:
             self.idle_gaps_s.append(started - self._forward_ended)
         ahead = self._worker.submit(self._prepare_ahead, batch) if self._worker is not None else None
-        logits = self._execute(batch)
+        logits = self._execute(batch, prompts)
         self._forward_ended = time.perf_counter()
         if isinstance(self._sps, ObservedSps) and self.model.device.type == "cpu":
             # what a forward of B tokens costs here, for the schedule (on CUDA the call returns before the
             # kernels end: the profile, which synchronises, stands)
-            self._sps.observe(sum(len(chunk.tokens) for chunk in batch.chunks), self._forward_ended - started)
+            self._sps.observe(sum(len(chunk.tokens) for chunk in (*batch.chunks, *prompts)),
+                              self._forward_ended - started)
         if ahead is not None:
             ahead.result()
         return logits
@@ -462,13 +482,14 @@ class DecodeEngine:
             return
         self._admit()
 
-    def _execute(self, batch: StepBatch) -> list[torch.Tensor]:
+    def _execute(self, batch: StepBatch, prompts: list[Chunk]) -> list[torch.Tensor]:
         """The step's one forward: the logits of each chunk's last token, (vocab,) each; where a chunk
         verifies drafts, of each of its positions, (1 + ℓ, vocab)."""
+        chunks = [*batch.chunks, *prompts]
         if not any(batch.drafts):
-            return self.model.forward(batch.chunks)
-        return self.model.forward(batch.chunks, logits_for=[len(chunk.tokens) if drafts else 1
-                                                            for chunk, drafts in zip(batch.chunks, batch.drafts)])
+            return self.model.forward(chunks)
+        return self.model.forward(chunks, logits_for=[*(len(chunk.tokens) if drafts else 1 for chunk, drafts
+                                                        in zip(batch.chunks, batch.drafts)), *[1] * len(prompts)])
 
     def _complete(self, batch: StepBatch, logits: list[torch.Tensor]) -> list[DecodeResult]:
         """Sample a token for every sequence whose chunk reached its end (or verify its drafts), and finish

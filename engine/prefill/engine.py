@@ -22,7 +22,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -82,6 +82,20 @@ class _Active:
     window_source: str | None = None  # where the window it resumed from came from: "host" or "store"
     window_bytes: int = 0  # bytes of the window record loaded from the store
     own_record: Block | None = None  # that record, where this request's session saved it: superseded when done
+
+
+@dataclass
+class PrefillStep:
+    """One planned step of the prefill engine: its chunks, computed by `step`'s own forward or by a caller's."""
+
+    chosen: list[tuple[_Active, int]]  # (request, tokens) in plan order
+    chunks: list[Chunk]  # one per chosen request
+    loads: list[LoadHandle]  # loads the chunks read: their layers may still be arriving
+
+    @property
+    def waits_on_store(self) -> bool:
+        """A forward of these chunks waits, layer by layer, for loads still arriving."""
+        return any(not load.done for load in self.loads)
 
 
 class PrefillEngine:
@@ -247,31 +261,51 @@ class PrefillEngine:
 
     def step(self) -> list[PrefillResult]:
         """Admit what fits, compute one planned step, and return the requests that finished in it."""
+        planned = self.plan_step()
+        return [] if planned is None else self.compute_step(planned)
+
+    def compute_step(self, planned: PrefillStep) -> list[PrefillResult]:
+        """A planned step in a forward of its own, each full layer held until the loads put it in place."""
+        return self.finish_step(planned, self.model.forward(planned.chunks, self._layer_waits(planned.loads)))
+
+    def plan_step(self) -> PrefillStep | None:
+        """Admit what fits and plan the next step's chunks (None: nothing to compute). A caller that runs the
+        chunks in a forward of its own, beside other chunks, hands their logits to `finish_step`; where
+        `planned.waits_on_store`, that forward must wait for the loads layer by layer (`step` does)."""
         self._admit()
         if not self._active:
             if self._queue:  # nothing running and the oldest still does not fit: pages are held elsewhere
                 raise KVCapacityError(f"{self.pool.free_pages} free KV pages cannot hold the oldest request; "
                                       "release finished requests' KV (result.kv.release())")
-            return []
+            return None
         waiting = [Waiting(a.id, a.start, len(a.tokens) - a.start) for a in self._active.values()]
         plan = plan_step(waiting, self.cost, self.config.step_budget_s, self.block_tokens)
         chosen = [(self._active[rid], x) for rid, x in plan]
-        loading = [a.load for a, _ in chosen if a.load is not None]
+        return PrefillStep(chosen, [Chunk(a.kv, a.tokens[a.start : a.start + x], a.start) for a, x in chosen],
+                           [a.load for a, _ in chosen if a.load is not None])
+
+    def _layer_waits(self, loads: list[LoadHandle]) -> Callable[[int], None] | None:
+        """The forward's hook that holds each full layer until the loads put it in place (None: no load)."""
+        if not loads:
+            return None
 
         def before_layer(layer: int) -> None:
             full = self._full_index.get(layer)
             if full is None:
                 return
-            for load in loading:
+            for load in loads:
                 try:
                     load.wait_layer(full, self.config.load_timeout_s)
                 except (TimeoutError, LoadCancelled):
                     load.cancel()
 
-        chunks = [Chunk(a.kv, a.tokens[a.start : a.start + x], a.start) for a, x in chosen]
-        logits = self.model.forward(chunks, before_layer if loading else None)
+        return before_layer
+
+    def finish_step(self, planned: PrefillStep, logits: Sequence[torch.Tensor]) -> list[PrefillResult]:
+        """After the forward of `planned.chunks` (logits: each chunk's last token's, (vocab,)): the requests
+        that finished."""
         finished = []
-        for (a, x), last in zip(chosen, logits):
+        for (a, x), last in zip(planned.chosen, logits):
             if a.load is not None and not self._load_held(a, a.load):
                 continue  # restarted from what did load
             a.start += x

@@ -104,3 +104,26 @@ def test_cancelling_a_request_in_its_prefill_stops_the_prefill_and_frees_its_pag
     assert decode.pending == 0
     queued = decode.submit(DecodeRequest(PrefillRequest(qwen3.prompt(40)), SamplingParams(max_tokens=REPLY)))
     assert decode.cancel(queued) and prefill.pending == 0  # cancelled before it was admitted
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_prompts_prefill_in_the_decode_steps_one_forward_and_continue_as_greedy(family, monkeypatch, speculative):
+    """With no load in flight, the prefill engine's chunks ride in the decode step's one forward (a second
+    forward a step cost 6-10% of every step on 2 cores: bench/mixed_step.py); the replies stay greedy's."""
+    prefill = _prefill_engine(family.model)
+    decode = DecodeEngine(family.model, prefill, DecodeConfig(speculative=speculative))
+    prompts = [family.prompt(n) for n in PROMPT_LENGTHS[family.kind]]
+    forwards, steps = [0], [0]
+    forward, step = family.model.forward, decode.step
+    monkeypatch.setattr(family.model, "forward", lambda *a, **k: forwards.__setitem__(0, forwards[0] + 1)
+                        or forward(*a, **k))
+    monkeypatch.setattr(decode, "step", lambda: steps.__setitem__(0, steps[0] + 1) or step())
+    # one alone, then two joining it while it decodes: their prompts prefill beside its decode tokens
+    results = drive(decode, {0: [DecodeRequest(PrefillRequest(prompts[0]), SamplingParams(max_tokens=REPLY))],
+                             3: [DecodeRequest(PrefillRequest(p), SamplingParams(max_tokens=REPLY))
+                                 for p in prompts[1:]]})
+    monkeypatch.undo()
+    for i, prompt in enumerate(prompts):
+        assert results[i].tokens == greedy(family.model, prompt, REPLY), f"prompt of {len(prompt)}"
+    assert forwards[0] <= steps[0]  # never two forwards in a step
+    assert prefill.pool.free_pages == PAGES
