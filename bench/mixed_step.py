@@ -8,7 +8,7 @@ A store-backed prompt is prefilled by the prefill engine of the decode engine's 
     two     the prefill engine steps on its own (its forward), then the decode engine steps (its forward):
             two forwards a step, the result handed over in place (`DecodeRequest(PrefillResult)`)
     one     `DecodeRequest(PrefillRequest)`: the decode engine puts the prefill engine's planned chunks into its
-            own step's forward beside the decode tokens (what it does whenever no load is in flight)
+            own step's forward beside the decode tokens
 
 Each repeat, for each arm (interleaved): --running real-text prompts of 64 tokens decode (greedy, speculation
 off); once all of them decode, one real-text prompt of --prompt-tokens arrives, prefilled --chunk tokens a step

@@ -22,14 +22,14 @@ would have had alone.
 
 Built on a prefill engine of this process (sharing its page pool), the engine continues what it prefills:
 a `PrefillResult` handed over in place, or a `PrefillRequest` it submits to that engine itself. Each step
-it takes the prefill engine's planned chunks into its own one forward, beside the decode tokens (a second
-forward a step cost 6-10% of every step on 2 cores, bench/mixed_step.py); only chunks whose layers are still
-arriving from the store get a forward of their own first, so no decode token waits on a load. With
-`from_handoff` the prefill continues from the state a prefill process saved in the store
-(`engine.prefill.handoff`) and computes only the last prompt token. Either way the decode engine takes over
-the request's KV and samples the first token from the prefill's logits. As its reply fills KV blocks they
-are saved (write-behind) in the prompt's chain, and for a hybrid model the window at the last block
-boundary is kept, so the next turn finds prompt and reply cached (`engine.decode.saving`).
+it takes the prefill engine's planned chunks into its own one forward, beside the decode tokens, with the
+hook that holds each layer until their loads have put it in place (a second forward a step cost 6-11% of
+every step on 2 cores, bench/mixed_step.py). With `from_handoff` the prefill continues from the state a
+prefill process saved in the store (`engine.prefill.handoff`) and computes only the last prompt token.
+Either way the decode engine takes over the request's KV and samples the first token from the prefill's
+logits. As its reply fills KV blocks they are saved (write-behind) in the prompt's chain, and for a hybrid
+model the window at the last block boundary is kept, so the next turn finds prompt and reply cached
+(`engine.decode.saving`).
 Prompt ids are computed here, without the store, and their replies are not saved.
 
 Faults: a request whose own work raises in a step (its draw, its drafter, its stop check, its first token
@@ -70,7 +70,7 @@ from engine.decode.saving import ReplySaver
 from engine.decode.sequence import DecodeSequence
 from engine.model.decoder import Chunk, Decoder
 from engine.model.kv import KVCapacityError, PagePool, RequestKV, RingCheckpoint
-from engine.prefill.engine import PrefillEngine
+from engine.prefill.engine import PrefillEngine, PrefillStep
 from engine.prefill.request import HANDED_OVER, PrefillError, PrefillRequest, PrefillResult
 from engine.speculative.calibration import Calibration, Record
 from engine.speculative.drafter import DraftToken, NGramDrafter
@@ -189,13 +189,10 @@ class DecodeEngine:
                 prompts = prefill.plan_step()
             except KVCapacityError:  # it waits for pages; the running sequences may free them
                 pass
-            if prompts is not None and prompts.waits_on_store:  # a forward of its own: no decode token waits
-                self._continue_prompts(prefill.compute_step(prompts))  # for a layer to arrive from the store
-                prompts, prefill_moved = None, True
         batch = self._prepare(sum(len(chunk.tokens) for chunk in prompts.chunks) if prompts is not None else 0)
         finished, self._done = finished + self._done, []  # sequences whose drafting failed in the preparation
         if batch.chunks or prompts is not None:
-            logits = self._timed_execute(batch, prompts.chunks if prompts is not None else [])
+            logits = self._timed_execute(batch, prompts)
             finished += self._complete(batch, logits[:len(batch.chunks)])
             if prefill is not None and prompts is not None:
                 # each prompt's last token's (vocab,), or (1, vocab) where the forward scored drafts
@@ -449,8 +446,8 @@ class DecodeEngine:
         row = {old: new for new, old in enumerate(kept)}
         return {row[i]: drafts for i, drafts in proposed.items()}
 
-    def _timed_execute(self, batch: StepBatch, prompts: list[Chunk]) -> list[torch.Tensor]:
-        """The forward (the batch's chunks, then the prefill engine's `prompts`), with the next step's pages
+    def _timed_execute(self, batch: StepBatch, prompts: PrefillStep | None) -> list[torch.Tensor]:
+        """The forward (the batch's chunks, then the prefill engine's planned ones), with the next step's pages
         reserved meanwhile on the worker thread (overlap). The forward stays on this thread: torch ops from a
         second thread bring a second OpenMP team, whose spinning threads slowed a batch-8 step on 2 cores from
         219 to 300 ms."""
@@ -463,8 +460,8 @@ class DecodeEngine:
         if isinstance(self._sps, ObservedSps) and self.model.device.type == "cpu":
             # what a forward of B tokens costs here, for the schedule (on CUDA the call returns before the
             # kernels end: the profile, which synchronises, stands)
-            self._sps.observe(sum(len(chunk.tokens) for chunk in (*batch.chunks, *prompts)),
-                              self._forward_ended - started)
+            fed = sum(len(chunk.tokens) for chunk in (*batch.chunks, *(prompts.chunks if prompts else ())))
+            self._sps.observe(fed, self._forward_ended - started)
         if ahead is not None:
             ahead.result()
         return logits
@@ -482,14 +479,17 @@ class DecodeEngine:
             return
         self._admit()
 
-    def _execute(self, batch: StepBatch, prompts: list[Chunk]) -> list[torch.Tensor]:
-        """The step's one forward: the logits of each chunk's last token, (vocab,) each; where a chunk
+    def _execute(self, batch: StepBatch, prompts: PrefillStep | None) -> list[torch.Tensor]:
+        """The step's one forward, the batch's chunks then the prefill engine's (each full layer held until
+        their loads have put it in place): the logits of each chunk's last token, (vocab,) each; where a chunk
         verifies drafts, of each of its positions, (1 + ℓ, vocab)."""
-        chunks = [*batch.chunks, *prompts]
+        extra, before_layer = (prompts.chunks, prompts.before_layer) if prompts is not None else ([], None)
+        chunks = [*batch.chunks, *extra]
         if not any(batch.drafts):
-            return self.model.forward(chunks)
-        return self.model.forward(chunks, logits_for=[*(len(chunk.tokens) if drafts else 1 for chunk, drafts
-                                                        in zip(batch.chunks, batch.drafts)), *[1] * len(prompts)])
+            return self.model.forward(chunks, before_layer)
+        return self.model.forward(chunks, before_layer, logits_for=[
+            *(len(chunk.tokens) if drafts else 1 for chunk, drafts in zip(batch.chunks, batch.drafts)),
+            *[1] * len(extra)])
 
     def _complete(self, batch: StepBatch, logits: list[torch.Tensor]) -> list[DecodeResult]:
         """Sample a token for every sequence whose chunk reached its end (or verify its drafts), and finish

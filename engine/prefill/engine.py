@@ -90,12 +90,9 @@ class PrefillStep:
 
     chosen: list[tuple[_Active, int]]  # (request, tokens) in plan order
     chunks: list[Chunk]  # one per chosen request
-    loads: list[LoadHandle]  # loads the chunks read: their layers may still be arriving
-
-    @property
-    def waits_on_store(self) -> bool:
-        """A forward of these chunks waits, layer by layer, for loads still arriving."""
-        return any(not load.done for load in self.loads)
+    # the forward's hook holding each full layer until the loads these chunks read have put it in place
+    # (None: no load in flight)
+    before_layer: Callable[[int], None] | None
 
 
 class PrefillEngine:
@@ -262,16 +259,14 @@ class PrefillEngine:
     def step(self) -> list[PrefillResult]:
         """Admit what fits, compute one planned step, and return the requests that finished in it."""
         planned = self.plan_step()
-        return [] if planned is None else self.compute_step(planned)
-
-    def compute_step(self, planned: PrefillStep) -> list[PrefillResult]:
-        """A planned step in a forward of its own, each full layer held until the loads put it in place."""
-        return self.finish_step(planned, self.model.forward(planned.chunks, self._layer_waits(planned.loads)))
+        if planned is None:
+            return []
+        return self.finish_step(planned, self.model.forward(planned.chunks, planned.before_layer))
 
     def plan_step(self) -> PrefillStep | None:
-        """Admit what fits and plan the next step's chunks (None: nothing to compute). A caller that runs the
-        chunks in a forward of its own, beside other chunks, hands their logits to `finish_step`; where
-        `planned.waits_on_store`, that forward must wait for the loads layer by layer (`step` does)."""
+        """Admit what fits and plan the next step's chunks (None: nothing to compute). A caller that computes
+        them in a forward of its own, beside other chunks, passes `planned.before_layer` to it (each full
+        layer held until the loads have put it in place) and hands their logits to `finish_step`."""
         self._admit()
         if not self._active:
             if self._queue:  # nothing running and the oldest still does not fit: pages are held elsewhere
@@ -281,8 +276,8 @@ class PrefillEngine:
         waiting = [Waiting(a.id, a.start, len(a.tokens) - a.start) for a in self._active.values()]
         plan = plan_step(waiting, self.cost, self.config.step_budget_s, self.block_tokens)
         chosen = [(self._active[rid], x) for rid, x in plan]
-        return PrefillStep(chosen, [Chunk(a.kv, a.tokens[a.start : a.start + x], a.start) for a, x in chosen],
-                           [a.load for a, _ in chosen if a.load is not None])
+        chunks = [Chunk(a.kv, a.tokens[a.start : a.start + x], a.start) for a, x in chosen]
+        return PrefillStep(chosen, chunks, self._layer_waits([a.load for a, _ in chosen if a.load is not None]))
 
     def _layer_waits(self, loads: list[LoadHandle]) -> Callable[[int], None] | None:
         """The forward's hook that holds each full layer until the loads put it in place (None: no load)."""

@@ -108,7 +108,7 @@ def test_cancelling_a_request_in_its_prefill_stops_the_prefill_and_frees_its_pag
 
 @pytest.mark.parametrize("speculative", [False, True])
 def test_prompts_prefill_in_the_decode_steps_one_forward_and_continue_as_greedy(family, monkeypatch, speculative):
-    """With no load in flight, the prefill engine's chunks ride in the decode step's one forward (a second
+    """The prefill engine's chunks ride in the decode step's one forward (a second
     forward a step cost 6-10% of every step on 2 cores: bench/mixed_step.py); the replies stay greedy's."""
     prefill = _prefill_engine(family.model)
     decode = DecodeEngine(family.model, prefill, DecodeConfig(speculative=speculative))
