@@ -1,9 +1,9 @@
 """Hostile clients of the bulk data channel: idle sockets, connection floods, declared sizes.
 
-Fault 5 (the tests named fault5): 260 silent sockets turned every other client's hits into misses (connections
+Silent sockets: 260 silent sockets turned every other client's hits into misses (connections
 past the limit were reset, idle time between frames was never timed out, and the client did not fall back to
 gRPC).
-Fault 6 (fault6): a 13-byte prefix declaring an 8 MiB head made the daemon allocate 8 MiB at once, and the
+Declared sizes: a 13-byte prefix declaring an 8 MiB head made the daemon allocate 8 MiB at once, and the
 memory never came back.
 """
 
@@ -62,7 +62,7 @@ def served_over_the_data_channel(daemon, source: str = "127.0.0.3") -> None:
 # -- fault 5: idle connections ----------------------------------------------------------------------
 
 
-def test_fault5_an_idle_connection_is_closed_after_the_idle_timeout(daemons):
+def test_an_idle_connection_is_closed_after_the_idle_timeout(daemons):
     daemon, = daemons(1, "--data-idle-timeout-s", "1")
     with connect(daemon, timeout_s=20) as sock:
         assert sock.recv(1) == b"", "the daemon closes a connection that stays silent between frames"
@@ -72,7 +72,7 @@ def test_fault5_an_idle_connection_is_closed_after_the_idle_timeout(daemons):
             assert read_frame(sock)[0] == wire.PART and read_frame(sock)[0] == wire.DONE
 
 
-def test_fault5_connections_past_the_per_peer_limit_get_an_error_frame(daemons):
+def test_connections_past_the_per_peer_limit_get_an_error_frame(daemons):
     daemon, = daemons(1, "--max-data-connections-per-peer", "4")
     held = [connect(daemon, source="127.0.0.2") for _ in range(4)]
     try:
@@ -84,7 +84,7 @@ def test_fault5_connections_past_the_per_peer_limit_get_an_error_frame(daemons):
             sock.close()
 
 
-def test_fault5_connections_past_the_total_limit_get_an_error_frame(daemons):
+def test_connections_past_the_total_limit_get_an_error_frame(daemons):
     daemon, = daemons(1, "--max-data-connections", "6", "--max-data-connections-per-peer", "4")
     held = [connect(daemon, source=f"127.0.0.{2 + i % 2}") for i in range(6)]
     try:
@@ -95,7 +95,7 @@ def test_fault5_connections_past_the_total_limit_get_an_error_frame(daemons):
             sock.close()
 
 
-def test_fault5_silent_sockets_do_not_turn_other_clients_hits_into_misses(daemons):
+def test_silent_sockets_do_not_turn_other_clients_hits_into_misses(daemons):
     daemon, = daemons(1)  # the default limits
     blocks = items(seed=51, n=20)
     tcp = ClientConfig((daemon.address,), shared_memory="off")  # the data channel over TCP, from 127.0.0.1
@@ -152,7 +152,7 @@ def rss_growth_until(daemon, baseline: int, reached, timeout_s: float = 10.0) ->
         time.sleep(0.1)
 
 
-def test_fault6_a_declared_head_size_is_not_allocated_before_it_arrives(daemons):
+def test_a_declared_head_size_is_not_allocated_before_it_arrives(daemons):
     daemon, = daemons(1)
     baseline = settled_rss(daemon)
     socks = [connect(daemon) for _ in range(64)]
@@ -177,7 +177,7 @@ def big_record_start() -> tuple[bytes, int]:
     return frame + header, len(payload)
 
 
-def test_fault6_a_declared_record_size_is_not_allocated_before_it_arrives_and_is_given_back(daemons):
+def test_a_declared_record_size_is_not_allocated_before_it_arrives_and_is_given_back(daemons):
     daemon, = daemons(1)
     start, payload_len = big_record_start()
     assert payload_len == 32 * MiB
@@ -198,7 +198,7 @@ def test_fault6_a_declared_record_size_is_not_allocated_before_it_arrives_and_is
     assert grown < RSS_BOUND, f"{grown / MiB:.0f} MiB still held once the puts were abandoned"
 
 
-def test_fault6_bytes_of_abandoned_heads_are_given_back(daemons):
+def test_bytes_of_abandoned_heads_are_given_back(daemons):
     daemon, = daemons(1)
     baseline = settled_rss(daemon)
     socks = [connect(daemon, source=f"127.0.1.{i % 4 + 1}") for i in range(32)]
@@ -213,7 +213,7 @@ def test_fault6_bytes_of_abandoned_heads_are_given_back(daemons):
     assert grown < RSS_BOUND, f"{grown / MiB:.0f} MiB of abandoned heads still held"
 
 
-def test_fault6_bytes_held_for_unfinished_frames_are_bounded_daemon_wide(daemons):
+def test_bytes_held_for_unfinished_frames_are_bounded_daemon_wide(daemons):
     daemon, = daemons(1, "--max-unfinished-frame-bytes", "1MiB", "--max-block-bytes", "1MiB",
                       "--max-inflight-put-bytes", "1MiB")
     a, b = connect(daemon), connect(daemon)

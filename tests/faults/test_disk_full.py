@@ -140,7 +140,7 @@ def assert_puts_recover(daemon: DaemonProcess, first: int) -> None:
     assert_readable(daemon, later)
 
 
-def test_fault7_full_disk_evicts_puts_recover_and_restart_serves(tmp_path, small_fs, ballast):
+def test_full_disk_evicts_puts_recover_and_restart_serves(tmp_path, small_fs, ballast):
     daemon = DaemonProcess(small_fs / "data", tmp_path, ARGS).start()
     try:
         putter = Putter(daemon.address)
@@ -164,7 +164,7 @@ def test_fault7_full_disk_evicts_puts_recover_and_restart_serves(tmp_path, small
         daemon.kill()
 
 
-def test_fault7_restart_without_reserve_on_full_disk(tmp_path, small_fs, ballast):
+def test_restart_without_reserve_on_full_disk(tmp_path, small_fs, ballast):
     """The worst case: stopped after the reserve was spent, started again with not a byte free."""
     daemon = DaemonProcess(small_fs / "data", tmp_path, ARGS).start()
     try:
@@ -185,7 +185,7 @@ def test_fault7_restart_without_reserve_on_full_disk(tmp_path, small_fs, ballast
         daemon.kill()
 
 
-def test_fault7_sigterm_on_full_disk_exits_0(tmp_path, small_fs, ballast):
+def test_sigterm_on_full_disk_exits_0(tmp_path, small_fs, ballast):
     """The access times kept since the last flush cannot be saved on a full disk: SIGTERM still exits 0."""
     # 4 KiB records, no maintenance pass before the stop: the index holds a thousand entries, and
     # saving all their access times copies every leaf page, which a full disk has no room for.
@@ -212,7 +212,7 @@ def test_fault7_sigterm_on_full_disk_exits_0(tmp_path, small_fs, ballast):
         daemon.kill()
 
 
-def test_fault7_reserve_gives_back_exactly_its_room(small_fs, ballast):
+def test_reserve_gives_back_exactly_its_room(small_fs, ballast):
     held = SpaceReserve(small_fs / "RESERVE")
     assert held.hold(2**20)
     fill_to_the_last_byte(ballast)

@@ -1,7 +1,7 @@
 """Hostile clients of the same-host shared-memory path.
 
-Fault 2 (the tests named fault2): a client registered a 64 KiB /dev/shm object, truncated it to 0 and asked
-for a Get into it: the daemon died of SIGBUS. Fault 3 (fault3): REGISTER took any /dev/shm name, so a Get
+A shrunk region: a client registered a 64 KiB /dev/shm object, truncated it to 0 and asked
+for a Get into it: the daemon died of SIGBUS. Another process's object: REGISTER took any /dev/shm name, so a Get
 overwrote another process's object with KV bytes, and `unlink` deleted it.
 
 Now a region is a sealed memfd whose descriptor the client passes over the daemon's Unix socket: only a
@@ -86,7 +86,7 @@ def get_into_region(sock: socket.socket, key: bytes, region_id: int) -> None:
     sock.sendall(wire.frame(wire.GET, request.SerializeToString()))
 
 
-def test_fault2_a_region_shrunk_under_the_daemon_cannot_kill_it(daemon_with_block):
+def test_a_region_shrunk_under_the_daemon_cannot_kill_it(daemon_with_block):
     daemon, key, payload = daemon_with_block
     # The attack as it was: a named object over TCP, truncated once the daemon has mapped it.
     path = f"/dev/shm/kvstore-fault2-{os.getpid()}"
@@ -140,7 +140,7 @@ def test_fault2_a_region_shrunk_under_the_daemon_cannot_kill_it(daemon_with_bloc
     assert daemon.proc.poll() is None
 
 
-def test_fault2_a_region_smaller_than_declared_is_refused(daemon_with_block):
+def test_a_region_smaller_than_declared_is_refused(daemon_with_block):
     daemon, *_ = daemon_with_block
     with unix_connection(daemon) as sock:
         fd = memfd(4096, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
@@ -158,7 +158,7 @@ def untouched(path: str, content: bytes) -> None:
         assert f.read() == content, "another process's object was overwritten"
 
 
-def test_fault3_a_client_cannot_name_another_process_object(daemon_with_block):
+def test_a_client_cannot_name_another_process_object(daemon_with_block):
     daemon, key, _ = daemon_with_block
     path = f"/dev/shm/kvstore-victim-{os.getpid()}"
     secret = os.urandom(REGION)
@@ -184,7 +184,7 @@ def test_fault3_a_client_cannot_name_another_process_object(daemon_with_block):
             os.unlink(path)
 
 
-def test_fault3_a_regular_file_is_not_a_region(daemon_with_block, tmp_path):
+def test_a_regular_file_is_not_a_region(daemon_with_block, tmp_path):
     daemon, *_ = daemon_with_block
     victim = tmp_path / "victim"
     victim.write_bytes(bytes(REGION))

@@ -103,7 +103,7 @@ def put_head(nbytes: int) -> bytes:
 # -- call slots ------------------------------------------------------------------------------------------
 
 
-def test_finding3_a_tenant_holding_256_unread_gets_leaves_the_others_served(daemons, token_file):
+def test_a_tenant_holding_256_unread_gets_leaves_the_others_served(daemons, token_file):
     daemon, = daemons(1, "--auth-tokens", str(token_file))
     stored = blocks_of(ALICE, 1)
     with client(daemon, TOKENS["alice"]) as alice:
@@ -136,7 +136,7 @@ def test_finding3_a_tenant_holding_256_unread_gets_leaves_the_others_served(daem
             channel.close()
 
 
-def test_finding3_put_streams_that_send_a_head_and_stall_are_ended_and_health_answers_throughout(daemons):
+def test_put_streams_that_send_a_head_and_stall_are_ended_and_health_answers_throughout(daemons):
     daemon, = daemons(1, "--rpc-stream-timeout-s", "2")
     release = threading.Event()
 
@@ -175,7 +175,7 @@ def authed_data_socket(daemon, token: str) -> socket.socket:
     return sock
 
 
-def test_finding4_put_heads_that_declare_the_whole_budget_leave_other_tenants_putting(daemons, token_file):
+def test_put_heads_that_declare_the_whole_budget_leave_other_tenants_putting(daemons, token_file):
     """Alice declares 8 records of 17 MiB (the whole 136 MiB budget) on each transport and sends nothing
     more; Bob's puts on both transports must still be stored, and her stalled reservations come back."""
     daemon, = daemons(1, "--auth-tokens", str(token_file), "--max-block-bytes", "17MiB", "--max-inflight-put-bytes",
@@ -225,7 +225,7 @@ def get_errors(daemon) -> float:
         return probe.server_stats()[daemon.address].value("kvstore_rpc_errors_total", method="Get")
 
 
-def test_finding8_gets_never_read_hold_bounded_memory_and_are_ended(daemons):
+def test_gets_never_read_hold_bounded_memory_and_are_ended(daemons):
     daemon, = daemons(1, "--rpc-stream-timeout-s", "3")
     stored = blocks_of(PLAIN, 4)
     with client(daemon) as writer:
@@ -301,7 +301,7 @@ def closed_by_daemon(sock: socket.socket, deadline: float) -> bool:
         return True
 
 
-def test_finding5_silent_grpc_connections_are_limited_and_closed_and_leave_descriptors_for_segments(
+def test_silent_grpc_connections_are_limited_and_closed_and_leave_descriptors_for_segments(
         daemons, tmp_path):
     import resource
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
