@@ -24,6 +24,7 @@ medians (min..max) over repeats, and two/one ratios (above 1: the single forward
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -48,9 +49,11 @@ def texts(tokenizer, running: int, prompt_tokens: int) -> tuple[list[list[int]],
 
     sessions = demo_sessions(tokenizer, running + 1)
     prompts = [session.next_prompt() for session in sessions]
-    long_prompt = prompts[-1]
-    while len(long_prompt) < prompt_tokens:  # later turns of the same session until it is long enough
-        long_prompt = long_prompt + sessions[-1].next_prompt()
+    long_prompt = list(prompts[-1])
+    for other in itertools.cycle(prompts[:-1]):  # other sessions' text after it until it is long enough
+        if len(long_prompt) >= prompt_tokens:
+            break
+        long_prompt += other
     return [p[-SHORT_PROMPT:] for p in prompts[:-1]], long_prompt[:prompt_tokens]
 
 

@@ -455,15 +455,18 @@ class DecodeEngine:
         if self._forward_ended is not None:
             self.idle_gaps_s.append(started - self._forward_ended)
         ahead = self._worker.submit(self._prepare_ahead, batch) if self._worker is not None else None
-        logits = self._execute(batch, prompts)
+        try:
+            logits = self._execute(batch, prompts)
+        finally:  # the worker touches the queues: done before anything (a fault's cancels too) reads them
+            if ahead is not None:
+                ahead.result()
         self._forward_ended = time.perf_counter()
-        if isinstance(self._sps, ObservedSps) and self.model.device.type == "cpu":
+        waited = prompts is not None and prompts.before_layer is not None  # on loads: not compute's time
+        if isinstance(self._sps, ObservedSps) and self.model.device.type == "cpu" and not waited:
             # what a forward of B tokens costs here, for the schedule (on CUDA the call returns before the
             # kernels end: the profile, which synchronises, stands)
             fed = sum(len(chunk.tokens) for chunk in (*batch.chunks, *(prompts.chunks if prompts else ())))
             self._sps.observe(fed, self._forward_ended - started)
-        if ahead is not None:
-            ahead.result()
         return logits
 
     def _prepare_ahead(self, batch: StepBatch) -> None:

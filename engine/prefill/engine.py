@@ -444,7 +444,9 @@ class PrefillEngine:
                                        self.chain_namespace(a.request, a.exact, a.namespace), a.request.session_id,
                                        a.own_record if a.path == CACHED else None)
         a.kv.capture_at, a.kv.captured = set(), {}
-        logits = logits.float().cpu()
+        # a copy of its own: the row may be a view into a whole step's logits (the decode engine's shared
+        # forward), which the result would otherwise keep alive for as long as its reply decodes
+        logits = logits.float().cpu().clone()
         return PrefillResult(a.request, int(logits.argmax()), logits, a.kv, len(a.tokens),
                              a.stored * self.block_tokens, a.loaded * self.block_tokens, a.path, a.sources,
                              time.perf_counter() - a.submitted, a.chunks, tuple(a.blocks), a.replayed, a.exact,

@@ -10,7 +10,7 @@ O(γ · max_n), however long the session grows.
 
 Confidence. For each proposed token k the drafter reports the empirical conditional frequency of that
 token after its own context: the longest m-gram (m ≤ max_n) ending just before it, in the history
-followed by the drafts 1..k-1 (the tokens before it, as the issue defines the confidence: given that
+followed by the drafts 1..k-1 (the tokens before it, as DSpark defines the confidence: given that
 the earlier drafts are accepted), counted over the window. With c = how often that m-gram occurred with
 a successor and f = how often the successor was the drafted token,
 
@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-GAMMA = 5  # drafts per request at most (the issue's γ)
+GAMMA = 5  # drafts per request at most (DSpark's γ)
 MAX_N = 4  # the longest suffix n-gram looked up
 WINDOW = 8192  # positions the index remembers: bounds memory and per-token work
 

@@ -5,7 +5,7 @@ from the client's host tier, warm from a restarted daemon's SSD); and greedy rep
 
 The bound: the largest logit difference over the spread (std, ~3-4) of the reference's logits at that
 position. Measured 1.4e-6 to 1.0e-5 (worst: chunk ends; the engine and transformers sum in different
-orders over 18 layers); asserted at 5e-5, leaving room for other CPUs' kernels, half the issue's 1e-4 aim.
+orders over 18 layers); asserted at 5e-5, leaving room for other CPUs' kernels, half the 1e-4 aimed at.
 
 Only the logits compared are ever computed: the vocabulary is 262,144 wide, so the reference takes the
 positions it needs (`logits_to_keep`) and the engine returns the last logits of each chunk.
