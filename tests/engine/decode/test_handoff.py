@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine.decode import DecodeConfig, DecodeEngine, DecodeError, DecodeRequest, SamplingParams
 from engine.decode.request import MAX_TOKENS, STOP_TOKEN
@@ -127,3 +128,19 @@ def test_prompts_prefill_in_the_decode_steps_one_forward_and_continue_as_greedy(
         assert results[i].tokens == greedy(family.model, prompt, REPLY), f"prompt of {len(prompt)}"
     assert forwards[0] <= steps[0]  # never two forwards in a step
     assert prefill.pool.free_pages == PAGES
+
+
+def test_a_prefill_result_keeps_its_own_logits_not_the_steps(qwen3):
+    """The decode engine hands the prefill engine rows of its whole step's logits; a result that kept a view
+    would keep every row of that step alive (~1 MiB each at a real vocabulary) for as long as it decodes."""
+    prefill = _prefill_engine(qwen3.model)
+    prefill.submit(PrefillRequest(qwen3.prompt(12)))
+    planned = prefill.plan_step()
+    assert planned is not None and len(planned.chunks) == 1
+    (last,) = qwen3.model.forward(planned.chunks, planned.before_layer)
+    step = torch.zeros(7, last.numel())  # (rows, vocab): the step's other rows around this prompt's
+    step[3] = last
+    (result,) = prefill.finish_step(planned, [step[3]])
+    assert torch.equal(result.logits, last)
+    assert result.logits.untyped_storage().nbytes() == last.numel() * last.element_size()
+    result.kv.release()
