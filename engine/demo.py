@@ -36,14 +36,13 @@ import numpy as np
 import torch
 
 from engine.checkpoints.random_model import DEMO, write_random_model
-from engine.prefill.config import PrefillConfig
+from engine.prefill.config import BLOCK_TOKENS, PrefillConfig
 from engine.prefill.engine import PrefillEngine
 from engine.prefill.request import PrefillRequest
 from kvstore.client import ClientConfig, KVClient
 from kvstore.demo import restarted, tier_hits
 from kvstore.server.process import DaemonProcess
 
-BLOCK_TOKENS = 64
 REPLY_TOKENS = 12  # greedy tokens decoded per turn: enough to read the start of the reply
 
 

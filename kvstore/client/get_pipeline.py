@@ -64,22 +64,18 @@ class GetPipeline:
     async def get(self, blocks: Sequence[Block], layer_begin: int = 0, layer_end: int | None = None,
                   layer_major: bool = False, into: Sequence[Buffer] | None = None) -> list[BlockData]:
         """The leading run of `blocks` that could be read and verified, from the event loop."""
-        from_host = self.from_host(blocks, layer_begin, layer_end, into)
-        rest = len(from_host)
-        if rest == len(blocks):
+        from_host, plans = self._host_then_plans(blocks, layer_begin, layer_end, layer_major, into)
+        if plans is None:
             return from_host
-        plans = self.plan(blocks[rest:], layer_begin, layer_end, layer_major, into[rest:] if into else None)
         await self._fetch_all(plans)
         return from_host + self.finish(plans)
 
     def get_blocking(self, blocks: Sequence[Block], layer_begin: int = 0, layer_end: int | None = None,
                      layer_major: bool = False, into: Sequence[Buffer] | None = None) -> list[BlockData]:
         """As `get`, from a thread other than the event loop's."""
-        from_host = self.from_host(blocks, layer_begin, layer_end, into)
-        rest = len(from_host)
-        if rest == len(blocks):
+        from_host, plans = self._host_then_plans(blocks, layer_begin, layer_end, layer_major, into)
+        if plans is None:
             return from_host
-        plans = self.plan(blocks[rest:], layer_begin, layer_end, layer_major, into[rest:] if into else None)
         transports = [plan.shard.known_transport() for plan in plans]
         known = [transport for transport in transports if transport is not None]
         if len(known) < len(plans):
@@ -93,6 +89,16 @@ class GetPipeline:
             for future in extra:
                 future.result()
         return from_host + self.finish(plans)
+
+    def _host_then_plans(self, blocks: Sequence[Block], layer_begin: int, layer_end: int | None, layer_major: bool,
+                         into: Sequence[Buffer] | None) -> tuple[list[BlockData], list[ShardGet] | None]:
+        """What the host tier holds of the leading blocks, and each daemon's share of the rest (None: nothing
+        is left to read)."""
+        from_host = self.from_host(blocks, layer_begin, layer_end, into)
+        rest = len(from_host)
+        if rest == len(blocks):
+            return from_host, None
+        return from_host, self.plan(blocks[rest:], layer_begin, layer_end, layer_major, into[rest:] if into else None)
 
     async def _fetch_all(self, plans: Sequence[ShardGet]) -> None:
         await asyncio.gather(*(self.fetch(plan.shard, plan.request, plan.assembly, plan.shared) for plan in plans))
