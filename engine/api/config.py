@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from engine.model.dtype import CHOICES as DTYPE_CHOICES
 from engine.prefill.config import BLOCK_TOKENS
 from kvstore.settings import Command
 
@@ -19,6 +20,10 @@ class ApiConfig:
     # converted on first use
     model: Path | None = None
     model_name: str = "gemma-3-270m"  # what clients name in `model`
+    # What weights, activations and KV are computed and stored in: auto (bfloat16 where the CPU multiplies it
+    # natively, AVX512-BF16 or AMX; else float32), bfloat16 or float32 (the reference). The store's namespace
+    # includes it: engines of different dtypes never share cached blocks
+    dtype: str = "auto"
     # The store's daemons (kvstore-server), host:port,... or a dns:///, dns+srv:/// or etcd:// target followed
     # as they change (docs/deployment.md); none: no store, every prompt computed. A secured cluster's token and
     # CA come from KVSTORE_TOKEN, KVSTORE_TLS_CA, ... (docs/operations.md)
@@ -79,6 +84,8 @@ class ApiConfig:
     def __post_init__(self) -> None:
         if not self.model_name:
             raise ValueError("ApiConfig: model_name must be non-empty")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"ApiConfig: dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"ApiConfig: port must lie in [0, 65535], got {self.port}")
         for name in ("kv_pages", "block_tokens", "max_running", "tokenize_workers", "max_stored_responses",

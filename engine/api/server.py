@@ -344,7 +344,8 @@ def build(config: ApiConfig) -> Service:
         advisor = Advisor(advise, config.idle_s)
     cost = ChunkCost(*config.chunk_cost) if config.chunk_cost else None
     prefill = PrefillEngine.from_pretrained(folder, client, PrefillConfig(block_tokens=config.block_tokens,
-                                                                          kv_pages=config.kv_pages, cost=cost))
+                                                                          kv_pages=config.kv_pages, cost=cost),
+                                            config.dtype)
     runner = ServingLoop(prefill.model, prefill, DecodeConfig(max_running=config.max_running,
                                                               detokenize=tokenizer.decode,
                                                               speculative=config.speculative))

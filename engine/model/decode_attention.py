@@ -1,24 +1,20 @@
-"""Attention for a step in which every chunk is one token (a decode step), batched over the sequences;
-and (`VerifyBatch`) for one of short chunks, a speculative step's verification chunks.
+"""Attention for a step in which every chunk is one token (a decode step), and (`VerifyBatch`) for one of
+short chunks, a speculative step's verification chunks.
 
-The general path (`Decoder._attention`) attends chunk by chunk: for one token, some twenty small tensor
-ops per sequence and layer, which at batch 32 cost more host time than the attention's arithmetic. Here
-each layer is one fused attention call over all sequences:
+The general path (`Decoder._attention`) attends chunk by chunk through torch's fused attention kernel,
+built for long chunks: for one query its fixed cost (~0.4 ms a call on this CPU) is larger than the
+arithmetic, and it would read a batch's KV only after copying it into one padded tensor (at batch 32,
+16 MB for each sliding layer). Here the positions a step writes go into every sequence's pages and ring
+first, then each sequence attends over its own KV where it lies (`attend_few`): its ring as it is, the
+pages of its full layers gathered, never the other sequences' or any padding.
 
-* full layers: each sequence's new K/V written into its page, then its pages gathered into a padded
-  (B, L, kv_heads, head_dim) view (L = the longest sequence's pages x block tokens), positions past a
-  sequence's own masked;
-* sliding layers: the new K/V written into each ring, the rings stacked to (B, W, kv_heads, head_dim),
-  slot s holding the latest position p' <= p with p' = s mod W, masked where p' < 0 or before the
-  window the KV holds (a replay's start).
+Scores and the softmax are computed in fp32 and the probabilities rounded to the KV's dtype for the
+product with the values, as torch's fused CPU kernel does for bf16 and transformers' attention does in
+effect, so bf16 models see the same roundings whichever path a step takes.
 
-Used only where it computes what the general path does: one token per chunk, no attention sinks, no
-window to capture in this step (those steps, one per block boundary, take the general path). It computes
-it to float rounding, not bit for bit: padded keys change the order of the softmax's sums, so a
-sequence's logits move by ~1e-6 with the lengths of the others in its step.
-
-Memory: the full layers' gather is (B, longest sequence) per layer, not the sum of the lengths; for long
-contexts at large batches, gathering only each sequence's own pages (a varlen kernel) is the next step.
+Used only where it computes what the general path does: chunks of one token (`DecodeBatch`) or of a few
+(`VerifyBatch`), no attention sinks, no window to capture in this step (those steps, one per block
+boundary, take the general path). It computes it to float rounding, not bit for bit.
 """
 
 from __future__ import annotations
@@ -26,34 +22,32 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 
 from engine.model.kv import RequestKV
 
 
 class DecodeBatch:
-    """What every layer of one decode step shares: positions, padded block tables, ring masks."""
+    """What every layer of one decode step shares: positions, each sequence's block table and ring mask."""
 
     def __init__(self, kvs: Sequence[RequestKV], positions: Sequence[int], device: torch.device) -> None:
         self.kvs = kvs
         self.pos = torch.tensor(positions, device=device)  # (B,)
-        self.rows = torch.arange(len(kvs), device=device)
         first = kvs[0]
         if first.pool.layers:
             B = first.block_tokens
-            width = max(p // B + 1 for p in positions)
-            tables = [kv.block_table[:width] + [0] * (width - min(width, len(kv.block_table))) for kv in kvs]
-            self.tables = torch.tensor(tables, device=device)  # (B, pages), padded with page 0
-            self.page = self.tables[self.rows, self.pos // B]  # (B,) where each new token goes
+            # each sequence's pages up to its new token's, and where that token goes
+            self.tables = [torch.tensor(kv.block_table[: p // B + 1], device=device) for kv, p in zip(kvs, positions)]
+            self.page = torch.tensor([kv.block_table[p // B] for kv, p in zip(kvs, positions)], device=device)  # (B,)
             self.offset = self.pos % B
-            self.full_mask = torch.arange(width * B, device=device)[None] <= self.pos[:, None]  # (B, L)
+            self.lengths = [p + 1 for p in positions]
         if first.rings is not None:
             W = first.window
-            self.slot = self.pos % W  # (B,)
-            self.slots = min(W, max(positions) + 1)  # before the window fills, slots past the newest are empty
-            held = self.pos[:, None] - (self.pos[:, None] - torch.arange(self.slots, device=device)[None]) % W
-            lower = torch.tensor([kv.window_from for kv in kvs], device=device).clamp(min=0)
-            self.ring_mask = held >= lower[:, None]  # (B, slots); held >= 0 too: window_from >= 0
+            self.slot = [p % W for p in positions]
+            self.slots = [min(W, p + 1) for p in positions]  # before the window fills, slots past the newest are empty
+            # slot s holds the latest position <= p that is s mod W; masked where a replay's window begins later
+            self.ring_masks = [None if kv.window_from <= p + 1 - slots else
+                               (p - (p - torch.arange(slots, device=device)) % W >= kv.window_from)[None]
+                               for kv, p, slots in zip(kvs, positions, self.slots)]  # each None or (1, slots)
 
     @staticmethod
     def applies(kvs: Sequence[RequestKV], sizes: Sequence[int], starts: Sequence[int]) -> bool:
@@ -72,29 +66,29 @@ class DecodeBatch:
 
     def full(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """q (B, heads, d), k and v (B, kv_heads, d) of full layer `layer`; returns (B, heads * d)."""
-        keys, values = _write_and_gather(self.kvs[0].pool.layers[layer], self.page, self.offset, self.tables, k, v)
-        return _attend(q, keys, values, self.full_mask, scale)
+        pages = self.kvs[0].pool.layers[layer]  # (num_pages, 2, block_tokens, kv_heads, d)
+        pages[self.page, 0, self.offset] = k
+        pages[self.page, 1, self.offset] = v
+        return torch.cat([attend_few(q[b : b + 1], *_gathered(pages, table, n), None, scale)
+                          for b, (table, n) in enumerate(zip(self.tables, self.lengths))])
 
     def sliding(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """q (B, heads, d), k and v (B, kv_heads, d) of sliding layer `layer`; returns (B, heads * d)."""
-        rings = [_ring(kv, layer) for kv in self.kvs]  # each (2, W, kv_heads, d)
-        for ring, slot, key, value in zip(rings, self.slot.tolist(), k, v):
-            ring[0, slot] = key
-            ring[1, slot] = value
-        stacked = torch.stack([ring[:, : self.slots] for ring in rings])  # (B, 2, slots, kv_heads, d)
-        return _attend(q, stacked[:, 0], stacked[:, 1], self.ring_mask, scale)
+        out = []
+        for b, (kv, slot, slots, mask) in enumerate(zip(self.kvs, self.slot, self.slots, self.ring_masks)):
+            ring = _ring(kv, layer)  # (2, W, kv_heads, d)
+            ring[0, slot] = k[b]
+            ring[1, slot] = v[b]
+            out.append(attend_few(q[b : b + 1], ring[0, :slots], ring[1, :slots], mask, scale))
+        return torch.cat(out)
 
 
-def _write_and_gather(pages: torch.Tensor, page: torch.Tensor, offset: torch.Tensor, tables: torch.Tensor,
-                      k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Write the new positions' k and v (N, kv_heads, d) into a full layer's pages (num_pages, 2, block_tokens,
-    kv_heads, d) at (page, offset), then gather each request's pages by its table: keys and values
-    (B, pages * block_tokens, kv_heads, d)."""
-    pages[page, 0, offset] = k
-    pages[page, 1, offset] = v
-    used = pages[tables]  # (B, pages, 2, block_tokens, kv_heads, d)
-    B, width, _, block, kv_heads, d = used.shape
-    return used[:, :, 0].reshape(B, width * block, kv_heads, d), used[:, :, 1].reshape(B, width * block, kv_heads, d)
+def _gathered(pages: torch.Tensor, table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values (length, kv_heads, d) of positions [0, length) of one sequence, from a full layer's
+    pages (num_pages, 2, block_tokens, kv_heads, d) by its table (its pages, in order)."""
+    used = pages[table]  # (pages, 2, block_tokens, kv_heads, d): a copy of this sequence's pages only
+    kv_heads, d = used.shape[-2:]
+    return used[:, 0].reshape(-1, kv_heads, d)[:length], used[:, 1].reshape(-1, kv_heads, d)[:length]
 
 
 def _ring(kv: RequestKV, layer: int) -> torch.Tensor:
@@ -104,12 +98,21 @@ def _ring(kv: RequestKV, layer: int) -> torch.Tensor:
     return kv.rings[layer]
 
 
-def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-            scale: float) -> torch.Tensor:
-    """q (B, heads, d) over keys, values (B, n, kv_heads, d) where mask (B, n); returns (B, heads * d)."""
-    out = F.scaled_dot_product_attention(q[:, :, None], keys.transpose(1, 2), values.transpose(1, 2),
-                                         attn_mask=mask[:, None, None], scale=scale, enable_gqa=True)
-    return out.reshape(q.shape[0], -1)  # (B, heads, 1, d) -> (B, heads * d)
+def attend_few(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+               scale: float) -> torch.Tensor:
+    """GQA attention of a few queries q (x, heads, d) over keys, values (n, kv_heads, d) where mask (x, n) (None:
+    everywhere); returns (x, heads * d). Scores and softmax in fp32, the probabilities times the values in the
+    values' dtype (fp32 accumulation)."""
+    x, heads, d = q.shape
+    kv_heads = keys.shape[1]
+    group = heads // kv_heads  # query head h reads KV head h // group
+    rows = q.view(x, kv_heads, group, d).transpose(0, 1).reshape(kv_heads, x * group, d)  # rows (query, group)
+    scores = torch.bmm(rows.float(), keys.permute(1, 2, 0).float()) * scale  # (kv_heads, x * group, n)
+    if mask is not None:
+        scores.masked_fill_(~mask.repeat_interleave(group, dim=0), float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(values.dtype)
+    out = torch.bmm(probs, values.transpose(0, 1))  # (kv_heads, x * group, d)
+    return out.view(kv_heads, x, group, d).transpose(0, 1).reshape(x, heads * d)
 
 
 VERIFY_TOKENS = 8  # a chunk of at most this many tokens takes the batched verification path
@@ -117,49 +120,41 @@ VERIFY_TOKENS = 8  # a chunk of at most this many tokens takes the batched verif
 
 class VerifyBatch:
     """A step of short multi-token chunks (speculative verification: the last token and a few drafts of
-    each sequence), attended in one fused call per layer like `DecodeBatch`, the chunks padded to the
-    longest, X tokens. Each query sees, causally, its own chunk's keys before it and the keys before the
-    chunk: the pages of full layers, the ring of sliding layers as it was before the chunk (the chunk
-    writes its own positions into the ring only after attending, since position start + j overwrites the
-    slot of start + j - W, which the chunk's earlier queries still see). Padded query rows are computed and
-    dropped. To float rounding what the general path computes, as DecodeBatch is."""
+    each sequence), each chunk attending over its own KV like `DecodeBatch`'s tokens. Each query sees,
+    causally, its own chunk's keys before it and the keys before the chunk: the pages of full layers, the
+    ring of sliding layers as it was before the chunk (the chunk writes its own positions into the ring only
+    after attending, since position start + j overwrites the slot of start + j - W, which the chunk's earlier
+    queries still see). To float rounding what the general path computes, as DecodeBatch is."""
 
     def __init__(self, kvs: Sequence[RequestKV], starts: Sequence[int], sizes: Sequence[int],
                  device: torch.device) -> None:
         self.kvs, self.sizes = kvs, list(sizes)
-        count, width_x = len(kvs), max(sizes)
-        self.starts = torch.tensor(starts, device=device)  # (B,)
-        j = torch.arange(width_x, device=device)  # (X,)
-        self.q_pos = self.starts[:, None] + j[None]  # (B, X) each query's position (padding: past the chunk)
-        offsets = torch.tensor([0, *sizes], device=device).cumsum(0)[:-1]  # (B,) each chunk's first row of T
-        size = torch.tensor(sizes, device=device)
-        # row of T each padded (b, j) reads (padding repeats its chunk's last token), and the real ones
-        self.gather = offsets[:, None] + torch.minimum(j[None], size[:, None] - 1)  # (B, X)
-        self.real = j[None] < size[:, None]  # (B, X)
-        self.token_pos = self.q_pos[self.real]  # (T,) in the order of T: chunk by chunk
-        self.token_row = torch.arange(count, device=device)[:, None].expand(-1, width_x)[self.real]  # (T,)
+        offsets = [sum(sizes[:b]) for b in range(len(sizes))]
+        self.rows = [slice(o, o + n) for o, n in zip(offsets, sizes)]  # each chunk's rows of the step's T tokens
+        q_pos = [torch.arange(s, s + n, device=device) for s, n in zip(starts, sizes)]  # each (x,)
         first = kvs[0]
         if first.pool.layers:
             B = first.block_tokens
-            width = max((s + n - 1) // B + 1 for s, n in zip(starts, sizes))
-            tables = [kv.block_table[:width] + [0] * (width - min(width, len(kv.block_table))) for kv in kvs]
-            self.tables = torch.tensor(tables, device=device)  # (B, pages), padded with page 0
-            self.page = self.tables[self.token_row, self.token_pos // B]  # (T,) where each new token goes
-            self.offset = self.token_pos % B
-            self.full_mask = torch.arange(width * B, device=device)[None, None] <= self.q_pos[:, :, None]  # (B, X, L)
+            positions = torch.cat(q_pos)  # (T,)
+            self.page = torch.tensor([kv.block_table[p // B] for kv, s, n in zip(kvs, starts, sizes)
+                                      for p in range(s, s + n)], device=device)  # (T,) where each new token goes
+            self.offset = positions % B
+            self.tables = [torch.tensor(kv.block_table[: (s + n - 1) // B + 1], device=device)
+                           for kv, s, n in zip(kvs, starts, sizes)]
+            self.lengths = [s + n for s, n in zip(starts, sizes)]
+            # causal: query j of a chunk at s sees positions <= s + j
+            self.full_masks = [torch.arange(s + n, device=device)[None] <= pos[:, None] for s, n, pos in
+                               zip(starts, sizes, q_pos)]  # each (x, s + x)
         if first.rings is not None:
             W = first.window
-            self.slots = max(1, min(W, max(starts)))  # slots a position before the chunks can be in
-            before = self.starts[:, None] - 1  # (B, 1) the last position before each chunk
-            held = before - (before - torch.arange(self.slots, device=device)[None]) % W  # (B, slots)
-            lower = torch.tensor([kv.window_from for kv in kvs], device=device).clamp(min=0)
-            ring = (held >= lower[:, None])[:, None] & (held[:, None] > self.q_pos[:, :, None] - W)  # (B, X, slots)
-            own = (j[None, None] <= j[None, :, None]) & self.real[:, None]  # (B, X, X) causal, real keys only
-            self.ring_mask = torch.cat((ring, own), dim=-1)  # (B, X, slots + X)
-            slot = self.token_pos % W  # (T,) each new token's ring slot
-            # per chunk: its rows of T and their slots, for writing the chunk into its own ring
-            self.ring_writes = [(torch.arange(o, o + n, device=device), slot[o : o + n])
-                                for o, n in zip(offsets.tolist(), sizes)]
+            self.slots = [min(W, s) for s in starts]  # ring slots a position before each chunk can be in
+            self.ring_masks, self.ring_slots = [], []
+            for kv, s, n, pos, slots in zip(kvs, starts, sizes, q_pos, self.slots):
+                held = (s - 1) - ((s - 1) - torch.arange(slots, device=device)) % W  # (slots,) position in each slot
+                ring = (held >= max(kv.window_from, 0))[None] & (held[None] > pos[:, None] - W)  # (x, slots)
+                own = torch.ones(n, n, dtype=torch.bool, device=device).tril()  # (x, x) causal within the chunk
+                self.ring_masks.append(torch.cat((ring, own), dim=-1))  # (x, slots + x)
+                self.ring_slots.append(pos % W)  # (x,) where the chunk's positions go after attending
 
     @staticmethod
     def applies(kvs: Sequence[RequestKV], sizes: Sequence[int], starts: Sequence[int]) -> bool:
@@ -178,31 +173,22 @@ class VerifyBatch:
                 return False
         return True
 
-    def _padded(self, x: torch.Tensor) -> torch.Tensor:
-        """(T, ...) rows -> (B, X, ...), padding rows repeating their chunk's last token."""
-        return x[self.gather]
-
     def full(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """q (T, heads, d), k and v (T, kv_heads, d) of full layer `layer`; returns (T, heads * d)."""
-        keys, values = _write_and_gather(self.kvs[0].pool.layers[layer], self.page, self.offset, self.tables, k, v)
-        return self._attend(q, keys, values, self.full_mask, scale)
+        pages = self.kvs[0].pool.layers[layer]  # (num_pages, 2, block_tokens, kv_heads, d)
+        pages[self.page, 0, self.offset] = k
+        pages[self.page, 1, self.offset] = v
+        return torch.cat([attend_few(q[rows], *_gathered(pages, table, n), mask, scale)
+                          for rows, table, n, mask in zip(self.rows, self.tables, self.lengths, self.full_masks)])
 
     def sliding(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """q (T, heads, d), k and v (T, kv_heads, d) of sliding layer `layer`; returns (T, heads * d)."""
-        rings = [_ring(kv, layer) for kv in self.kvs]  # each (2, W, kv_heads, d)
-        stacked = torch.stack([ring[:, : self.slots] for ring in rings])  # (B, 2, slots, kv_heads, d): a copy
-        keys = torch.cat((stacked[:, 0], self._padded(k)), dim=1)  # (B, slots + X, kv_heads, d)
-        values = torch.cat((stacked[:, 1], self._padded(v)), dim=1)
-        out = self._attend(q, keys, values, self.ring_mask, scale)
-        for ring, (rows, slots) in zip(rings, self.ring_writes):  # then the chunks' own positions into their rings
-            ring[0, slots] = k[rows]
-            ring[1, slots] = v[rows]
-        return out
-
-    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-                scale: float) -> torch.Tensor:
-        """q (T, heads, d) over keys, values (B, n, kv_heads, d) where mask (B, X, n); returns (T, heads * d)."""
-        padded = self._padded(q).transpose(1, 2)  # (B, heads, X, d)
-        out = F.scaled_dot_product_attention(padded, keys.transpose(1, 2), values.transpose(1, 2),
-                                             attn_mask=mask[:, None], scale=scale, enable_gqa=True)  # (B, heads, X, d)
-        return out.transpose(1, 2)[self.real].reshape(q.shape[0], -1)  # (T, heads * d)
+        out = []
+        for kv, rows, slots, mask, written in zip(self.kvs, self.rows, self.slots, self.ring_masks, self.ring_slots):
+            ring = _ring(kv, layer)  # (2, W, kv_heads, d)
+            keys = torch.cat((ring[0, :slots], k[rows]))  # (slots + x, kv_heads, d)
+            values = torch.cat((ring[1, :slots], v[rows]))
+            out.append(attend_few(q[rows], keys, values, mask, scale))
+            ring[0, written] = k[rows]  # then the chunk's own positions into its ring
+            ring[1, written] = v[rows]
+        return torch.cat(out)

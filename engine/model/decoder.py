@@ -23,7 +23,9 @@ import torch.nn.functional as F
 
 from engine.model.config import SLIDING, ModelConfig
 from engine.model.decode_attention import DecodeBatch, VerifyBatch
+from engine.model.dtype import AUTO, resolve
 from engine.model.kv import RequestKV
+from engine.model.linear import Linear, fused, linear
 from engine.model.rope import Rope, apply_rope
 from engine.model.weights import load_weights
 
@@ -37,8 +39,20 @@ class Chunk:
     start: int
 
 
+@dataclass
+class _Projections:
+    """One layer's matrix products, prepared (`engine.model.linear`): q, k and v as one, gate and up as one."""
+
+    qkv: Linear
+    qkv_widths: list[int]  # q, k, v output widths
+    o: Linear
+    gate_up: Linear | None  # None for a mixture of experts (`Decoder._moe` reads its weights itself)
+    down: Linear | None
+
+
 class Decoder:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+        """`weights` by HuggingFace name without `model.` (`load_weights`), in the dtype the model computes in."""
         self.config = config
         self.w = weights
         first = weights["embed_tokens.weight"]
@@ -54,12 +68,35 @@ class Decoder:
         self._kv_index = {layer: i for group in (config.full_layers, config.sliding_layers)
                           for i, layer in enumerate(group)}
         self._sinks = any(name.endswith("self_attn.sinks") for name in weights)  # decode steps attend per chunk
+        self._prepare()
+
+    def _prepare(self) -> None:
+        """The projections packed for the device's kernels and the norms' scales in fp32, once."""
+        c, w = self.config, self.w
+        # RMSNorm scales by (offset + w) in fp32, as transformers' Gemma 3 does: computed here instead of per call
+        self.norms = {name: c.norm_offset + t.float() for name, t in w.items() if name.endswith("norm.weight")}
+        self.projections = []
+        for layer in range(c.num_layers):
+            p = f"layers.{layer}."
+            qkv, widths = fused([w[p + f"self_attn.{x}_proj.weight"] for x in "qkv"],
+                                [w.get(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
+            gate_up = down = None
+            if not c.num_experts:
+                gate_up, _ = fused([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]],
+                                   [w.get(p + "mlp.gate_proj.bias"), w.get(p + "mlp.up_proj.bias")])
+                down = linear(w[p + "mlp.down_proj.weight"], w.get(p + "mlp.down_proj.bias"))
+            o = linear(w[p + "self_attn.o_proj.weight"], w.get(p + "self_attn.o_proj.bias"))
+            self.projections.append(_Projections(qkv, widths, o, gate_up, down))
+        head = w["embed_tokens.weight"] if c.tie_word_embeddings else w["lm_head.weight"]  # (vocab, hidden)
+        self.head = linear(head)
 
     @classmethod
-    def from_pretrained(cls, path: Path | str, dtype: torch.dtype = torch.float32,
+    def from_pretrained(cls, path: Path | str, dtype: torch.dtype | str = AUTO,
                         device: torch.device | str = "cpu") -> Decoder:
+        """The model in `path` computing in `dtype` (`engine.model.dtype.resolve`: by default bf16 where the
+        device computes it natively, else fp32)."""
         config = ModelConfig.from_file(path)
-        return cls(config, load_weights(path, config, dtype, device))
+        return cls(config, load_weights(path, config, resolve(dtype, device), device))
 
     @torch.inference_mode()
     def forward(self, chunks: Sequence[Chunk], before_layer: Callable[[int], None] | None = None,
@@ -95,11 +132,11 @@ class Decoder:
                                        batch)
             if c.sandwich_norms:  # Gemma: each branch's output normed before it joins the residual stream
                 h = h + self._norm(attended, p + "post_attention_layernorm.weight")
-                mlp = self._mlp(p, self._norm(h, p + "pre_feedforward_layernorm.weight"))
+                mlp = self._mlp(layer, self._norm(h, p + "pre_feedforward_layernorm.weight"))
                 h = h + self._norm(mlp, p + "post_feedforward_layernorm.weight")
             else:
                 h = h + attended
-                h = h + self._mlp(p, self._norm(h, p + "post_attention_layernorm.weight"))
+                h = h + self._mlp(layer, self._norm(h, p + "post_attention_layernorm.weight"))
         for chunk, n in zip(chunks, sizes):
             chunk.kv.length = max(chunk.kv.length, chunk.start + n)
         ends = torch.tensor(sizes).cumsum(0).tolist()
@@ -107,8 +144,7 @@ class Decoder:
             picked = h[[row for end, k in zip(ends, logits_for) for row in range(end - k, end)]]  # (Σk, hidden)
         else:
             picked = h if all_logits else h[[end - 1 for end in ends]]  # (T or chunks, hidden)
-        head = self.w["embed_tokens.weight"] if c.tie_word_embeddings else self.w["lm_head.weight"]
-        logits = self._norm(picked, "norm.weight") @ head.T  # (T, chunks or Σk, vocab)
+        logits = self.head(self._norm(picked, "norm.weight"))  # (T, chunks or Σk, vocab)
         if logits_for is not None:
             return list(torch.split(logits, list(logits_for)))
         if not all_logits:
@@ -117,10 +153,8 @@ class Decoder:
 
     def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """RMSNorm over the last dimension, computed in fp32; Gemma's weight w scales by (1 + w)."""
-        c = self.config
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps)
-        return ((c.norm_offset + self.w[name].float()) * x32).to(x.dtype)
+        scale = self.norms[name]
+        return F.rms_norm(x.float(), scale.shape, scale, self.config.rms_norm_eps).to(x.dtype)
 
     def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return F.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"))
@@ -128,10 +162,11 @@ class Decoder:
     def _attention(self, layer: int, p: str, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    chunks: Sequence[Chunk], sizes: list[int],
                    batch: DecodeBatch | VerifyBatch | None = None) -> torch.Tensor:
-        c = self.config
-        q = self._linear(x, p + "self_attn.q_proj").view(-1, c.num_heads, c.head_dim)  # (T, heads, head_dim)
-        k = self._linear(x, p + "self_attn.k_proj").view(-1, c.num_kv_heads, c.head_dim)  # (T, kv_heads, head_dim)
-        v = self._linear(x, p + "self_attn.v_proj").view(-1, c.num_kv_heads, c.head_dim)
+        c, projections = self.config, self.projections[layer]
+        q, k, v = projections.qkv(x).split(projections.qkv_widths, dim=-1)
+        q = q.view(-1, c.num_heads, c.head_dim)  # (T, heads, head_dim)
+        k = k.view(-1, c.num_kv_heads, c.head_dim)  # (T, kv_heads, head_dim)
+        v = v.view(-1, c.num_kv_heads, c.head_dim)
         if c.qk_norm:
             q, k = self._norm(q, p + "self_attn.q_norm.weight"), self._norm(k, p + "self_attn.k_norm.weight")
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -139,7 +174,7 @@ class Decoder:
         index = self._kv_index[layer]
         if batch is not None:  # one token (or a few, verifying drafts) per chunk: all chunks in one attention call
             attend_all = batch.sliding if sliding else batch.full
-            return self._linear(attend_all(index, q, k, v, self.scale), p + "self_attn.o_proj")
+            return projections.o(attend_all(index, q, k, v, self.scale))
         sinks = self.w.get(p + "self_attn.sinks")
         out, begin = [], 0
         for chunk, n in zip(chunks, sizes):
@@ -152,16 +187,18 @@ class Decoder:
                 k_pos = torch.arange(keys.shape[0], device=q.device)
             out.append(attend(qs, keys, values, q_pos, k_pos, c.sliding_window if sliding else None, sinks, self.scale))
             begin += n
-        return self._linear(torch.cat(out), p + "self_attn.o_proj")
+        return projections.o(torch.cat(out))
 
-    def _mlp(self, p: str, x: torch.Tensor) -> torch.Tensor:
-        return self._moe(p, x) if self.config.num_experts else self._gated(p, x)
+    def _mlp(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        return self._moe(f"layers.{layer}.", x) if self.config.num_experts else self._gated(layer, x)
 
-    def _gated(self, p: str, x: torch.Tensor) -> torch.Tensor:
+    def _gated(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         """down(act(gate(x)) * up(x)): SwiGLU with silu, Gemma's GeGLU with tanh-approximated GELU."""
-        gate, up = self._linear(x, p + "mlp.gate_proj"), self._linear(x, p + "mlp.up_proj")  # (T, intermediate)
+        projections = self.projections[layer]
+        assert projections.gate_up is not None and projections.down is not None
+        gate, up = projections.gate_up(x).chunk(2, dim=-1)  # each (T, intermediate)
         act = F.silu(gate) if self.config.mlp_activation == "silu" else F.gelu(gate, approximate="tanh")
-        return self._linear(act * up, p + "mlp.down_proj")
+        return projections.down(act * up)
 
     def _moe(self, p: str, x: torch.Tensor) -> torch.Tensor:
         """Top-k routed experts, softmax over the chosen logits; gpt-oss's clamped SwiGLU with (up + 1)."""

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from engine.model.decoder import Chunk, Decoder
+from engine.model.dtype import AUTO
 from engine.model.kv import KVCapacityError, PagePool, RequestKV, WindowState
 from engine.model.weights import model_identity
 from engine.prefill import cost as chunk_cost
@@ -56,8 +57,6 @@ from kvstore.client import StoreClient
 from kvstore.client.loading import LoadCancelled, LoadHandle
 from kvstore.client.torch_kv import PagedKV
 from kvstore.eviction import ReuseHint
-
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 @dataclass
@@ -107,7 +106,7 @@ class PrefillEngine:
         self.model_id = model_id
         self.block_tokens = config.block_tokens
         self.layout = KVLayout(num_layers=len(mc.full_layers), kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
-                               dtype=_DTYPE_NAMES[model.dtype])
+                               dtype=str(model.dtype).removeprefix("torch."))
         self.pool = PagePool(mc, config.kv_pages, config.block_tokens, model.dtype, model.device)
         # a hybrid model's sliding-window state (engine.window); None for a model without sliding layers
         self.windows = WindowKeeper(config.block_tokens, mc.sliding_window or 0, config.window_tier_bytes,
@@ -122,7 +121,8 @@ class PrefillEngine:
 
     @classmethod
     def from_pretrained(cls, path: Path | str, client: StoreClient | None, config: PrefillConfig = PrefillConfig(),
-                        dtype: torch.dtype = torch.float32, device: str = "cpu") -> PrefillEngine:
+                        dtype: torch.dtype | str = AUTO, device: str = "cpu") -> PrefillEngine:
+        """The engine on the model in `path`, computing in `dtype` (`engine.model.dtype.resolve`)."""
         return cls(Decoder.from_pretrained(path, dtype, device), client, config,
                    config.model_id or model_identity(path))
 

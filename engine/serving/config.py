@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.decode import DecodeConfig
+from engine.model.dtype import CHOICES as DTYPE_CHOICES
 from engine.prefill.config import BLOCK_TOKENS, KV_PAGES
 from kvstore.client.config import ClientConfig
 from kvstore.settings import Command
@@ -22,6 +23,10 @@ SECURITY_FILES = ("auth_tokens", "tls_cert", "tls_key", "tls_client_ca")
 @dataclass(frozen=True)
 class InstanceConfig:
     model: Path  # the model directory (config.json + safetensors weights)
+    # What weights, activations and KV are computed and stored in: auto (bfloat16 where the CPU multiplies it
+    # natively, AVX512-BF16 or AMX; else float32), bfloat16 or float32 (the reference). The store's namespace
+    # includes it: engines of different dtypes never share cached blocks
+    dtype: str = "auto"
     host: str = "127.0.0.1"  # the address to listen on
     port: int = 0  # the port to listen on; 0: a free one, printed on the READY line
     kv_pages: int = KV_PAGES  # KV pages the engine holds (its KV capacity is pages x block tokens)
@@ -65,6 +70,8 @@ class InstanceConfig:
     store_tls_server_name: str | None = None
 
     def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"InstanceConfig: dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
         object.__setattr__(self, "model", Path(self.model))
         if not self.model.is_dir():
             raise ValueError(f"InstanceConfig: model must be a model directory (config.json + weights), "

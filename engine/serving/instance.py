@@ -69,7 +69,7 @@ def serve(config: InstanceConfig, ready: TextIO | None = None) -> int:
         raise StartupError(str(exc)) from None
     _warn_if_exposed(config, authenticator is not None, credentials is not None)
     torch.set_num_threads(config.threads)
-    model = Decoder.from_pretrained(config.model)
+    model = Decoder.from_pretrained(config.model, config.dtype)
     prefill = None
     if config.servers:  # the prefill engine shares its page pool with the decode engine
         from kvstore.client import KVClient

@@ -53,7 +53,7 @@ def main() -> int:
     # a fixed cost model (about this machine's): nothing timed at start-up, and loading a 64-token block
     # (384 KB) always beats computing it, so the paths say what the store held, not what a fit guessed
     config = PrefillConfig(block_tokens=args.block_tokens, kv_pages=args.kv_pages, cost=ChunkCost(1e-9, 2e-3, 5e-3))
-    engine = PrefillEngine.from_pretrained(args.model, client, config)
+    engine = PrefillEngine.from_pretrained(args.model, client, config, torch.float32)  # as the instance's
     instance = InstanceClient(args.instance, token=os.environ["INSTANCE_TOKEN"], **tls)
     print(json.dumps({"ready": True}), flush=True)
 

@@ -169,10 +169,14 @@ def real():
 
 def reference_replies(folder: Path, prompts: dict[str, list[int]]) -> dict[str, list[int]]:
     """Greedy replies computed in this process without a store: what every run across the hosts must equal."""
+    import torch
+
     from engine.decode import DecodeConfig, DecodeEngine, DecodeRequest, SamplingParams
     from engine.model.decoder import Decoder
 
-    engine = DecodeEngine(Decoder.from_pretrained(folder), None, DecodeConfig(kv_pages=PAGES, block_tokens=BLOCK))
+    # float32 here and on the hosts: bf16's roundings follow each process's thread count
+    engine = DecodeEngine(Decoder.from_pretrained(folder, torch.float32), None,
+                          DecodeConfig(kv_pages=PAGES, block_tokens=BLOCK))
     replies = {}
     for name, prompt in prompts.items():
         engine.submit(DecodeRequest(prompt, SamplingParams(max_tokens=REPLY)))
@@ -228,8 +232,9 @@ def test_prefill_and_decode_across_hosts_survive_a_down_link_and_a_lossy_one(net
     with open(instance_log, "wb") as err:
         instance = network.spawn(decode_host, instance_args(
             folder, host=decode_host.address, port=INSTANCE_PORT, kv_pages=PAGES, block_tokens=BLOCK, max_running=4,
-            servers=servers, auth_tokens=instance_tokens, tls_cert=cert, tls_key=key, tls_client_ca=certs.ca,
-            store_tls_ca=certs.ca, store_tls_cert=certs.client_cert, store_tls_key=certs.client_key),
+            dtype="float32", servers=servers, auth_tokens=instance_tokens, tls_cert=cert, tls_key=key,
+            tls_client_ca=certs.ca, store_tls_ca=certs.ca, store_tls_cert=certs.client_cert,
+            store_tls_key=certs.client_key),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, cwd=REPO_ROOT, env=env)
     driver_log = tmp_path / "prefill.log"
     with open(driver_log, "wb") as err:

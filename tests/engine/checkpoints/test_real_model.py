@@ -73,7 +73,7 @@ class RealModel:
         from engine.checkpoints.real_model import load_real_model
 
         self.folder, self.tokenizer = load_real_model()
-        self.model = Decoder.from_pretrained(self.folder)  # fp32
+        self.model = Decoder.from_pretrained(self.folder, torch.float32)
         self.reference = transformers.Gemma3ForCausalLM.from_pretrained(self.folder, dtype=torch.float32).eval()
         self.long = self._tokens(("json", "collections", "argparse"), LONG)
         self.short = self._tokens(("asyncio.locks", "textwrap"), SHORT)

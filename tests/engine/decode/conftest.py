@@ -26,7 +26,7 @@ class Family:
 
     def __init__(self, tiny: TinyModel) -> None:
         self.kind, self.tiny = tiny.kind, tiny
-        self.model = Decoder.from_pretrained(tiny.path)
+        self.model = Decoder.from_pretrained(tiny.path, torch.float32)
         self._generated: dict[tuple[int, ...], list[int]] = {}
 
     def prompt(self, n: int) -> list[int]:

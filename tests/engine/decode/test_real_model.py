@@ -44,7 +44,7 @@ class Real:
         from engine.checkpoints.real_model import load_real_model
 
         folder, tokenizer = load_real_model()
-        self.model = Decoder.from_pretrained(folder)  # fp32
+        self.model = Decoder.from_pretrained(folder, torch.float32)
         reference = transformers.Gemma3ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         self.folder = folder
         sessions = demo_sessions(tokenizer, 1 + len(JOINERS))
@@ -94,12 +94,13 @@ def test_greedy_handed_over_from_a_prefill_process_is_transformers_generate(real
     config = PrefillConfig(kv_pages=64, cost=ChunkCost(a=1e-10, b=1e-4, c=1e-3))  # fixed: nothing to time
     script = f"""
 import json, sys
+import torch
 from engine.prefill import PrefillConfig, PrefillEngine, PrefillRequest
 from engine.prefill.cost import ChunkCost
 from kvstore.client import KVClient
 with KVClient([{daemon.address!r}]) as client:
     config = PrefillConfig(kv_pages=64, cost=ChunkCost(a=1e-10, b=1e-4, c=1e-3))
-    engine = PrefillEngine.from_pretrained({str(real.folder)!r}, client, config)
+    engine = PrefillEngine.from_pretrained({str(real.folder)!r}, client, config, torch.float32)
     result = engine.prefill(PrefillRequest(json.loads(sys.stdin.read()), hand_off=True))
     assert result.handed_off and engine.flush(60)
 """

@@ -11,6 +11,7 @@ import importlib.util
 import itertools
 
 import pytest
+import torch
 
 from engine.decode import DecodeConfig, DecodeEngine, DecodeRequest, DecodeResult, SamplingParams
 from engine.decode.request import STOP_STRING, STOP_TOKEN
@@ -43,7 +44,7 @@ class Real:
         from engine.checkpoints.real_model import load_real_model
 
         folder, self.tokenizer = load_real_model()
-        self.model = Decoder.from_pretrained(folder)  # fp32
+        self.model = Decoder.from_pretrained(folder, torch.float32)
         system = system_prompt(SHORT_REFERENCE)  # ~660 tokens of reference: prompts of ~1,000 tokens
         sessions = [Session(self.tokenizer, f"{kind}{i}", kind, TOPICS[3 * i:] + TOPICS[: 3 * i], system)
                     for i, kind in enumerate(itertools.islice(itertools.cycle((AGENT, CHAT)), 8))]

@@ -45,7 +45,7 @@ def _copy(kv: RequestKV, pool: PagePool) -> RequestKV:
 @pytest.mark.parametrize("kind", ["qwen3", "gemma3"])
 def test_a_batched_decode_step_computes_what_chunk_by_chunk_does(tiny_models, tiny_gemma3, kind, monkeypatch):
     tiny = tiny_gemma3 if kind == "gemma3" else tiny_models[kind]
-    model = Decoder.from_pretrained(tiny.path)
+    model = Decoder.from_pretrained(tiny.path, torch.float32)
     pool = PagePool(model.config, 64, BLOCK, model.dtype)
     kvs = _prefilled(model, pool, LENGTHS, replay_at=LENGTHS[-1] - 5 if model.config.sliding_layers else None)
     general_pool = PagePool(model.config, 64, BLOCK, model.dtype)
@@ -69,7 +69,7 @@ def test_a_batched_decode_step_computes_what_chunk_by_chunk_does(tiny_models, ti
 
 
 def test_steps_the_batched_path_does_not_take(tiny_gemma3):
-    model = Decoder.from_pretrained(tiny_gemma3.path)
+    model = Decoder.from_pretrained(tiny_gemma3.path, torch.float32)
     pool = PagePool(model.config, 16, BLOCK, model.dtype)
     a, b = _prefilled(model, pool, [5, 7])
     assert DecodeBatch.applies([a, b], [1, 1], [5, 7])

@@ -59,7 +59,7 @@ def _relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
 @pytest.mark.unit
 @pytest.mark.parametrize("length", [9, WINDOW, WINDOW + 1, 200])  # shorter than, as long as, past the window
 def test_logits_match_transformers(tiny_gemma3, length):
-    model = Decoder.from_pretrained(tiny_gemma3.path)
+    model = Decoder.from_pretrained(tiny_gemma3.path, torch.float32)
     assert model.config.full_layers == [5, 11] and model.config.sliding_window == WINDOW
     tokens = _prompt(length, length)
     reference = tiny_gemma3.logits(tokens)
@@ -70,7 +70,7 @@ def test_logits_match_transformers(tiny_gemma3, length):
 @pytest.mark.unit
 def test_uneven_chunks_match_transformers(tiny_gemma3):
     # chunks of one token, inside a window, across window and block edges, and longer than the window
-    model = Decoder.from_pretrained(tiny_gemma3.path)
+    model = Decoder.from_pretrained(tiny_gemma3.path, torch.float32)
     tokens = _prompt(200, 7)
     ours = _run(model, tokens, [1, 7, 16, 17, 33, 50, 51, 120])
     assert _relative_error(ours, tiny_gemma3.logits(tokens)) <= RELATIVE
@@ -78,7 +78,7 @@ def test_uneven_chunks_match_transformers(tiny_gemma3):
 
 @pytest.mark.unit
 def test_one_step_of_several_requests_matches_each_alone(tiny_gemma3):
-    model = Decoder.from_pretrained(tiny_gemma3.path)
+    model = Decoder.from_pretrained(tiny_gemma3.path, torch.float32)
     prompts = [_prompt(n, n) for n in (5, 70, WINDOW + 1)]
     pool = PagePool(model.config, 64, BLOCK, torch.float32)
     kvs = [RequestKV(model.config, pool) for _ in prompts]
@@ -97,7 +97,7 @@ def test_one_step_of_several_requests_matches_each_alone(tiny_gemma3):
 ])
 def test_a_wrong_gemma3_detail_is_caught(tiny_gemma3, wrong):
     # the reference check can fail: each detail moves the logits far beyond the tolerance
-    right = Decoder.from_pretrained(tiny_gemma3.path)
+    right = Decoder.from_pretrained(tiny_gemma3.path, torch.float32)
     model = Decoder(replace(right.config, **wrong), right.w)
     tokens = _prompt(60, 3)
     assert _relative_error(_run(model, tokens), tiny_gemma3.logits(tokens)) > 100 * RELATIVE
@@ -108,7 +108,7 @@ def test_linear_rope_scaling_of_full_layers_matches_transformers(tmp_path):
     # as the larger Gemma 3 sizes set it: factor 8 on full layers, the sliding layers unscaled
     tiny = build_gemma3(tmp_path / "linear", seed=4, rope_scaling={"rope_type": "linear", "factor": 8.0},
                         num_hidden_layers=6)
-    model = Decoder.from_pretrained(tiny.path)
+    model = Decoder.from_pretrained(tiny.path, torch.float32)
     assert model.config.rope_scaling == {"rope_type": "linear", "factor": 8.0}
     tokens = _prompt(80, 4)
     assert _relative_error(_run(model, tokens, [30]), tiny.logits(tokens)) <= RELATIVE
@@ -166,7 +166,7 @@ def test_through_the_store_cold_then_warm_from_host_and_from_a_restarted_daemon(
         assert result.first_token == int(reference.argmax())
         result.kv.release()
 
-    engine = PrefillEngine.from_pretrained(tiny_gemma3.path, None, config)
+    engine = PrefillEngine.from_pretrained(tiny_gemma3.path, None, config, torch.float32)
     host = {"host_tier_bytes": 64 * engine.block_bytes, "host_block_bytes": engine.block_bytes}
     with KVClient(ClientConfig(servers=(daemon.address,), **host)) as client:
         engine.client = client

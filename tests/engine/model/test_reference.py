@@ -31,7 +31,7 @@ def _run(model: Decoder, tokens: list[int], cuts: list[int]) -> torch.Tensor:
 
 @pytest.mark.parametrize("length", [50, WINDOW, 300])  # shorter than, equal to and longer than the window
 def test_logits_match_transformers(tiny, length):
-    model = Decoder.from_pretrained(tiny.path)
+    model = Decoder.from_pretrained(tiny.path, torch.float32)
     tokens = _prompt(length, length)
     reference = tiny.logits(tokens)
     assert reference.std() > 0.5  # logits spread widely enough for the tolerance to mean something
@@ -41,14 +41,14 @@ def test_logits_match_transformers(tiny, length):
 
 def test_chunked_prefill_matches_transformers(tiny):
     # chunks that straddle the window and block boundaries, one of a single token
-    model = Decoder.from_pretrained(tiny.path)
+    model = Decoder.from_pretrained(tiny.path, torch.float32)
     tokens = _prompt(300, 7)
     ours = _run(model, tokens, [1, 37, 128, 129, 250])
     assert (ours - tiny.logits(tokens)).abs().max().item() <= TOLERANCE
 
 
 def test_one_step_of_several_requests_matches_each_alone(tiny):
-    model = Decoder.from_pretrained(tiny.path)
+    model = Decoder.from_pretrained(tiny.path, torch.float32)
     prompts = [_prompt(n, n) for n in (20, 140, 65)]
     pool = PagePool(model.config, 64, 16, torch.float32)
     kvs = [RequestKV(model.config, pool) for _ in prompts]
@@ -62,7 +62,7 @@ def test_one_step_of_several_requests_matches_each_alone(tiny):
 def test_a_wrong_window_is_caught(tiny_models):
     # the reference check can fail: one position more in the window changes logits beyond the tolerance
     tiny = tiny_models["gpt_oss"]
-    model = Decoder.from_pretrained(tiny.path)
+    model = Decoder.from_pretrained(tiny.path, torch.float32)
     from dataclasses import replace
     model.config = replace(model.config, sliding_window=WINDOW + 1)
     tokens = _prompt(300, 3)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
 
 from engine.decode import DecodeConfig, DecodeEngine, DecodeRequest, SamplingParams
 from engine.decode.router import KV_AWARE, LEAST_REQUESTS, Router, RouterConfig
@@ -25,7 +26,9 @@ from tests.engine.serving.conftest import BLOCK, CONTEXT, PAGES, VOCAB, idle, to
 pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("decode_instances")]
 
 MAX_MESSAGE = 65_536  # small, so the oversized request of a test is cheap to send
-OPTIONS = dict(kv_pages=PAGES, block_tokens=BLOCK, max_running=8, max_message_bytes=MAX_MESSAGE)
+# float32 on both sides: bf16's roundings follow the kernels' split of the work over threads, and the
+# instances run one thread each, this process more (tests/engine/checkpoints/test_real_model_bf16.py holds bf16)
+OPTIONS = dict(kv_pages=PAGES, block_tokens=BLOCK, max_running=8, max_message_bytes=MAX_MESSAGE, dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +40,7 @@ def pair(model_dir):
 
 
 def test_an_instance_decodes_as_the_engine_does_in_process_and_streams_its_tokens(pair, model_dir):
-    engine = DecodeEngine(Decoder.from_pretrained(model_dir), None,
+    engine = DecodeEngine(Decoder.from_pretrained(model_dir, torch.float32), None,
                           DecodeConfig(kv_pages=PAGES, block_tokens=BLOCK, max_running=8))
     cases = [(tokens(37, 1), SamplingParams(max_tokens=24)),
              (tokens(300, 2), SamplingParams(max_tokens=16, temperature=0.8, top_k=50, top_p=0.9, seed=7)),
@@ -216,10 +219,11 @@ def test_an_instance_with_a_store_continues_a_handed_over_prompt(model_dir, daem
 
     (daemon,) = daemons(1)
     handed, other = tokens(300, seed=60), tokens(100, seed=61)
-    model = Decoder.from_pretrained(model_dir)
+    model = Decoder.from_pretrained(model_dir, torch.float32)
     with KVClient([daemon.address]) as client:
         prefill = PrefillEngine.from_pretrained(model_dir, client, PrefillConfig(block_tokens=BLOCK, kv_pages=16,
-                                                                                 cost=ChunkCost(1e-9, 1e-3, 1e-3)))
+                                                                                 cost=ChunkCost(1e-9, 1e-3, 1e-3)),
+                                                torch.float32)
         result = prefill.prefill(PrefillRequest(handed, hand_off=True, salt="t"))
         assert result.handed_off and prefill.flush(10)
         result.kv.release()

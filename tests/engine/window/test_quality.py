@@ -19,7 +19,7 @@ SMALL = dict(continuation=6, chunk_tokens=50, logit_rows=7, block_tokens=32)  # 
 @pytest.fixture(params=["gpt_oss", "gemma3"])
 def hybrid(request, tiny_models, tiny_gemma3) -> Decoder:
     tiny = tiny_gemma3 if request.param == "gemma3" else tiny_models[request.param]
-    return Decoder.from_pretrained(tiny.path)
+    return Decoder.from_pretrained(tiny.path, torch.float32)
 
 
 def _tokens(model: Decoder, n: int) -> list[int]:
@@ -42,7 +42,7 @@ def test_replaying_the_whole_prefix_measures_no_difference(hybrid):
 
 @pytest.mark.unit
 def test_a_short_replay_is_measured_as_different(tiny_gemma3):
-    model = Decoder.from_pretrained(tiny_gemma3.path)  # window 16
+    model = Decoder.from_pretrained(tiny_gemma3.path, torch.float32)  # window 16
     short, whole = replay_quality(model, _tokens(model, 100), 80, 100, [4, 80], **SMALL)
     assert summarize([short])["kl_mean"] > 1e3 * max(summarize([whole])["kl_mean"], 1e-12)
     assert short.max_dlogit > 1e-3 and short.recomputed_frac == 4 / 80
@@ -72,7 +72,7 @@ def test_spans_at_ends_each_span_at_the_first_prompt_end_far_enough():
 
 @pytest.mark.unit
 def test_bad_arguments_raise(tiny_gemma3):
-    model = Decoder.from_pretrained(tiny_gemma3.path)
+    model = Decoder.from_pretrained(tiny_gemma3.path, torch.float32)
     tokens = _tokens(model, 60)
     for spans, rs, match in (([], [8], "at least one span"), ([Span(40, 61)], [8], "prefix < end <= 60"),
                              ([Span(0, 10)], [8], "1 <= prefix"), ([Span(40, 40)], [8], "prefix < end"),
@@ -100,7 +100,7 @@ def real_results():
     from engine.text import real_text
 
     folder, tokenizer = load_real_model()
-    model = Decoder.from_pretrained(folder)  # fp32
+    model = Decoder.from_pretrained(folder, torch.float32)
     results = []
     for session in real_text.long_sessions(tokenizer, 3, PREFIX + NEW):
         results += replay_quality(model, session.tokens, PREFIX, PREFIX + NEW, REAL_RS, continuation=4)
