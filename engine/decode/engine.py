@@ -68,7 +68,7 @@ from engine.decode.request import CANCELLED, ERROR, DecodeError, DecodeRequest, 
 from engine.decode.sampling import make_generator, sample
 from engine.decode.saving import ReplySaver
 from engine.decode.sequence import DecodeSequence
-from engine.model.decoder import Chunk, Decoder
+from engine.model.decoder import Chunk, Decoder, argmax_ids
 from engine.model.kv import KVCapacityError, PagePool, RequestKV, RingCheckpoint
 from engine.prefill.engine import PrefillEngine, PrefillStep
 from engine.prefill.request import HANDED_OVER, PrefillError, PrefillRequest, PrefillResult
@@ -508,7 +508,7 @@ class DecodeEngine:
         faults: dict[int, Exception] = {}  # batch row -> what its sampling raised
         last = {i: logits[i] if logits[i].dim() == 1 else logits[i][-1] for i in rows}  # each (vocab,)
         if greedy := [i for i in rows if batch.sequences[i].params.greedy]:  # one argmax for them all
-            plain = dict(zip(greedy, torch.stack([last[i] for i in greedy]).argmax(dim=-1).tolist()))
+            plain = dict(zip(greedy, argmax_ids(torch.stack([last[i] for i in greedy])).tolist()))
         for i in rows:  # the draws row by row: one that raises ends its own sequence, not the batch
             if i not in plain:
                 sequence = batch.sequences[i]

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.decode.errors import DecodeError, few
+from engine.model.decoder import argmax_ids
 
 SEED_LIMIT = 2**64  # torch.Generator.manual_seed takes seeds in [0, 2**64)
 CANDIDATES = 1024  # top-p first looks for its nucleus among this many likeliest tokens (then 4x more, ...)
@@ -100,7 +101,7 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     """One token per row of `logits` (rows, vocab): argmax for greedy rows, a draw from the row's own
     generator (advancing it) for the others."""
     assert logits.dim() == 2 and len(params) == len(generators) == logits.shape[0]
-    chosen = logits.argmax(dim=-1).tolist()
+    chosen = argmax_ids(logits).tolist()
     for row, (p, generator) in enumerate(zip(params, generators)):
         if not p.greedy:
             chosen[row] = _draw(logits[row], p, generator)

@@ -219,6 +219,12 @@ class Decoder:
         return out
 
 
+# Queries attended at once. The fused kernel computes every (query, key) pair it is given and masks after: a
+# 2,000-token chunk of a sliding layer (W = 512) given whole computes 2,000 x 2,512 pairs where blocks of 256
+# queries need 2,000 x 768; a full layer's causal half is skipped the same way
+QUERY_BLOCK = 256
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
            window: int | None, sinks: torch.Tensor | None, scale: float) -> torch.Tensor:
     """Causal GQA attention of q (x, heads, d) over k, v (n, kv_heads, d); returns (x, heads * d).
@@ -227,6 +233,15 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tenso
     (heads,) add one learned logit per head to the softmax's denominator, so a head can attend to nothing.
     """
     x, heads, d = q.shape
+    if x > QUERY_BLOCK:  # a long chunk: each block of queries over only the keys it can see (they ascend in q_pos)
+        blocks = []
+        for begin in range(0, x, QUERY_BLOCK):
+            rows = slice(begin, begin + QUERY_BLOCK)
+            seen = k_pos <= q_pos[rows][-1]
+            if window is not None:
+                seen &= k_pos > q_pos[rows][0] - window
+            blocks.append(attend(q[rows], k[seen], v[seen], q_pos[rows], k_pos[seen], window, sinks, scale))
+        return torch.cat(blocks)
     kv_heads = k.shape[1]
     group = heads // kv_heads  # query head h reads KV head h // group
     allowed = k_pos[None, :] <= q_pos[:, None]  # (x, n)
@@ -243,3 +258,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tenso
     probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
     out = probs @ v.permute(1, 0, 2)[:, None]  # (kv_heads, group, x, d)
     return out.permute(2, 0, 1, 3).reshape(x, heads * d)
+
+
+def argmax_ids(logits: torch.Tensor) -> torch.Tensor:
+    """The index of each row's largest logit (..., vocab) -> (...), the first of equal ones, as `argmax` picks
+    it: through `max`, which on this CPU takes a quarter of `argmax`'s time over bf16 rows (3.5 ms against 15 at
+    32 rows of Gemma 3's 262,144), a decode step's largest cost after the forward."""
+    return logits.max(dim=-1).indices

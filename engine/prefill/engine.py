@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from engine.model.decoder import Chunk, Decoder
+from engine.model.decoder import Chunk, Decoder, argmax_ids
 from engine.model.dtype import AUTO
 from engine.model.kv import KVCapacityError, PagePool, RequestKV, WindowState
 from engine.model.weights import model_identity
@@ -447,7 +447,7 @@ class PrefillEngine:
         # a copy of its own: the row may be a view into a whole step's logits (the decode engine's shared
         # forward), which the result would otherwise keep alive for as long as its reply decodes
         logits = logits.float().cpu().clone()
-        return PrefillResult(a.request, int(logits.argmax()), logits, a.kv, len(a.tokens),
+        return PrefillResult(a.request, int(argmax_ids(logits)), logits, a.kv, len(a.tokens),
                              a.stored * self.block_tokens, a.loaded * self.block_tokens, a.path, a.sources,
                              time.perf_counter() - a.submitted, a.chunks, tuple(a.blocks), a.replayed, a.exact,
                              handed_off, a.id, a.window_source, a.window_bytes)

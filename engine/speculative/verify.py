@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.model.decoder import argmax_ids
+
 
 @dataclass(frozen=True)
 class Verdict:
@@ -38,7 +40,7 @@ class Verdict:
 def verify_greedy(drafts: torch.Tensor, logits: torch.Tensor) -> Verdict:
     """drafts (ℓ,) int64, logits (ℓ + 1, vocab): accept while draft == argmax."""
     assert drafts.dim() == 1 and logits.dim() == 2 and logits.shape[0] == drafts.shape[0] + 1
-    best = logits.argmax(dim=-1)  # (ℓ + 1,), the target's token at each row, as sampling.sample picks it
+    best = argmax_ids(logits)  # (ℓ + 1,), the target's token at each row, as sampling.sample picks it
     matches = (best[:-1] == drafts).int()  # (ℓ,)
     accepted = int(matches.cumprod(0).sum())  # the length of the run of matches from the start
     return Verdict(accepted, drafts[:accepted].tolist() + [int(best[accepted])])
