@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SKIP = {".git", ".venv", "__pycache__", ".pytest_cache", ".hypothesis", "build", "dist", ".cache"}
+SKIP = {".git", ".venv", ".venvs", "__pycache__", ".pytest_cache", ".hypothesis", "build", "dist", ".cache"}
 TEXT = {".py", ".md", ".toml", ".proto", ".txt", ".json", ".yaml", ".yml", ".sh", ".cfg", ".ini"}
 # spelt in pieces, so that this file does not match itself
 OUTSIDE = re.compile("|".join([re.escape("../" + "shared"), re.escape("/work/" + "shared"), "DESIGN" + r"\.md"]))
