@@ -8,8 +8,10 @@ engines on one torch. Each figure is measured first for this project's engine, i
 engine, no store, speculation off: plain greedy decoding, as vLLM is run), then for a vLLM OpenAI server on
 the same converted Gemma 3 270M in bf16 (`tests.peers.VllmServer`: vLLM's defaults for this machine, which
 give its worker one core and keep the other for its scheduler; its prefix cache on), through its
-completions endpoint, streamed, the prompts sent as token ids. One engine runs at a time: this engine is
-timed before vLLM's server starts and sits idle while vLLM is timed.
+completions endpoint, streamed, the prompts sent as token ids. One engine runs at a time, the two
+measurements of each figure back to back (this machine's speed drifts by up to 20% over minutes), each
+after both engines have gone idle (`settle`: vLLM's processes keep a core busy for a while after a request);
+idle, vLLM's processes take about 1% of a core (printed).
 
     prefill_<n>    cold prefill of an n-token real-text prompt: n over the time from submitting it to its first
                    token (vLLM: over HTTP, from the request to the first streamed token). Each repeat's prompt
@@ -21,7 +23,9 @@ Printed per figure: ours and vLLM's medians with min..max over --repeats, and ou
 Also, in the same run: the bytes of a stored block and of a window record in bf16 and fp32; and the output
 head (262,144 x 640, most of a batch-1 step's reads) in bf16 prepacked beside weight-only int8
 (`torch.ops.aten._weight_int8pack_mm`, VNNI), its time and whether the greedy reply of the decode prompts
-stays the same: whether an int8 head would move the figure.
+stays the same: whether an int8 head would move the figure. And one sliding layer's decode attention at
+batch 8 and 32 as the engine computes it, per sequence, beside one batched product over rings lying side
+by side: what batch 8 and 32 would gain from keeping the rings in one arena.
 """
 
 from __future__ import annotations
@@ -138,6 +142,25 @@ def vllm_prefill(port: int, prompt: list[int]) -> float:
     return len(prompt) / (times[0] - sent)
 
 
+def idle_cpu(server: VllmServer, seconds: float = 3.0) -> float:
+    """The CPU vLLM's processes take over `seconds`, % of one core (during which this process sleeps, so its
+    own threads' spinning after their last work stops too)."""
+    import psutil
+
+    processes = [psutil.Process(pid) for pid in server.running()]
+    before = sum(sum(p.cpu_times()[:2]) for p in processes)
+    time.sleep(seconds)
+    return 100 * (sum(sum(p.cpu_times()[:2]) for p in processes) - before) / seconds
+
+
+def settle(server: VllmServer) -> None:
+    """Wait for both engines to be idle: vLLM's worker and scheduler poll and spin for a while after a
+    request (measured: this engine's 512-token prefill ran at a third of its speed right after one)."""
+    deadline = time.monotonic() + 30
+    while idle_cpu(server, 0.5) > 2 and time.monotonic() < deadline:
+        pass
+
+
 # -- sizes and the output head ------------------------------------------------------------------------------
 
 def stored_bytes(folder: Path) -> dict[str, dict[str, int]]:
@@ -190,6 +213,39 @@ def head_int8(model: Decoder, prompts: list[list[int]], tokens: int, repeats: in
     return out
 
 
+def attention_bound(model: Decoder, repeats: int) -> dict:
+    """One sliding layer's decode attention at batch 8 and 32 over full windows, ms: as the engine computes it
+    (`attend_few` per sequence over its own ring) beside one batched product over rings that lie side by side
+    in one tensor (bf16 scores): what keeping every running sequence's rings in one arena would allow."""
+    from engine.model.decode_attention import attend_few
+
+    c = model.config
+    out = {}
+    for batch in (8, 32):
+        arena = torch.randn(batch, 2, c.sliding_window, c.num_kv_heads, c.head_dim, dtype=model.dtype)
+        q = torch.randn(batch, c.num_heads, c.head_dim, dtype=model.dtype)
+        scale = c.head_dim ** -0.5
+
+        def per_sequence() -> None:
+            torch.cat([attend_few(q[b : b + 1], arena[b, 0], arena[b, 1], None, scale) for b in range(batch)])
+
+        def batched() -> None:  # (B, heads, d) x (B, d, W) per KV head; Gemma 3 270M has one
+            keys, values = arena[:, 0].transpose(1, 2), arena[:, 1].transpose(1, 2)  # (B, kv_heads, W, d)
+            for h in range(c.num_kv_heads):
+                group = q.view(batch, c.num_kv_heads, -1, c.head_dim)[:, h]  # (B, group, d)
+                scores = torch.bmm(group, keys[:, h].transpose(1, 2)).float() * scale  # (B, group, W)
+                torch.bmm(torch.softmax(scores, dim=-1).to(model.dtype), values[:, h])
+
+        for name, way in (("per_sequence_ms", per_sequence), ("batched_ms", batched)):
+            seconds = []
+            for _ in range(repeats + 5):
+                began = time.perf_counter()
+                way()
+                seconds.append(time.perf_counter() - began)
+            out.setdefault(f"b{batch}", {})[name] = 1000 * statistics.median(seconds[5:])
+    return out
+
+
 # -- the run -----------------------------------------------------------------------------------------------------
 
 def spread(values: list[float]) -> dict:
@@ -224,34 +280,37 @@ def main() -> None:
 
     model = Decoder.from_pretrained(folder, args.dtype)
     print(f"ours: {NAMES[model.dtype]}, {torch.get_num_threads()} threads", flush=True)
-    ours_decode(model, prompts[:1], 4)  # warm-up
-    for repeat in range(args.repeats):
-        for n in lengths:
-            figures.setdefault(f"prefill_{n}", {}).setdefault("ours", []).append(ours_prefill(model, cold[n][repeat]))
-        for b in batches:
-            rate, replies[f"ours b{b}"] = ours_decode(model, prompts[:b], args.tokens)
-            figures.setdefault(f"decode_b{b}", {}).setdefault("ours", []).append(rate)
-        print(f"  ours, repeat {repeat + 1}/{args.repeats} done", flush=True)
-    head = head_int8(model, prompts[:8], args.tokens, args.repeats) if model.dtype == torch.bfloat16 else None
-    del model
-
     with tempfile.TemporaryDirectory(prefix="vs-vllm-") as tmp:
         print("vLLM: starting its server (a first start compiles, about a minute) ...", flush=True)
         server = VllmServer(folder, Path(tmp) / "vllm.log").start()
         try:
-            stream(server.port, prompts[0], 4)  # warm-up
-            for repeat in range(args.repeats):
+            idle = idle_cpu(server)
+            ours_decode(model, prompts[:1], 4)  # warm-ups
+            stream(server.port, prompts[0], 4)
+            for repeat in range(args.repeats):  # each figure's two measurements back to back, ours first
                 for n in lengths:
-                    figures[f"prefill_{n}"].setdefault("vllm", []).append(vllm_prefill(server.port, cold[n][repeat]))
+                    both = figures.setdefault(f"prefill_{n}", {"ours": [], "vllm": []})
+                    settle(server)
+                    both["ours"].append(ours_prefill(model, cold[n][repeat]))
+                    settle(server)
+                    both["vllm"].append(vllm_prefill(server.port, cold[n][repeat]))
                 for b in batches:
+                    both = figures.setdefault(f"decode_b{b}", {"ours": [], "vllm": []})
+                    settle(server)
+                    rate, replies[f"ours b{b}"] = ours_decode(model, prompts[:b], args.tokens)
+                    both["ours"].append(rate)
+                    settle(server)
                     rate, replies[f"vllm b{b}"] = vllm_decode(server.port, prompts[:b], args.tokens)
-                    figures[f"decode_b{b}"].setdefault("vllm", []).append(rate)
-                print(f"  vLLM, repeat {repeat + 1}/{args.repeats} done", flush=True)
+                    both["vllm"].append(rate)
+                print(f"  repeat {repeat + 1}/{args.repeats} done", flush=True)
         finally:
             server.stop()
+    head = head_int8(model, prompts[:8], args.tokens, args.repeats) if model.dtype == torch.bfloat16 else None
+    bound = attention_bound(model, 20)
 
-    summary: dict = {"figures": {}, "ratios": {}}
-    print(f"\nGemma 3 270M on {os.cpu_count()} cores; medians (min..max) of {args.repeats}; tokens/s")
+    summary: dict = {"figures": {}, "ratios": {}, "vllm_idle_cpu_percent": idle}
+    print(f"\nGemma 3 270M on {os.cpu_count()} cores; medians (min..max) of {args.repeats}; tokens/s "
+          f"(vLLM's processes idle at {idle:.1f}% of a core while this engine runs)")
     print(f"{'figure':<14} {'ours':>20} {'vLLM':>20} {'ours/vLLM':>10}")
     for name, both in figures.items():
         ours, theirs = spread(both["ours"]), spread(both["vllm"])
@@ -274,6 +333,10 @@ def main() -> None:
                                               f"(int8/bf16 {f['int8_over_bf16']:.2f})"
                                               for b, f in head.items() if b.startswith("b"))
               + f"; greedy replies with the int8 head identical: {head['identical_greedy_replies']}")
+    summary["sliding_attention_per_layer"] = bound
+    print("one sliding layer's decode attention, ms: " + ", ".join(
+        f"batch {b[1:]}: per sequence {f['per_sequence_ms']:.2f}, batched over side-by-side rings "
+        f"{f['batched_ms']:.2f}" for b, f in bound.items()))
     if args.json:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, **summary}, indent=2))
 
