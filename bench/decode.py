@@ -5,7 +5,8 @@
 
 For each batch size B: B real-text prompts (chat sessions of standard-library documentation through the
 chat template, `engine.text.real_text`, each cut to --prompt-tokens so no padding is needed), greedy, the same
-fp32 weights, in one process, interleaved per repeat:
+weights in the engine's dtype (bf16 where the CPU has it; transformers loads them in the same), in one
+process, interleaved per repeat:
 
     ours      DecodeEngine: the prompts submitted together, prefilled in the engine's steps, then decoded
               one batched forward per step, one token per sequence (speculation, on by default, is off here:
@@ -150,7 +151,7 @@ def main() -> None:
 
     folder, tokenizer = load_real_model()
     model = Decoder.from_pretrained(folder)
-    reference = transformers.Gemma3ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    reference = transformers.Gemma3ForCausalLM.from_pretrained(folder, dtype=model.dtype).eval()  # the same dtype
     texts = prompts(tokenizer, max(batches), args.prompt_tokens)
     runs = {b: {"ours": [], "theirs": []} for b in batches}
     agree = {}
@@ -165,7 +166,7 @@ def main() -> None:
             print(f"  repeat {repeat + 1}/{args.repeats} batch {b:>2}: decode phase ours {ours_s:6.2f} s, "
                   f"transformers {theirs_s:6.2f} s; identical replies {agree[b]}/{b}", flush=True)
     summary = {}
-    print(f"\nGemma 3 270M fp32, CPU, {torch.get_num_threads()} threads; {args.prompt_tokens}-token prompts, "
+    print(f"\nGemma 3 270M {model.dtype}, CPU, {torch.get_num_threads()} threads; {args.prompt_tokens}-token prompts, "
           f"{args.tokens} greedy tokens; medians of {args.repeats}")
     print(f"{'batch':>5} {'ours tok/s':>11} {'(min..max)':>14} {'TPOT ms':>8} {'theirs tok/s':>13} {'TPOT ms':>8} "
           f"{'ratio':>6}  same tokens")

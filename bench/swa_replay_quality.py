@@ -30,6 +30,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import torch  # noqa: E402
+
 from engine.checkpoints.real_model import load_real_model  # noqa: E402
 from engine.model.decoder import Decoder  # noqa: E402
 from engine.text import real_text  # noqa: E402
@@ -134,7 +136,7 @@ def main() -> None:
 
     began = time.perf_counter()
     folder, tokenizer = load_real_model()
-    model = Decoder.from_pretrained(folder)  # fp32
+    model = Decoder.from_pretrained(folder, torch.float32)
     workload = real_text.long_sessions(tokenizer, sessions, max(prefixes) + MIN_NEW_TOKENS)
     print(f"{sessions} held-out sessions of {min(len(s.tokens) for s in workload)}-"
           f"{max(len(s.tokens) for s in workload)} tokens; P in {list(prefixes)}, R in {list(replay_tokens)}, "
