@@ -64,12 +64,13 @@ def decode_prompts(tokenizer, count: int) -> list[list[int]]:
 
 
 def prefill_prompt(tokenizer, n: int, repeat: int) -> list[int]:
-    """n tokens of real text, the first one different for each repeat (a cache never holds its prefix)."""
+    """n tokens of real text, the first one different for each length and repeat (no cache holds a prefix of it,
+    not even the shorter prompt timed just before)."""
     from engine.text.real_text import demo_sessions
 
     text = [t for session in demo_sessions(tokenizer, 16) for t in session.next_prompt()[1:]]
     assert len(text) >= n, f"the real text gives {len(text)} tokens, {n} wanted"
-    return [1000 + repeat, *text[: n - 1]]
+    return [1000 + 100 * repeat + n % 97, *text[: n - 1]]
 
 
 # -- this project's engine -----------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from engine.model.dtype import CHOICES as DTYPE_CHOICES
+from engine.model.dtype import check_name as check_dtype
 from engine.prefill.config import BLOCK_TOKENS
 from kvstore.settings import Command
 
@@ -84,8 +84,7 @@ class ApiConfig:
     def __post_init__(self) -> None:
         if not self.model_name:
             raise ValueError("ApiConfig: model_name must be non-empty")
-        if self.dtype not in DTYPE_CHOICES:
-            raise ValueError(f"ApiConfig: dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
+        check_dtype(self.dtype, "ApiConfig")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"ApiConfig: port must lie in [0, 65535], got {self.port}")
         for name in ("kv_pages", "block_tokens", "max_running", "tokenize_workers", "max_stored_responses",

@@ -114,6 +114,9 @@ class DecodeEngine:
         else:
             raise ValueError(f"DecodeEngine: kv_source must be a PrefillEngine, a PagePool or None, "
                              f"got {type(kv_source).__name__}")
+        if pool.dtype != model.dtype:
+            raise ValueError(f"DecodeEngine: the KV pool holds {pool.dtype}, the model computes in {model.dtype}; "
+                             "build both in one dtype")
         self.model, self.pool, self.config = model, pool, config
         self._prefill = kv_source if isinstance(kv_source, PrefillEngine) else None
         self._saver = ReplySaver(self._prefill) if self._prefill is not None else None

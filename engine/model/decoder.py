@@ -7,7 +7,7 @@ gates with tanh-GELU and gives sliding layers a RoPE base of their own.
 The forward pass runs one *step*: chunks of several requests at once, layer by layer. Token-wise work
 (projections, norms, MLPs) runs over all the step's tokens together; attention runs per chunk against
 that request's explicit KV (pages for full layers, the window ring for sliding ones); a step of one token
-per chunk attends for all chunks at once (`engine.model.decode_attention`). `before_layer(l)`
+(or a few) per chunk attends through `engine.model.decode_attention`, built for single queries. `before_layer(l)`
 is called before layer l reads any KV: where a load is streaming the cached prefix in, layer by layer,
 the engine waits there, so copying layer l+1 overlaps computing layer l.
 """
@@ -172,7 +172,7 @@ class Decoder:
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         sliding = c.layer_types[layer] == SLIDING
         index = self._kv_index[layer]
-        if batch is not None:  # one token (or a few, verifying drafts) per chunk: all chunks in one attention call
+        if batch is not None:  # one token (or a few, verifying drafts) per chunk: the single-query path
             attend_all = batch.sliding if sliding else batch.full
             return projections.o(attend_all(index, q, k, v, self.scale))
         sinks = self.w.get(p + "self_attn.sinks")
@@ -220,8 +220,8 @@ class Decoder:
 
 
 # Queries attended at once. The fused kernel computes every (query, key) pair it is given and masks after: a
-# 2,000-token chunk of a sliding layer (W = 512) given whole computes 2,000 x 2,512 pairs where blocks of 256
-# queries need 2,000 x 768; a full layer's causal half is skipped the same way
+# cold 2,000-token chunk of a sliding layer (W = 512) given whole computes 2,000 x 2,000 pairs where blocks of
+# 256 queries need at most 2,000 x 768; a full layer's causal half is skipped the same way
 QUERY_BLOCK = 256
 
 

@@ -19,6 +19,12 @@ AUTO = "auto"
 CHOICES = (AUTO, *DTYPES)
 
 
+def check_name(name: str, owner: str) -> None:
+    """A config's dtype setting, refused with its owner's name before any model loads."""
+    if name not in CHOICES:
+        raise ValueError(f"{owner}: dtype must be one of {', '.join(CHOICES)}, got {name!r}")
+
+
 def resolve(name: str | torch.dtype, device: torch.device | str = "cpu") -> torch.dtype:
     """`auto` (bf16 where `device` computes it natively, else fp32), `bfloat16` or `float32` as a dtype; a dtype
     is taken as it is."""
@@ -28,16 +34,15 @@ def resolve(name: str | torch.dtype, device: torch.device | str = "cpu") -> torc
         return name
     if name == AUTO:
         return torch.bfloat16 if native_bf16(torch.device(device)) else torch.float32
-    if name not in DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(CHOICES)}, got {name!r}")
+    check_name(name, "the engine")
     return DTYPES[name]
 
 
 def native_bf16(device: torch.device) -> bool:
     """Whether `device` multiplies bf16 natively: a CUDA device that says so, a CPU whose flags name a bf16
     instruction set (x86 AVX512-BF16 or AMX-BF16, Arm BF16)."""
-    if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
+    if device.type == "cuda":  # Ampere or later: not an emulation
+        return torch.cuda.is_bf16_supported(including_emulation=False)
     return device.type == "cpu" and bool(_cpu_flags() & {"avx512_bf16", "amx_bf16", "bf16"}) \
         and torch.backends.mkldnn.is_available()
 

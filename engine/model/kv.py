@@ -32,6 +32,7 @@ class PagePool:
             raise ValueError("a page pool needs at least one page of at least one token")
         self.block_tokens = block_tokens
         self.num_pages = num_pages
+        self.dtype, self.device = dtype, torch.device(device)  # of every page and every request's rings
         page = (2, block_tokens, config.num_kv_heads, config.head_dim)
         # per full layer: (num_pages, 2, block_tokens, kv_heads, head_dim)
         self.layers = [torch.zeros((num_pages, *page), dtype=dtype, device=device) for _ in config.full_layers]
@@ -88,11 +89,8 @@ class RequestKV:
         self.length = 0  # positions [0, length) hold valid KV
         self.window_from = 0  # sliding layers attend to no position before this: where a replay began
         self.keep_full_before = 0  # full layers' KV below this was loaded, and a replay must not overwrite it
-        first = pool.layers[0] if pool.layers else None
-        dtype = first.dtype if first is not None else torch.float32
-        device = first.device if first is not None else "cpu"
         self.rings = torch.zeros((len(config.sliding_layers), 2, self.window, config.num_kv_heads, config.head_dim),
-                                 dtype=dtype, device=device) if config.sliding_layers else None
+                                 dtype=pool.dtype, device=pool.device) if config.sliding_layers else None
         self.capture_at: set[int] = set()  # block boundaries whose window state to keep while computing
         self.captured: dict[int, WindowState] = {}  # boundary -> the window as of it
 

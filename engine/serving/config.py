@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.decode import DecodeConfig
-from engine.model.dtype import CHOICES as DTYPE_CHOICES
+from engine.model.dtype import check_name as check_dtype
 from engine.prefill.config import BLOCK_TOKENS, KV_PAGES
 from kvstore.client.config import ClientConfig
 from kvstore.settings import Command
@@ -70,8 +70,7 @@ class InstanceConfig:
     store_tls_server_name: str | None = None
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPE_CHOICES:
-            raise ValueError(f"InstanceConfig: dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
+        check_dtype(self.dtype, "InstanceConfig")
         object.__setattr__(self, "model", Path(self.model))
         if not self.model.is_dir():
             raise ValueError(f"InstanceConfig: model must be a model directory (config.json + weights), "

@@ -174,7 +174,7 @@ def reference_replies(folder: Path, prompts: dict[str, list[int]]) -> dict[str, 
     from engine.decode import DecodeConfig, DecodeEngine, DecodeRequest, SamplingParams
     from engine.model.decoder import Decoder
 
-    # float32 here and on the hosts: bf16's roundings follow each process's thread count
+    # float32 here and on the hosts: replies compared across processes, which bf16 keeps only up to near-ties
     engine = DecodeEngine(Decoder.from_pretrained(folder, torch.float32), None,
                           DecodeConfig(kv_pages=PAGES, block_tokens=BLOCK))
     replies = {}

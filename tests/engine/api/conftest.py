@@ -56,7 +56,10 @@ def served(tmp_path_factory):
         port = probe.getsockname()[1]
     config = ApiConfig(port=port, api_keys=KEYS, kv_pages=128, servers=(daemon.address,), tokenize_workers=1,
                        idle_s={"chat": 3600.0, "agent": 3600.0},
-                       chunk_cost=(8e-8, 2e-3, 0.0))  # as fitted on 2 cores: no start-up forwards to time
+                       chunk_cost=(8e-8, 2e-3, 0.0),  # as fitted on 2 cores: no start-up forwards to time
+                       # float32: tests here hold greedy replies equal across paths (speculative and plain, cached
+                       # and cold), which bf16 keeps only up to near-ties (docs/engines.md "The dtype")
+                       dtype="float32")
     service = build(config)
     http = uvicorn.Server(uvicorn.Config(create_app(service, config), host="127.0.0.1", port=port,
                                          log_level="warning"))

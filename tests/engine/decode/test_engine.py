@@ -190,6 +190,19 @@ def test_waiting_for_pages_held_outside_the_engine_raises_when_nothing_runs(qwen
     assert len(engine.run()[0].tokens) == 3
 
 
+def test_a_pool_or_prefill_engine_of_another_dtype_is_refused(qwen3):
+    # the model computes in fp32; KV pages in bf16 would fail at the first step's write, so the engine refuses them
+    from engine.prefill import PrefillConfig, PrefillEngine
+    from engine.prefill.cost import ChunkCost
+
+    with pytest.raises(ValueError, match="bfloat16.*float32"):
+        DecodeEngine(qwen3.model, PagePool(qwen3.model.config, 8, 16, torch.bfloat16), DecodeConfig())
+    config = PrefillConfig(kv_pages=8, cost=ChunkCost(1e-9, 1e-3, 0))
+    bf16 = PrefillEngine.from_pretrained(qwen3.tiny.path, None, config, torch.bfloat16)
+    with pytest.raises(ValueError, match="one dtype"):
+        DecodeEngine(qwen3.model, bf16, DecodeConfig())
+
+
 def test_overlap_gives_the_same_tokens_and_counts_the_gaps(family):
     """The next step's admission and pages prepared during the forward: same replies, with joins and
     preemptions (three sequences of 30 + 40 tokens need 15 of the pool's 8 pages of 16)."""

@@ -55,3 +55,13 @@ def test_ring_keeps_only_the_window_and_captures_a_boundary():
     assert sorted(captured.rings[0, 0, :, 0, 0].tolist()) == [3.0, 4.0, 5.0, 6.0, 7.0]  # positions [8-5, 8)
     early = kv.captured[2].rings[0, 0, :, 0, 0].tolist()  # positions [0, 2); the slots of negative ones empty
     assert early[0] == 0.0 and early[1] == 1.0 and early[2:] == [0.0] * 3
+
+
+def test_rings_take_the_pools_dtype_even_without_full_layers():
+    # a model whose every layer slides has no page tensor to take a dtype from: its rings still follow the pool
+    only_sliding = ModelConfig("llama", vocab_size=10, hidden_size=8, num_layers=2, num_heads=2, num_kv_heads=1,
+                               head_dim=4, intermediate_size=8, max_position_embeddings=1000,
+                               layer_types=(SLIDING, SLIDING), sliding_window=5)
+    for dtype in (torch.bfloat16, torch.float32):
+        kv = RequestKV(only_sliding, PagePool(only_sliding, 4, 8, dtype))
+        assert kv.rings is not None and kv.rings.dtype == dtype

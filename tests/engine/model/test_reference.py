@@ -85,7 +85,7 @@ def test_bfloat16_runs_close_to_fp32(tiny):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_matches_transformers(tiny):
-    model = Decoder.from_pretrained(tiny.path, device="cuda")
+    model = Decoder.from_pretrained(tiny.path, torch.float32, device="cuda")
     tokens = _prompt(300, 11)
     kv = RequestKV(model.config, PagePool(model.config, 64, 16, torch.float32, device="cuda"))
     kv.reserve(len(tokens))

@@ -26,8 +26,8 @@ from tests.engine.serving.conftest import BLOCK, CONTEXT, PAGES, VOCAB, idle, to
 pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("decode_instances")]
 
 MAX_MESSAGE = 65_536  # small, so the oversized request of a test is cheap to send
-# float32 on both sides: bf16's roundings follow the kernels' split of the work over threads, and the
-# instances run one thread each, this process more (tests/engine/checkpoints/test_real_model_bf16.py holds bf16)
+# float32 on both sides: in bf16, replies computed here (two threads) and in the instances (one) parted at a
+# near-tie (tests/engine/checkpoints/test_real_model_bf16.py holds bf16)
 OPTIONS = dict(kv_pages=PAGES, block_tokens=BLOCK, max_running=8, max_message_bytes=MAX_MESSAGE, dtype="float32")
 
 
