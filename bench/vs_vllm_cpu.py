@@ -51,16 +51,13 @@ from engine.model.decoder import Decoder  # noqa: E402
 from engine.model.dtype import CHOICES, NAMES  # noqa: E402
 from tests.peers import VLLM_MODEL_NAME, VllmServer  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode import ours as decode_run  # noqa: E402
+from decode import prompts as decode_prompts  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT_TOKENS = 256  # each decode prompt
 BLOCK_TOKENS = 64
-
-
-def decode_prompts(tokenizer, count: int) -> list[list[int]]:
-    """`count` different real-text prompts of PROMPT_TOKENS tokens (bench/decode.py's)."""
-    from engine.text.real_text import demo_sessions
-
-    return [session.next_prompt()[-PROMPT_TOKENS:] for session in demo_sessions(tokenizer, count)]
 
 
 def prefill_prompt(tokenizer, n: int, repeat: int) -> list[int]:
@@ -76,16 +73,9 @@ def prefill_prompt(tokenizer, n: int, repeat: int) -> list[int]:
 # -- this project's engine -----------------------------------------------------------------------------------
 
 def ours_decode(model: Decoder, prompts: list[list[int]], tokens: int) -> tuple[float, list[list[int]]]:
-    """Decode tokens/s of the batch, and its tokens."""
-    pages = len(prompts) * -(-(PROMPT_TOKENS + tokens) // BLOCK_TOKENS) + 1
-    engine = DecodeEngine(model, None, DecodeConfig(kv_pages=pages, block_tokens=BLOCK_TOKENS,
-                                                    max_running=len(prompts), speculative=False))
-    for prompt in prompts:
-        engine.submit(DecodeRequest(prompt, SamplingParams(max_tokens=tokens)))
-    results = sorted(engine.run(), key=lambda r: r.id)
-    first = max(r.token_times_s[0] for r in results)
-    last = max(r.token_times_s[-1] for r in results)
-    return len(prompts) * (tokens - 1) / (last - first), [r.tokens for r in results]
+    """Decode tokens/s of the batch (bench/decode.py's run: speculation off), and its tokens."""
+    seconds, replies = decode_run(model, prompts, tokens, BLOCK_TOKENS)
+    return len(prompts) * (tokens - 1) / seconds, replies
 
 
 def ours_prefill(model: Decoder, prompt: list[int]) -> float:
@@ -274,7 +264,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    prompts = decode_prompts(tokenizer, max(batches))
+    prompts = decode_prompts(tokenizer, max(batches), PROMPT_TOKENS)
     cold = {n: [prefill_prompt(tokenizer, n, repeat) for repeat in range(args.repeats + 1)] for n in lengths}
     figures: dict[str, dict[str, list[float]]] = {}
     replies: dict[str, list[list[int]]] = {}

@@ -107,7 +107,7 @@ def _relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
 
 
 def _kv(model: Decoder, tokens: int) -> RequestKV:
-    kv = RequestKV(model.config, PagePool(model.config, -(-tokens // 256), 256, torch.float32))
+    kv = RequestKV(model.config, PagePool(model.config, -(-tokens // 256), 256, model.dtype))
     kv.reserve(tokens)
     return kv
 

@@ -48,13 +48,12 @@ import torch
 from engine.decode import DecodeConfig, DecodeEngine, DecodeRequest, SamplingParams
 from engine.model.decoder import Chunk, Decoder
 from engine.model.dtype import native_bf16
-from engine.model.kv import PagePool, RequestKV
 from engine.prefill.config import PrefillConfig
 from engine.prefill.cost import ChunkCost
 from engine.prefill.engine import PrefillEngine
 from engine.prefill.request import CACHED, COLD, PrefillRequest
 from kvstore.client import ClientConfig, KVClient
-from tests.engine.checkpoints.test_real_model import CHATS, _chat, stdlib_text
+from tests.engine.checkpoints.test_real_model import CHATS, _chat, _kv, _relative_error, stdlib_text
 from tests.engine.greedy import greedy
 
 pytestmark = [
@@ -156,16 +155,6 @@ class RealModelBf16:
 @pytest.fixture(scope="module")
 def real() -> RealModelBf16:
     return RealModelBf16()
-
-
-def _relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
-    return (ours.float() - reference).abs().max().item() / reference.std().item()
-
-
-def _kv(model: Decoder, tokens: int) -> RequestKV:
-    kv = RequestKV(model.config, PagePool(model.config, -(-tokens // 256), 256, DTYPE))
-    kv.reserve(tokens)
-    return kv
 
 
 @pytest.mark.unit
