@@ -34,6 +34,10 @@ class ApiConfig:
     # tenant, for loopback use
     api_keys: dict[str, str] = field(default_factory=dict)
     kv_pages: int = 1024  # KV pages the engines hold, of block_tokens each: 65,536 tokens of KV
+    # The store client's host-DRAM tier, in bytes: blocks this process read or wrote lately, and those of
+    # conversations advised to go on (a reply ending in a tool call), read ahead of their next turn; 0: none
+    # (the daemons still promote advised blocks into their DRAM)
+    host_tier_bytes: int = 0
     # Tokens per KV page and per stored block; the store's namespace includes it, so every process that shares
     # cached prompts with this one must use the same (engine.prefill.config.BLOCK_TOKENS says why 64)
     block_tokens: int = BLOCK_TOKENS
@@ -91,6 +95,8 @@ class ApiConfig:
                      "max_stored_bytes", "max_body_bytes", "max_in_flight", "max_in_flight_per_tenant"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ApiConfig: {name} must be >= 1")
+        if self.host_tier_bytes < 0:
+            raise ValueError("ApiConfig: host_tier_bytes must be >= 0 (0: no host tier)")
         if not 8 <= self.max_json_depth <= 256 or self.max_array_items < 1:
             raise ValueError("ApiConfig: max_json_depth must lie in [8, 256] and max_array_items be >= 1")
         if any(not key or key in self.api_keys for key in self.metrics_keys):

@@ -323,29 +323,37 @@ def build(config: ApiConfig) -> Service:
     from engine.api.tokenize import PromptEncoder
     from engine.checkpoints.real_model import load_real_model, load_tokenizer
     from engine.decode import DecodeConfig
+    from engine.model.decoder import Decoder
+    from engine.model.weights import model_identity
     from engine.prefill import PrefillConfig, PrefillEngine
     from engine.prefill.cost import ChunkCost
+    from engine.prefill.engine import stored_block_bytes
     from engine.serving.loop import ServingLoop
     from engine.text.real_text import stop_token_ids
 
     folder, tokenizer = load_real_model() if config.model is None else (config.model, load_tokenizer(config.model))
+    model = Decoder.from_pretrained(folder, config.dtype)
     client = advisor = None
     if config.servers:
         from kvstore.client import ClientConfig, KVClient
         from kvstore.client.config import security_from_environment
 
+        host: dict[str, Any] = {"host_tier_bytes": config.host_tier_bytes,
+                "host_block_bytes": stored_block_bytes(model, config.block_tokens)} if config.host_tier_bytes else {}
         # a secured cluster's token and CA come from KVSTORE_TOKEN, KVSTORE_TLS_CA, ... (docs/operations.md)
-        client = store = KVClient(ClientConfig(tuple(config.servers), **security_from_environment()))
+        client = store = KVClient(ClientConfig(tuple(config.servers), **host, **security_from_environment()))
+    cost = ChunkCost(*config.chunk_cost) if config.chunk_cost else None
+    prefill = PrefillEngine(model, client, PrefillConfig(block_tokens=config.block_tokens, kv_pages=config.kv_pages,
+                                                         cost=cost), model_identity(folder))
+    if client is not None:
         advising = ThreadPoolExecutor(1, thread_name_prefix="advise")  # the client blocks; the loop must not
 
         def advise(blocks: Sequence[Block], goes_on: bool) -> None:
-            advising.submit(store.advise, blocks, goes_on)
+            advising.submit(store.advise, blocks, goes_on)  # the daemons promote what goes on into DRAM
+            if goes_on:  # and this process reads its blocks and window record ahead of the next turn
+                advising.submit(prefill.prefetch, blocks)
 
         advisor = Advisor(advise, config.idle_s)
-    cost = ChunkCost(*config.chunk_cost) if config.chunk_cost else None
-    prefill = PrefillEngine.from_pretrained(folder, client, PrefillConfig(block_tokens=config.block_tokens,
-                                                                          kv_pages=config.kv_pages, cost=cost),
-                                            config.dtype)
     runner = ServingLoop(prefill.model, prefill, DecodeConfig(max_running=config.max_running,
                                                               detokenize=tokenizer.decode,
                                                               speculative=config.speculative))

@@ -81,7 +81,9 @@ from engine.text.token_ids import checked_token_ids
 
 log = logging.getLogger(__name__)
 
-RESUME_FLUSH_S = 2.0  # how long a resumption waits for the store writes queued before it (its state's)
+# With nothing to compute until the store answers, how long a step waits for it before returning: its
+# caller (the serving loop) takes the requests that came meanwhile, which may not need the store
+STORE_WAIT_S = 0.05
 DRAFT_RECORDS = 4096  # verified request steps kept for calibration and reports (DecodeEngine.draft_records)
 
 
@@ -188,8 +190,8 @@ class DecodeEngine:
         prefill = self._prefill
         prompts = None  # the prefill engine's chunks this step's one forward computes besides the decode chunks
         if prefill is not None and prefill.pending:
-            try:
-                prompts = prefill.plan_step()
+            try:  # with sequences to feed, a prompt whose load is in flight waits for it out of the step
+                prompts = prefill.plan_step(others=bool(self._running or self._waiting))
             except KVCapacityError:  # it waits for pages; the running sequences may free them
                 pass
         batch = self._prepare(sum(len(chunk.tokens) for chunk in prompts.chunks) if prompts is not None else 0)
@@ -205,6 +207,9 @@ class DecodeEngine:
                 finished, self._done = finished + self._done, []
         else:
             self._forward_ended = None  # idle: no gap to count until work comes
+            if prefill is not None and prefill.waiting_on_store:
+                prefill.wait_for_store(STORE_WAIT_S)  # nothing to compute here until the store answers
+                return finished
         if not batch.chunks and not prefill_moved and not finished and (self._waiting or self._prefilling):
             raise KVCapacityError(f"{self.pool.free_pages} free KV pages cannot hold the oldest waiting sequence "
                                   "and nothing runs here to free more: release finished prefill results' KV")
@@ -581,7 +586,7 @@ class DecodeEngine:
             if sequence.resume is not None:  # its state is in the store: the prefill engine gets it back
                 assert self._prefill is not None, "only a prefill engine's sequences are saved to the store"
                 self._waiting.pop(0)
-                self._prefill.flush(RESUME_FLUSH_S)  # its continuation record may still be on its way
+                # its continuation record may still be on its way: the prefill's lookups wait for it, not this thread
                 self._prefilling[self._prefill.submit(sequence.resume)] = sequence
                 continue
             kv = RequestKV(self.model.config, self.pool)

@@ -27,6 +27,9 @@ class PrefillConfig:
     store_windows: bool = True
     cost: ChunkCost | None = None  # None: fit at start-up on this machine
     load_timeout_s: float = 30.0  # a layer not loaded within this is treated as a failed load
+    # A prefill `from_handoff` first waits (off the engine thread) up to this long for the store writes this
+    # process queued before it: the continuation record of a sequence it preempted may still be on its way
+    handoff_wait_s: float = 2.0
     model_id: str | None = None  # the namespace's model identity; None: directory name + weights digest
     # Bounded replay (engine.window) where a hybrid model's window state is gone:
     replay_tokens: int | None = None  # R; None: the default for the model's window; 0: never replay
@@ -36,8 +39,8 @@ class PrefillConfig:
     def __post_init__(self) -> None:
         if self.block_tokens < 1 or self.kv_pages < 1:
             raise ValueError("PrefillConfig: block_tokens and kv_pages must be >= 1")
-        if self.step_budget_s <= 0 or self.load_timeout_s <= 0:
-            raise ValueError("PrefillConfig: step_budget_s and load_timeout_s must be positive")
+        if self.step_budget_s <= 0 or self.load_timeout_s <= 0 or self.handoff_wait_s < 0:
+            raise ValueError("PrefillConfig: step_budget_s and load_timeout_s must be positive, handoff_wait_s >= 0")
         if self.window_tier_bytes < 0:
             raise ValueError("PrefillConfig: window_tier_bytes must be >= 0")
         replay = self.replay_tokens

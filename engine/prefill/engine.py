@@ -15,6 +15,12 @@ plans where a prompt's window comes from (`WindowPlan`), and the engine decides 
 computed after a replay are approximate: they are saved in a namespace of their own (the model identity +
 REPLAYED_SUFFIX), which exact requests never read and later turns of the replayed conversation do.
 `PrefillResult.path` says which way each request went.
+
+Nothing here waits on the store on the engine's thread, so a slow or paused daemon delays only the
+requests that need it: an admitted request's lookups (its prefix, its window record, a hand-off's
+continuation record) run on a thread of their own, and the request takes part in steps once they are
+answered; a request whose load is still in flight joins a step only when it would hold up nothing else
+(then its first chunk overlaps the load, layer by layer), and otherwise once the load is in.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ import itertools
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_any
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,6 +62,7 @@ from engine.window.replay import REPLAYED_SUFFIX, replayed_namespace
 from engine.window.tier import WindowTier
 from kvstore.block import Block, KVLayout, Namespace
 from kvstore.client import StoreClient
+from kvstore.client.assembly import Buffer
 from kvstore.client.loading import LoadCancelled, LoadHandle
 from kvstore.client.torch_kv import PagedKV
 from kvstore.eviction import ReuseHint
@@ -81,6 +90,30 @@ class _Active:
     window_source: str | None = None  # where the window it resumed from came from: "host" or "store"
     window_bytes: int = 0  # bytes of the window record loaded from the store
     own_record: Block | None = None  # that record, where this request's session saved it: superseded when done
+    looking: Future[_Found] | None = None  # its lookups in the store, while they run (off the engine thread)
+    handoff_mark: int | None = None  # from a hand-off: the write-behind saves queued before it (its record's)
+    handoff_tried: int = 0  # from a hand-off: the continuation records (exact, replayed) found unusable
+
+
+@dataclass(frozen=True)
+class _HandedOver:
+    """A hand-off's continuation record found in the store, with its chain's full blocks stored."""
+
+    tried: int  # which of the records a request may continue from this is (0: the exact chain's)
+    space: Namespace
+    exact: bool
+    found: handoff.Continuation
+    payload: Buffer
+
+
+@dataclass(frozen=True)
+class _Found:
+    """What the store holds for a request, looked up off the engine thread: a hand-off's continuation, or the
+    stored prefix of its exact chain (`stored` blocks) and where its window comes from (`plan`)."""
+
+    handed_over: _HandedOver | None = None
+    stored: int = 0
+    plan: WindowPlan | None = None
 
 
 @dataclass
@@ -94,6 +127,19 @@ class PrefillStep:
     before_layer: Callable[[int], None] | None
 
 
+def stored_layout(model: Decoder) -> KVLayout:
+    """What the store keeps of `model`'s KV: its full-attention layers, in its dtype."""
+    mc = model.config
+    return KVLayout(num_layers=len(mc.full_layers), kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
+                    dtype=str(model.dtype).removeprefix("torch."))
+
+
+def stored_block_bytes(model: Decoder, block_tokens: int) -> int:
+    """Payload bytes of one stored block of `model`'s KV: a host tier's slot size."""
+    layout = stored_layout(model)
+    return layout.layer_bytes(block_tokens) * layout.num_layers
+
+
 class PrefillEngine:
     def __init__(self, model: Decoder, client: StoreClient | None, config: PrefillConfig, model_id: str) -> None:
         mc = model.config
@@ -105,8 +151,7 @@ class PrefillEngine:
                              "another model's replayed (approximate) KV")
         self.model_id = model_id
         self.block_tokens = config.block_tokens
-        self.layout = KVLayout(num_layers=len(mc.full_layers), kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
-                               dtype=str(model.dtype).removeprefix("torch."))
+        self.layout = stored_layout(model)
         self.pool = PagePool(mc, config.kv_pages, config.block_tokens, model.dtype, model.device)
         # a hybrid model's sliding-window state (engine.window); None for a model without sliding layers
         self.windows = WindowKeeper(config.block_tokens, mc.sliding_window or 0, config.window_tier_bytes,
@@ -117,6 +162,7 @@ class PrefillEngine:
         self._queue: list[_Active] = []  # submitted, waiting for KV pages
         self._active: dict[int, _Active] = {}  # admitted, oldest first
         self._ids = itertools.count()
+        self._lookups: ThreadPoolExecutor | None = None  # the store calls of admitted requests (made when needed)
         self.cost = config.cost or self.measure_cost()
 
     @classmethod
@@ -144,7 +190,7 @@ class PrefillEngine:
     @property
     def block_bytes(self) -> int:
         """Payload bytes of one stored block (the client's host tier slot size)."""
-        return self.layout.layer_bytes(self.block_tokens) * self.layout.num_layers
+        return stored_block_bytes(self.model, self.block_tokens)
 
     def namespace(self, salt: str = "") -> Namespace:
         space = self._namespaces.get(salt)
@@ -184,6 +230,19 @@ class PrefillEngine:
             return False
         return self.windows.keep(self.client, block, state, chain, request.session_id, superseded)
 
+    def prefetch(self, blocks: Sequence[Block]) -> None:
+        """The next turn of the conversation whose full blocks (prompt and reply, in one of this engine's
+        namespaces) are `blocks` is coming: bring them into the client's host tier, and the window record at
+        their end into this engine (`WindowKeeper.prefetch`), ahead of it. On any thread but the engine's:
+        it waits on the store for the record (the blocks come in the client's background)."""
+        if self.client is None or not blocks:
+            return
+        self.client.prefetch(blocks)
+        chain = next((space for space in list(self._namespaces.values()) if space.digest == blocks[0].namespace),
+                     None)
+        if self.windows is not None and chain is not None:
+            self.windows.prefetch(self.client, chain, blocks[-1])
+
     # -- requests ---------------------------------------------------------------------------------
 
     def submit(self, request: PrefillRequest) -> int:
@@ -212,12 +271,15 @@ class PrefillEngine:
                 raise PrefillError(f"{flag} must be True or False, got {getattr(request, flag)!r}")
         active = _Active(next(self._ids), request, torch.tensor(tokens, dtype=torch.long), namespace,
                          namespace.blocks(tokens), time.perf_counter())
+        if request.from_handoff and self.client is not None:
+            active.handoff_mark = self.client.write_behind.mark()
         self._queue.append(active)
         return active.id
 
     def cancel(self, request_id: int) -> bool:
         """Drop a request now: a queued one leaves the queue; an admitted one stops its load (no byte lands
-        after this returns) and gives its KV pages back. Nothing of it is saved. False if unknown or done."""
+        after this returns) and gives its KV pages back. Nothing of it is saved (lookups still running are left to end
+        unread). False if unknown or done."""
         for i, queued in enumerate(self._queue):
             if queued.id == request_id:
                 del self._queue[i]
@@ -249,6 +311,29 @@ class PrefillEngine:
     def pending(self) -> int:
         return len(self._queue) + len(self._active)
 
+    @property
+    def waiting_on_store(self) -> int:
+        """Admitted requests that cannot compute until the store answers: their lookups run, or their loads do."""
+        return sum(a.looking is not None or (a.load is not None and not a.load.done) for a in self._active.values())
+
+    def wait_for_store(self, timeout: float | None = None) -> None:
+        """With nothing to compute until the store answers (`plan_step` gave None while `waiting_on_store`):
+        wait until the first request's lookups or load end, or `timeout`."""
+        looking = [a.looking for a in self._active.values() if a.looking is not None]
+        if looking:
+            wait_any(looking, timeout, FIRST_COMPLETED)
+            return
+        for a in self._active.values():
+            if a.load is not None and not a.load.done:
+                a.load.wait(timeout)
+                return
+
+    def close(self) -> None:
+        """Stop the lookups' thread once the lookups running end (the engine can still step: it makes another)."""
+        if self._lookups is not None:
+            self._lookups.shutdown(wait=False)
+            self._lookups = None
+
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every block and continuation record queued for the store is stored (or failed): before
         telling a decode instance in another process to continue a `hand_off` request. False on timeout."""
@@ -260,20 +345,30 @@ class PrefillEngine:
         """Admit what fits, compute one planned step, and return the requests that finished in it."""
         planned = self.plan_step()
         if planned is None:
+            self.wait_for_store()  # nothing else to compute
             return []
         return self.finish_step(planned, self.model.forward(planned.chunks, planned.before_layer))
 
-    def plan_step(self) -> PrefillStep | None:
-        """Admit what fits and plan the next step's chunks (None: nothing to compute). A caller that computes
-        them in a forward of its own, beside other chunks, passes `planned.before_layer` to it (each full
-        layer held until the loads have put it in place) and hands their logits to `finish_step`."""
+    def plan_step(self, others: bool = False) -> PrefillStep | None:
+        """Admit what fits and plan the next step's chunks (None: nothing to compute now). A caller that
+        computes them in a forward of its own, beside other chunks (`others`), passes `planned.before_layer`
+        to it (each full layer held until the loads have put it in place) and hands their logits to
+        `finish_step`. With `others`, a request whose load is in flight waits for it out of the step, so
+        that the store never holds up the caller's chunks."""
         self._admit()
+        self._take_lookups()
         if not self._active:
             if self._queue:  # nothing running and the oldest still does not fit: pages are held elsewhere
                 raise KVCapacityError(f"{self.pool.free_pages} free KV pages cannot hold the oldest request; "
                                       "release finished requests' KV (result.kv.release())")
             return None
-        waiting = [Waiting(a.id, a.start, len(a.tokens) - a.start) for a in self._active.values()]
+        ready = [a for a in self._active.values() if a.looking is None]
+        loading = [a for a in ready if a.load is not None and not a.load.done]
+        if loading and (others or len(loading) < len(ready)):  # they would hold up the others' layers
+            ready = [a for a in ready if a.load is None or a.load.done]
+        if not ready:
+            return None
+        waiting = [Waiting(a.id, a.start, len(a.tokens) - a.start) for a in ready]
         plan = plan_step(waiting, self.cost, self.config.step_budget_s, self.block_tokens)
         chosen = [(self._active[rid], x) for rid, x in plan]
         chunks = [Chunk(a.kv, a.tokens[a.start : a.start + x], a.start) for a, x in chosen]
@@ -325,21 +420,59 @@ class PrefillEngine:
             if self.windows is not None and a.request.hand_off:
                 kv.capture_at.add(len(a.tokens) - 1)  # the window a decode instance continues from
             self._active[a.id] = a
-            self._plan_prefix(a)
+            self._look_up(a)
 
-    def _plan_prefix(self, a: _Active) -> None:
-        """Look up the stored prefix, ask where its window comes from (`WindowKeeper.plan`), decide whether
-        loading it beats recomputing, and start loading it."""
-        client = self.client
-        if client is None or (a.request.from_handoff and self._continue_handoff(a, client)) or not a.blocks:
+    def _look_up(self, a: _Active) -> None:
+        """Start `a`'s lookups in the store, on the lookups' thread: `a` takes part in steps once they end."""
+        if self.client is None or not (a.blocks or a.request.from_handoff):
             return
-        B, tokens = self.block_tokens, a.tokens.tolist()
-        a.stored = a.save_from = client.lookup(a.blocks)
-        if self.windows is None:
-            plan = WindowPlan.without_window(a.blocks, a.stored, len(tokens), B)
-        else:
-            plan = self.windows.plan(client, a.namespace, tokens, a.blocks, a.stored, a.kv,
-                                     self._accepts_approximate(a), a.request.session_id)
+        if self._lookups is None:
+            self._lookups = ThreadPoolExecutor(1, thread_name_prefix="prefill-lookups")
+        a.looking = self._lookups.submit(self._find, self.client, a, a.tokens.tolist(), a.kv.rings,
+                                         self._accepts_approximate(a))
+
+    def _find(self, client: StoreClient, a: _Active, tokens: list[int], rings: torch.Tensor | None,
+              accepts_approximate: bool) -> _Found:
+        """On the lookups' thread: what the store holds for `a`. Store calls and checks only: it writes nothing
+        of `a` (the engine thread applies what it finds) and does no tensor work (`rings` is read for its
+        shape: torch ops here would bring a second OpenMP team, spinning against the engine's)."""
+        if a.request.from_handoff:
+            if a.handoff_mark is not None:  # the record of a sequence this process preempted may be on its way
+                client.write_behind.wait_for(a.handoff_mark, self.config.handoff_wait_s)
+            for tried, exact in enumerate((True, False) if accepts_approximate else (True,)):
+                if tried < a.handoff_tried:
+                    continue
+                space = self.chain_namespace(a.request, exact, a.namespace)
+                found = handoff.continuation(space, tokens)
+                records = client.get([found.record])
+                if records and (not found.blocks or client.lookup(found.blocks) == len(found.blocks)):
+                    return _Found(_HandedOver(tried, space, exact, found, records[0].payload))
+        if not a.blocks:
+            return _Found()
+        stored = client.lookup(a.blocks)
+        if self.windows is None or rings is None:
+            return _Found(None, stored, WindowPlan.without_window(a.blocks, stored, len(tokens), self.block_tokens))
+        return _Found(None, stored, self.windows.plan(client, a.namespace, tokens, a.blocks, stored, rings,
+                                                      accepts_approximate, a.request.session_id))
+
+    def _take_lookups(self) -> None:
+        """Act on the lookups that ended: continue the hand-offs, plan and start the loads."""
+        for a in list(self._active.values()):
+            if a.looking is not None and a.looking.done():
+                found, a.looking = a.looking.result(), None
+                if found.handed_over is not None:
+                    self._continue_handoff(a, found.handed_over)
+                elif found.plan is not None:
+                    self._plan_prefix(a, found.stored, found.plan)
+
+    def _plan_prefix(self, a: _Active, stored: int, plan: WindowPlan) -> None:
+        """Given the stored prefix of `a`'s exact chain (`stored` blocks) and where its window comes from
+        (`WindowKeeper.plan`), decide whether loading it beats recomputing, and start loading it."""
+        client = self.client
+        assert client is not None, "only a request with a store is looked up"
+        B, tokens = self.block_tokens, a.tokens
+        a.stored = a.save_from = stored
+        if self.windows is not None:
             if plan.capture_at is not None:
                 a.kv.capture_at.add(plan.capture_at)  # where this prompt leaves the stored prefix
             if plan.stored_window is not None:
@@ -377,29 +510,24 @@ class PrefillEngine:
         a.loaded = len(blocks)
         a.load = client.load(blocks, PagedKV(self.pool.layers, a.kv.block_table[: len(blocks)]), len(blocks))
 
-    def _continue_handoff(self, a: _Active, client: StoreClient) -> bool:
+    def _continue_handoff(self, a: _Active, handed: _HandedOver) -> None:
         """Continue from the state another process handed over (engine.prefill.handoff): its chain's full blocks
         loaded, the partial block and the window from the continuation record, the last token to compute.
-        False, touching nothing the normal path needs, where the record or a block is gone or corrupt."""
-        tokens = a.tokens.tolist()
-        for exact in (True, False) if self._accepts_approximate(a) else (True,):
-            space = self.chain_namespace(a.request, exact, a.namespace)
-            found = handoff.continuation(space, tokens)
-            records = client.get([found.record])
-            full = len(found.blocks)
-            if not records or (full and client.lookup(found.blocks) < full):
-                continue
-            try:
-                handoff.restore(records[0].payload, a.kv, found.position, exact)
-            except handoff.CorruptContinuation:
-                continue
-            a.blocks, a.exact = space.blocks(tokens), exact
-            a.stored = a.save_from = a.loaded = full
-            a.start, a.path = found.position, HANDED_OVER
-            if full:
-                self._start_load(a, client, found.blocks)
-            return True
-        return False
+        Where the record is corrupt, the store is looked up again for the next record, or the normal path."""
+        client = self.client
+        assert client is not None, "only a request with a store is looked up"
+        try:
+            handoff.restore(handed.payload, a.kv, handed.found.position, handed.exact)
+        except handoff.CorruptContinuation:
+            a.handoff_tried = handed.tried + 1
+            self._look_up(a)
+            return
+        full = len(handed.found.blocks)
+        a.blocks, a.exact = handed.space.blocks(a.tokens.tolist()), handed.exact
+        a.stored = a.save_from = a.loaded = full
+        a.start, a.path = handed.found.position, HANDED_OVER
+        if full:
+            self._start_load(a, client, handed.found.blocks)
 
     def _accepts_approximate(self, a: _Active) -> bool:
         return not a.request.exact and a.namespace.tenant.hex() not in self.config.exact_tenants

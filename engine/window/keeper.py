@@ -12,8 +12,14 @@ recomputing and, where it loads, `apply` sets the request's KV up.
 
 Once a request is computed, `keep_captured` keeps the windows it captured: the session's latest in the
 tier and, write-behind, as the record of the block it follows, the session's older record deleted once
-the newer one is settled. The engine's client is passed to each call rather than kept: an engine may be
-handed another client (a restarted daemon's).
+the newer one is settled, on the write-behind thread: no call here waits on the store. The engine's client
+is passed to each call rather than kept: an engine may be handed another client (a restarted daemon's).
+
+When a session's next turn is known to be coming (its reply ended in a tool call), `prefetch` has its
+window ready: held in the tier until that turn reads it (`WindowTier.hold`), or where the tier no longer
+has it, the record at its chain's end read ahead, off the engine thread, for the plan to take from
+memory. Records read ahead are bounded in bytes (as many as the tier's), the oldest dropped first, and
+counted in `prefetches`: fetched, used, wasted (dropped unused), absent.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ import threading
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from functools import partial
+
+import torch
 
 from engine.model.kv import RequestKV, WindowState
 from engine.window import record as window_records
@@ -35,8 +43,10 @@ from engine.window.replay import (
 from engine.window.tier import WindowTier
 from kvstore.block import Block, Namespace
 from kvstore.client import PutSummary, StoreClient
+from kvstore.client.assembly import Buffer
 
 MAX_SESSIONS_TRACKED = 65_536  # sessions whose latest window record is remembered, to delete it once superseded
+RECORD_SAVE_WAIT_S = 2.0  # how long a prefetch waits for the saves queued before it (the record's, likely)
 # Where the window of a resumed prefix comes from (`PrefillResult.window_source` names the first two).
 HOST = "host"  # this process's host tier
 STORE = "store"  # the store's window record
@@ -45,9 +55,9 @@ REPLAY = "replay"  # rebuilt by bounded replay: approximate
 
 @dataclass(frozen=True)
 class StoredWindow:
-    """A window read from the store's window record."""
+    """A window read from the store's window record, checked; its rings are made where it is applied."""
 
-    state: WindowState
+    record: window_records.Checked
     nbytes: int  # the record's payload
     own_record: Block | None  # the record, where the reader's session saved it: superseded once it keeps a newer
 
@@ -90,14 +100,21 @@ class WindowKeeper:
         self.misses: Counter[str] = Counter()  # window records looked up and not used, by cause
         self._session_records: OrderedDict[str, Block] = OrderedDict()  # session -> its latest window record
         self._records_lock = threading.Lock()  # the engine thread and the write-behind thread settle records
+        self.prefetches: Counter[str] = Counter()  # window records read ahead of their turn, by what became of them
+        self._prefetched: OrderedDict[bytes, Buffer] = OrderedDict()  # record key -> payload, oldest first
+        self._prefetched_bytes = 0
+        # records read ahead hold the windows of the sessions about to go on: room for as many as the tier
+        self._prefetch_budget = tier_bytes
+        self._prefetch_lock = threading.Lock()  # the threads that prefetch and the lookups' thread
 
     # -- resuming a stored prefix -----------------------------------------------------------------------
 
     def plan(self, client: StoreClient, namespace: Namespace, tokens: list[int], blocks: list[Block], stored: int,
-             kv: RequestKV, accepts_approximate: bool, session_id: str | None) -> WindowPlan:
+             rings: torch.Tensor, accepts_approximate: bool, session_id: str | None) -> WindowPlan:
         """Where the prompt `tokens` resumes and where its window there comes from. `blocks` is its exact chain
-        (in `namespace`), of which the store holds `stored` leading blocks; `kv` its KV, whose rings a record
-        must fit; `accepts_approximate`: it may be replayed; `session_id` (of the namespace's tenant) tells
+        (in `namespace`), of which the store holds `stored` leading blocks; `rings` its KV's rings, whose shape
+        and dtype a record must fit (only those are read: the plan is made off the engine thread and does no
+        tensor work); `accepts_approximate`: it may be replayed; `session_id` (of the namespace's tenant) tells
         its session's own record from another's.
 
         A conversation that went on from a replay has its later blocks in the replayed chain: the plan takes
@@ -120,7 +137,7 @@ class WindowKeeper:
         resume, found = last, None  # blocks to resume after exactly: where the window is kept or recorded
         if resume and blocks[resume - 1].key not in self.tier:
             chain = namespace if exact else replayed_namespace(namespace)
-            found = self.read_record(client, chain, blocks, resume, kv, exact, session_id)
+            found = self.read_record(client, chain, blocks, resume, rings, exact, session_id)
         while resume and found is None and blocks[resume - 1].key not in self.tier:
             resume -= 1
         capture_at = stored * B if resume < stored else None
@@ -137,8 +154,11 @@ class WindowKeeper:
         if plan.source == REPLAY:
             begin_replay(kv, plan.resume * self.block_tokens, self.replay_tokens)
             return True
-        state = plan.stored_window.state if plan.stored_window is not None else \
-            self.tier.get(plan.blocks[plan.resume - 1].key)
+        if plan.stored_window is not None:
+            assert kv.rings is not None, "a window record is read only for a model with sliding layers"
+            state: WindowState | None = plan.stored_window.record.state(kv.rings)
+        else:
+            state = self.tier.get(plan.blocks[plan.resume - 1].key)
         if state is None:
             return False
         kv.restore_window(state)
@@ -165,9 +185,11 @@ class WindowKeeper:
         if client is not None and self.store_records and not replayed_into_exact:
             record = window_records.window_record(chain, block)
             payload = window_records.encode(state, window_records.session_tag(session))
-            settle = partial(self._settle_record, client, session, record, superseded)
-            if not client.save([(record, payload)], 1, window_records.WINDOW_CLASS, then=settle):
-                settle(None)  # dropped: the older records are superseded all the same
+            # the older records go once this one's save is done, on the write-behind thread: never on the
+            # engine's, and never before the save they are superseded by. Where the queue drops the save, they
+            # stay: the session's is deleted after its next save that goes through, `superseded` expires.
+            client.save([(record, payload)], 1, window_records.WINDOW_CLASS,
+                        then=partial(self._settle_record, client, session, record, superseded))
         return kept
 
     def keep_captured(self, client: StoreClient | None, captured: dict[int, WindowState], blocks: list[Block],
@@ -201,27 +223,71 @@ class WindowKeeper:
         if dead:
             client.delete(list(dead.values()))
 
-    def read_record(self, client: StoreClient, chain: Namespace, blocks: list[Block], count: int, kv: RequestKV,
+    def read_record(self, client: StoreClient, chain: Namespace, blocks: list[Block], count: int, rings: torch.Tensor,
                     exact: bool, session_id: str | None) -> StoredWindow | None:
         """The window as of the end of the first `count` of `blocks` (a chain in `chain`, exact or replayed), from
-        the store's window record, as rings for `kv`; None (the cause counted in `misses`) where it is absent
-        or not that window: never an error."""
-        rings = kv.rings
-        if rings is None:
-            raise ValueError("window records hold sliding layers' windows; this model has none")
+        the store's window record, checked against `rings` (a request's: shape and dtype); None (the cause
+        counted in `misses`) where it is absent or not that window: never an error."""
         if not self.store_records:
             return None
-        found = client.get([window_records.window_record(chain, blocks[count - 1])])
-        if not found:  # absent, expired, or refused by verification (the client counts which)
-            self.misses["absent"] += 1
-            return None
+        record = window_records.window_record(chain, blocks[count - 1])
+        payload = self._take_prefetched(record.key)
+        if payload is None:
+            found = client.get([record])
+            if not found:  # absent, expired, or refused by verification (the client counts which)
+                self.misses["absent"] += 1
+                return None
+            payload = found[0].payload
         try:
-            state, session = window_records.decode(found[0].payload, count * self.block_tokens, rings, exact)
+            checked = window_records.check(payload, count * self.block_tokens, rings, exact)
         except window_records.CorruptWindow as exc:
             self.misses[exc.cause] += 1
             return None
-        own = session and session == window_records.session_tag(_session(found[0].block, session_id))
-        return StoredWindow(state, len(found[0].payload), found[0].block if own else None)
+        own = checked.session and checked.session == window_records.session_tag(_session(record, session_id))
+        return StoredWindow(checked, len(payload), record if own else None)
+
+    # -- reading ahead of a turn ---------------------------------------------------------------------
+
+    def prefetch(self, client: StoreClient, chain: Namespace, block: Block) -> bool:
+        """Have the window at the end of `block` (of `chain`: a conversation's last full block) ready for the turn
+        that resumes there: held in the tier where it is there, else its record read from the store. On any
+        thread but the engine's: it
+        waits on the store. Whether that turn's window is held for it now."""
+        if self.tier.hold(block.key):  # this process keeps it: held there until the turn reads it
+            return True
+        if not self.store_records or not self._prefetch_budget:
+            return False
+        record = window_records.window_record(chain, block)
+        with self._prefetch_lock:
+            if record.key in self._prefetched:
+                return True
+        client.write_behind.wait_for(client.write_behind.mark(), RECORD_SAVE_WAIT_S)  # it may just have been queued
+        found = client.get([record])
+        if not found:
+            self.prefetches["absent"] += 1
+            return False
+        payload = found[0].payload
+        if len(payload) > self._prefetch_budget:
+            self.prefetches["too_large"] += 1
+            return False
+        with self._prefetch_lock:
+            if record.key not in self._prefetched:
+                self._prefetched[record.key] = payload
+                self._prefetched_bytes += len(payload)
+                self.prefetches["fetched"] += 1
+            while self._prefetched_bytes > self._prefetch_budget:
+                _, dropped = self._prefetched.popitem(last=False)
+                self._prefetched_bytes -= len(dropped)
+                self.prefetches["wasted"] += 1
+            return record.key in self._prefetched
+
+    def _take_prefetched(self, key: bytes) -> Buffer | None:
+        with self._prefetch_lock:
+            payload = self._prefetched.pop(key, None)
+            if payload is not None:
+                self._prefetched_bytes -= len(payload)
+                self.prefetches["used"] += 1
+            return payload
 
 
 def _session(block: Block, session_id: str | None) -> str | None:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 import struct
+from dataclasses import dataclass
 
 import torch
 import xxhash
@@ -91,11 +92,33 @@ def encode(state: WindowState, session: int = 0) -> bytes:
                          session, sliding, kv_heads, head_dim) + tensor_bytes(ordered)
 
 
-def decode(payload: bytes | bytearray | memoryview, position: int, like: torch.Tensor,
-           exact: bool) -> tuple[WindowState, int]:
-    """The window as of `position` a payload holds, as rings shaped and typed `like` (a request's rings), and
-    the session tag it was saved with. CorruptWindow where it is not that: another format, position or shape,
-    or a replayed window for an `exact` chain."""
+@dataclass(frozen=True)
+class Checked:
+    """A window record's payload found to hold the window it was read for (`check`), not yet turned into rings."""
+
+    payload: bytes | bytearray | memoryview
+    position: int
+    window_from: int
+    positions: int  # w
+    session: int  # the session tag it was saved with
+
+    def state(self, like: torch.Tensor) -> WindowState:
+        """The window as rings shaped and typed `like` (the rings `check` was given). Tensor work: on the engine's
+        own thread (torch ops on another thread bring an OpenMP team of their own, which spins against the
+        engine's)."""
+        view = memoryview(self.payload).cast("B")
+        rings = torch.zeros_like(like, device="cpu")
+        if self.positions:
+            shape = (like.shape[0], 2, self.positions, *like.shape[3:])
+            slots = ring_slots(self.position, self.positions, like.shape[2], rings.device)
+            rings[:, :, slots] = view_tensor(view[_PRELUDE.size:], like.dtype, shape)
+        return WindowState(self.position, rings, self.window_from)
+
+
+def check(payload: bytes | bytearray | memoryview, position: int, like: torch.Tensor, exact: bool) -> Checked:
+    """Whether a payload holds the window as of `position`, for rings shaped and typed `like` (a request's
+    rings; only their shape and dtype are read, so any thread may check). CorruptWindow where it is not
+    that: another format, position or shape, or a replayed window for an `exact` chain."""
     view = memoryview(payload).cast("B")
     if len(view) < _PRELUDE.size:
         raise CorruptWindow("format", f"{len(view)} bytes: shorter than the prelude")
@@ -114,11 +137,15 @@ def decode(payload: bytes | bytearray | memoryview, position: int, like: torch.T
                                      f"{dtype} is not this model's {(like.shape[0], *like.shape[3:])} {like.dtype}")
     if len(view) != _PRELUDE.size + math.prod(shape) * like.element_size():
         raise CorruptWindow("shape", f"{len(view)} bytes do not hold a {w}-position window of this model")
-    rings = torch.zeros_like(like, device="cpu")
-    if w:
-        rings[:, :, ring_slots(position, w, window, rings.device)] = view_tensor(view[_PRELUDE.size:], like.dtype,
-                                                                                shape)
-    return WindowState(position, rings, window_from), session
+    return Checked(payload, position, window_from, w, session)
+
+
+def decode(payload: bytes | bytearray | memoryview, position: int, like: torch.Tensor,
+           exact: bool) -> tuple[WindowState, int]:
+    """The window as of `position` a payload holds, as rings shaped and typed `like` (a request's rings), and
+    the session tag it was saved with; CorruptWindow as `check` raises it."""
+    checked = check(payload, position, like, exact)
+    return checked.state(like), checked.session
 
 
 def tensor_bytes(tensor: torch.Tensor) -> bytes:

@@ -10,7 +10,8 @@ on a running event loop follows them as they join and leave, without a restart.
 
 AsyncKVClient puts the parts together and hands each what it needs, no more: the daemons and which to
 ask (cluster.py), each daemon's calls and transport (shard.py, transport.py), the one Get path
-(get_pipeline.py), loads (loader.py), copies of hot blocks (copier.py), write-behind (write_behind.py).
+(get_pipeline.py), loads (loader.py), copies of hot blocks (copier.py), write-behind (write_behind.py),
+prefetches into the host tier (prefetch.py).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from kvstore.client.host_tier import HostTier
 from kvstore.client.loader import Loader
 from kvstore.client.loading import KVDestination, LoadHandle
 from kvstore.client.membership import Follower, Members, MembershipError
+from kvstore.client.prefetch import Prefetcher
 from kvstore.client.replicas import Replicas
 from kvstore.client.shard import Shard
 from kvstore.client.stats import ClientStats, PutSummary
@@ -48,7 +50,8 @@ log = logging.getLogger(__name__)
 
 class AsyncKVClient:
     """The client on an asyncio event loop. I/O calls are coroutines; the calls that never wait on a daemon
-    (save, start_load, block_sources, tokens_worth_loading, last_errors) are plain, from any thread."""
+    (save, start_load, prefetch, cancel_prefetch, block_sources, tokens_worth_loading, last_errors) are plain,
+    from any thread."""
 
     def __init__(self, config: ClientConfig | Sequence[str] | str) -> None:
         self.config = config if isinstance(config, ClientConfig) else ClientConfig(servers=tuple(
@@ -65,8 +68,8 @@ class AsyncKVClient:
             known = ()
         self.replicas = Replicas()
         self.cluster = Cluster(known, self.config, self.stats, self.executor, self.replicas)
-        self.host = HostTier(self.config.host_tier_bytes, self.config.host_block_bytes,
-                             self.config.host_tier_pinned) if self.config.host_tier_bytes else None
+        self.host = HostTier(self.config.host_tier_bytes, self.config.host_block_bytes, self.config.host_tier_pinned,
+                             stats=self.stats) if self.config.host_tier_bytes else None
         self.bandwidth = BandwidthMeter()
         try:  # the loop the gRPC channels live on: loads, blocking gets and write-behind puts run there
             self.loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
@@ -77,6 +80,7 @@ class AsyncKVClient:
                                 copies.after_get, self.loop)
         self.copier = Copier(copies, self.cluster, self.gets, self.replicas, self.stats)
         self.loader = Loader(self.gets, self.host, self.stats, self.bandwidth, self.cluster.reader, self.executor)
+        self.prefetcher = Prefetcher(self.gets, self.host, self.stats, self.config.prefetch_bytes, self.loop)
         self._write_behind: WriteBehind | None = None
         self._follower: Follower | None = None
         if members.follows:
@@ -101,6 +105,7 @@ class AsyncKVClient:
             await asyncio.to_thread(self.stop_saving)  # its puts wait on this loop: flushed off it
         if self._follower is not None:
             self._follower.stop()  # wakes its thread (a watch is cut), which then ends at once
+        await self.prefetcher.close()
         await self.copier.close()
         await self.cluster.close()
         for shared in self.gets.shared_buffers:
@@ -115,14 +120,17 @@ class AsyncKVClient:
 
     # -- lookup -----------------------------------------------------------------------------------
 
-    async def lookup(self, blocks: Sequence[Block]) -> int:
-        """How many leading blocks of a prefix are stored (one round, all shards in parallel)."""
+    async def lookup(self, blocks: Sequence[Block], promote: bool = False) -> int:
+        """How many leading blocks of a prefix are stored (one round, all shards in parallel).
+
+        With `promote` (the caller is about to read the hit), each daemon starts promoting the leading run
+        it holds of its blocks from SSD into its DRAM tier, in the background (docs/design.md section 5)."""
         same_namespace(blocks)
         self.stats.lookups += 1
         in_host = self.host.leading_hits([b.key for b in blocks]) if self.host is not None else 0
         if in_host == len(blocks):
             return in_host
-        return in_host + await self._lookup_daemons(blocks[in_host:])
+        return in_host + await self._lookup_daemons(blocks[in_host:], promote)
 
     async def present(self, blocks: Sequence[Block]) -> list[bool]:
         """Whether each block is stored, each on its own rather than as a prefix (one round: a Lookup to
@@ -165,15 +173,15 @@ class AsyncKVClient:
 
         await asyncio.gather(*(ask(shard, positions) for shard, positions in asked.items()))
 
-    async def _lookup_daemons(self, blocks: Sequence[Block]) -> int:
-        if self.cluster.changed_lately:  # moved blocks count where they still are
+    async def _lookup_daemons(self, blocks: Sequence[Block], promote: bool = False) -> int:
+        if self.cluster.changed_lately:  # moved blocks count where they still are (and are not promoted)
             found = await self.present(blocks)
             return found.index(False) if False in found else len(found)
 
         async def first_missing(shard: Shard | None, positions: list[int]) -> int:
             if shard is None:
                 return positions[0]
-            hits = await shard.lookup([blocks[i].key for i in positions])
+            hits = await shard.lookup([blocks[i].key for i in positions], promote)
             return positions[hits] if hits < len(positions) else len(blocks)
 
         ends = await asyncio.gather(*(first_missing(shard, positions)
@@ -219,6 +227,18 @@ class AsyncKVClient:
         if self.loop is None:
             raise RuntimeError("loads need a client made on an event loop")
         return self.loader.start(blocks, destination, hit_blocks, len(blocks[0].tokens), self.loop)
+
+    def prefetch(self, blocks: Sequence[Block]) -> int:
+        """Fetch the blocks of `blocks` the host tier lacks into it in the background, for a read expected
+        soon; returns at once, from any thread: how many were queued (prefetch.py). Past `prefetch_bytes`
+        queued or in flight blocks are refused; without a host tier, or on a client made outside an event
+        loop, nothing is queued. A daemon that fails is a miss, counted in `stats`, never an exception."""
+        return self.prefetcher.prefetch(blocks)
+
+    def cancel_prefetch(self, blocks: Sequence[Block]) -> int:
+        """Stop prefetching `blocks`: queued ones are taken back, ones being fetched are not kept; how many
+        were stopped. From any thread; returns at once."""
+        return self.prefetcher.cancel(blocks)
 
     def block_sources(self, blocks: Sequence[Block]) -> list[str]:
         """Where each block would be read from now: "host", or the owning daemon's address."""

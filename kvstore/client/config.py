@@ -28,6 +28,9 @@ class ClientConfig:
     host_block_bytes: int = 0  # payload bytes of one slot of the host tier (the engine's block size)
     host_tier_pinned: bool = False  # allocate the host tier in pinned memory (CUDA engines; needs torch)
     write_behind_bytes: int = 256 * 2**20  # bound of the queue of saves not yet stored
+    # Blocks `prefetch` may have queued or in flight into the host tier, at most (a host slot each); more are
+    # refused (counted). 0: no prefetches.
+    prefetch_bytes: int = 64 * 2**20
     shared_memory: str = "auto"  # lend shared buffers to daemons: "auto": on this host; "on": always; "off"
     # The client's one thread pool: data-channel calls, load workers, the write-behind queue. 0: two per
     # daemon plus two, room for two loads (a host-tier worker and one per daemon each) at once; at least 2.
@@ -103,6 +106,9 @@ class ClientConfig:
                              "put waits on the pool for its data-channel call")
         if self.put_chunk_bytes < 1 or self.max_message_bytes < 1 or self.write_behind_bytes < 1:
             raise ValueError("ClientConfig.put_chunk_bytes, max_message_bytes, write_behind_bytes must be positive")
+        if isinstance(self.prefetch_bytes, bool) or not isinstance(self.prefetch_bytes, int) or self.prefetch_bytes < 0:
+            raise ValueError(f"ClientConfig.prefetch_bytes must be a whole number of bytes, at least 0 (0: no "
+                             f"prefetches), got {self.prefetch_bytes!r}")
         self.members()  # a malformed target fails here, with its message
 
     def members(self) -> Static | Dns | EtcdMembers:

@@ -2,8 +2,8 @@
 
 They take a StoreClient, not the concrete KVClient, so that what they depend on is written down in one
 place and anything with these calls (a KVClient, a stand-in in a test) can serve them. Every call blocks
-until done but for `save` and `load`, which return at once; a dead or slow daemon is a miss, never an
-exception.
+until done but for `save`, `load`, `prefetch` and `cancel_prefetch`, which return at once; a dead or slow
+daemon is a miss, never an exception.
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ from kvstore.eviction import ReuseHint
 
 @runtime_checkable
 class StoreClient(Protocol):
-    def lookup(self, blocks: Sequence[Block]) -> int:
-        """How many leading blocks of a prefix are stored (the host tier, then every daemon)."""
+    def lookup(self, blocks: Sequence[Block], promote: bool = False) -> int:
+        """How many leading blocks of a prefix are stored (the host tier, then every daemon); with `promote`,
+        the daemons start promoting the hit from SSD into their DRAM tiers, for the read that follows."""
         ...
 
     def present(self, blocks: Sequence[Block]) -> list[bool]:
@@ -36,6 +37,14 @@ class StoreClient(Protocol):
 
     def load(self, blocks: Sequence[Block], destination: KVDestination, hit_blocks: int | None = None) -> LoadHandle:
         """Start loading the cached prefix of `blocks` into `destination`, layer by layer; returns at once."""
+        ...
+
+    def prefetch(self, blocks: Sequence[Block]) -> int:
+        """Fetch the blocks the host tier lacks into it in the background; how many were queued."""
+        ...
+
+    def cancel_prefetch(self, blocks: Sequence[Block]) -> int:
+        """Stop prefetches of `blocks` not done yet; how many were stopped."""
         ...
 
     def block_sources(self, blocks: Sequence[Block]) -> list[str]:

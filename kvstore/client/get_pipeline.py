@@ -11,7 +11,8 @@
 `get` runs them from the event loop; `get_blocking` from an engine thread, driving the data channels'
 sockets from that thread (and the pool, for every extra daemon) when every daemon involved has a known
 one, which skips two thread hops. Each daemon's share, once done, is told to `after_get` (the copies of
-hot blocks, kvstore/client/copier.py).
+hot blocks, kvstore/client/copier.py). `fetch_ahead` is plan and fetch alone, for prefetches
+(prefetch.py): whole blocks from the daemons, neither counted as hits nor kept.
 """
 
 from __future__ import annotations
@@ -99,6 +100,14 @@ class GetPipeline:
         if rest == len(blocks):
             return from_host, None
         return from_host, self.plan(blocks[rest:], layer_begin, layer_end, layer_major, into[rest:] if into else None)
+
+    async def fetch_ahead(self, blocks: Sequence[Block]) -> dict[int, BlockData]:
+        """Whole blocks of `blocks` from the daemons (each daemon's share up to its first miss), by position,
+        from the event loop: a read ahead of the engine's, so neither the host tier is consulted nor what
+        arrives counted as a hit or kept; a failure is counted as for any Get, never raised."""
+        plans = self.plan(blocks, 0, None, False, None)
+        await self._fetch_all(plans)
+        return self._delivered(plans)
 
     async def _fetch_all(self, plans: Sequence[ShardGet]) -> None:
         await asyncio.gather(*(self.fetch(plan.shard, plan.request, plan.assembly, plan.shared) for plan in plans))
@@ -210,12 +219,7 @@ class GetPipeline:
 
     def finish(self, plans: Sequence[ShardGet]) -> list[BlockData]:
         """The leading run of verified blocks the plans delivered; counted, and kept in the host tier."""
-        results: dict[int, BlockData] = {}
-        for plan in plans:
-            delivered = plan.assembly.results()
-            results.update(delivered)
-            if self.after_get is not None:
-                self.after_get(plan.shard, plan.assembly, delivered)
+        results = self._delivered(plans)
         prefix: list[BlockData] = []
         while len(prefix) in results:
             prefix.append(results[len(prefix)])
@@ -227,3 +231,13 @@ class GetPipeline:
                 if data.layer_begin == 0 and data.layer_end == data.header.n_layers:
                     self.host.put(data.header, data.payload)
         return prefix
+
+    def _delivered(self, plans: Sequence[ShardGet]) -> dict[int, BlockData]:
+        """The verified blocks the plans delivered, by position; each plan told to `after_get`."""
+        results: dict[int, BlockData] = {}
+        for plan in plans:
+            delivered = plan.assembly.results()
+            results.update(delivered)
+            if self.after_get is not None:
+                self.after_get(plan.shard, plan.assembly, delivered)
+        return results

@@ -174,10 +174,11 @@ class Shard:
         self.stats.bytes_written += sum(len(h) + len(p) for (h, p), r in zip(records, results) if r == pb.STORED)
         return results
 
-    async def lookup(self, keys: Sequence[bytes]) -> int:
-        """How many leading keys are stored (none where the call failed)."""
-        answer = await self._call(self._lookup(pb.LookupRequest(keys=keys), timeout=self.config.lookup_timeout_s,
-                                               metadata=self.metadata))
+    async def lookup(self, keys: Sequence[bytes], promote: bool = False) -> int:
+        """How many leading keys are stored (none where the call failed); with `promote`, the daemon starts
+        promoting those it holds from SSD into its DRAM tier (a daemon that predates it ignores it)."""
+        answer = await self._call(self._lookup(pb.LookupRequest(keys=keys, promote=promote),
+                                               timeout=self.config.lookup_timeout_s, metadata=self.metadata))
         return answer.hits if answer is not None else 0
 
     async def present(self, keys: Sequence[bytes]) -> list[bool]:

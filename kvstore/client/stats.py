@@ -30,3 +30,11 @@ class ClientStats:
     copies_made: int = 0  # copies of hot blocks this client put on members that lacked them
     copy_reads: int = 0  # blocks read from a copy's holder (or a moved block's previous owner), not the owner
     handed_off: int = 0  # moved blocks this client found on their previous owner and copied to the new one
+    # Prefetches into the host tier (prefetch.py, AsyncKVClient.prefetch)
+    prefetched: int = 0  # blocks a prefetch put in the host tier
+    prefetch_used: int = 0  # of them, read (their first pin by a get or a load)
+    prefetch_wasted: int = 0  # of them, evicted before any read
+    prefetch_refused: int = 0  # blocks not prefetched for want of room: past prefetch_bytes, or no free host slot
+    prefetch_cancelled: int = 0  # queued blocks cancel_prefetch took back
+    prefetch_missed: int = 0  # blocks a prefetch did not get: not stored, failed verification, or a daemon failed
+    prefetch_too_large: int = 0  # blocks larger than a host slot, never kept there

@@ -54,8 +54,9 @@ class KVClient:
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
-    def lookup(self, blocks: Sequence[Block]) -> int:
-        return self._run(self._async.lookup(blocks))
+    def lookup(self, blocks: Sequence[Block], promote: bool = False) -> int:
+        """As AsyncKVClient.lookup; with `promote`, the daemons start promoting the hit into DRAM."""
+        return self._run(self._async.lookup(blocks, promote))
 
     def present(self, blocks: Sequence[Block]) -> list[bool]:
         return self._run(self._async.present(blocks))
@@ -83,6 +84,14 @@ class KVClient:
     @property
     def write_behind(self) -> WriteBehind:
         return self._async.write_behind
+
+    def prefetch(self, blocks: Sequence[Block]) -> int:
+        """As AsyncKVClient.prefetch: queued, fetched into the host tier in the background; never blocks."""
+        return self._async.prefetch(blocks)
+
+    def cancel_prefetch(self, blocks: Sequence[Block]) -> int:
+        """As AsyncKVClient.cancel_prefetch: queued prefetches of `blocks` stop; never blocks."""
+        return self._async.cancel_prefetch(blocks)
 
     def load(self, blocks: Sequence[Block], destination: KVDestination, hit_blocks: int | None = None) -> LoadHandle:
         """As AsyncKVClient.load; returns at once (after a lookup, unless `hit_blocks` says how many blocks
@@ -117,6 +126,8 @@ class KVClient:
 
     def close(self) -> None:
         self._async.stop_saving()  # flushes what is queued, here: its puts wait on the loop
+        if self._loop.is_running():  # before the pool goes: a prefetch in flight may still hand it work
+            self._run(self._async.prefetcher.close())
         self.executor.shutdown(wait=True)
         if self._loop.is_running():
             self._run(self._async.close())

@@ -3,7 +3,9 @@
 `save` only enqueues; while anything is queued, one drain task stores it through `put` (KVClient.put),
 on the executor given (the client's one thread pool; without one, a thread of its own). The queue is
 bounded in bytes: a save that does not fit is dropped and counted (the blocks are simply not cached),
-never waited on. `flush` waits until everything queued is stored; `close` flushes and stops.
+never waited on. `flush` waits until everything queued is stored; `close` flushes and stops. `mark` and
+`wait_for` let a caller wait for the saves queued before a point only (a resumption for the record its
+preemption saved), not for everything queued since.
 
 A save may carry `then`, called on the drain thread with the put's summary (None where the put raised)
 once it is done: what must follow the save and depend on its outcome (deleting the record it supersedes,
@@ -37,6 +39,8 @@ class WriteBehind:
         self.counters: Counter = Counter()  # queued, stored, existed, failed, dropped (blocks); then_failed (saves)
         self._queue: deque = deque()
         self._queued_bytes = 0
+        self._accepted = 0  # saves queued so far: the marks
+        self._settled = 0  # saves done (stored or failed) so far: in queue order, so every mark <= it is done
         self._busy = False
         self._closed = False
         self._changed = threading.Condition()
@@ -55,6 +59,7 @@ class WriteBehind:
                 return False
             self._queue.append((list(items), num_layers, traffic_class, hint, then, nbytes))
             self._queued_bytes += nbytes
+            self._accepted += 1
             self.counters["queued"] += len(items)
             self._changed.notify_all()
         return True
@@ -72,6 +77,17 @@ class WriteBehind:
         """Wait until every queued save has been stored (or failed); False on timeout."""
         with self._changed:
             return self._changed.wait_for(lambda: not self._queue and not self._busy, timeout)
+
+    def mark(self) -> int:
+        """A mark of the saves queued so far, for `wait_for`."""
+        with self._changed:
+            return self._accepted
+
+    def wait_for(self, mark: int, timeout: float | None = None) -> bool:
+        """Wait until every save queued before `mark` was taken has been stored (or failed), not those queued
+        since; False on timeout."""
+        with self._changed:
+            return self._changed.wait_for(lambda: self._settled >= mark, timeout)
 
     def close(self, timeout: float | None = None) -> None:
         self.flush(timeout)
@@ -120,5 +136,6 @@ class WriteBehind:
             finally:
                 with self._changed:
                     self._queued_bytes -= nbytes
+                    self._settled += 1
                     self._busy = False
                     self._changed.notify_all()

@@ -222,7 +222,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         best = None
         for rank in range(self.world):
             spaces = self.namespaces(cache_salt, rank)
-            full_hit = self.client.lookup(spaces.full.blocks(tokens))
+            # the workers load the hit once the scheduler has pages for it, steps later where it waits for
+            # them: the daemons start bringing it from SSD into DRAM meanwhile, behind their reads
+            full_hit = self.client.lookup(spaces.full.blocks(tokens), promote=True)
             if spaces.window is None or full_hit <= local:
                 rank_best = max(full_hit, local)
             else:

@@ -52,6 +52,11 @@ class BlockReader:
         cached = self._hot.pin(key)
         if cached is not None:
             return OpenBlock(key, entry, decode_header(cached.header), cached.header, None, cached, "dram")
+        return await self.open_segment(key, entry)
+
+    async def open_segment(self, key: bytes, entry: Entry) -> OpenBlock | Miss:
+        """As `open`, from the segment file alone: the DRAM tier is not consulted (promotion reads so, and
+        a pin would count as a read of the entry)."""
         segment = self._segments.acquire(entry.segment)
         if segment is None:
             return Miss(MissStatus.UNAVAILABLE, "segment_gone")
@@ -73,13 +78,14 @@ class BlockReader:
         return OpenBlock(key, entry, header, header_bytes, segment, None, "ssd")
 
     async def read_layers(self, block: OpenBlock, begin: int, end: int,
-                          into: memoryview | None = None) -> RecordBytes:
+                          into: memoryview | None = None, keep: bool = True) -> RecordBytes:
         """Payload bytes of layers [begin, end), verified; written into `into` when given.
 
         Raises CorruptRecord or OSError; ValueError for a range outside the block (a caller's bug, never
         a reason to drop it). `into` may be memory the client can write (its shared region): bytes there
         that fail their checksums are read again into the daemon's own memory, and the block is dropped
-        only if they fail there too."""
+        only if they fail there too. A whole block read from its segment is kept in the DRAM tier unless
+        `keep` is False (promotion puts it there itself); its buffer is one the tier can keep either way."""
         header = block.header
         if not 0 <= begin < end <= header.n_layers:
             raise ValueError(f"layers [{begin}, {end}) of a block of {header.n_layers}")
@@ -105,7 +111,7 @@ class BlockReader:
                                     "the bytes changed in the client's memory while the daemon checked them") from None
             await self._drop_corrupt(block.key, block.entry)
             raise
-        if whole:  # the DRAM tier keeps it; pinned for this reader, as if it had come from there
+        if whole and keep:  # the DRAM tier keeps it; pinned for this reader, as if it had come from there
             self._hot.put(block.key, block.header_bytes, data)
             block.hot = self._hot.pin(block.key)
         return data

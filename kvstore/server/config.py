@@ -53,6 +53,11 @@ class ServerConfig:
     segment_bytes: int = 256 * 2**20
     compaction_min_garbage: float = 0.5  # compact a sealed segment once this share of it is dead
     hot_tier_bytes: int = 256 * 2**20
+    # Promotion (docs/design.md section 5): blocks engines will read soon (Advise continues=true, Lookup with
+    # promote) are copied from SSD into the DRAM tier while no Get is served. The most bytes of promoted blocks
+    # not yet read the tier holds at once; "off" (unset): a quarter of hot_tier_bytes; 0: no promotion.
+    promote_bytes: int | None = None
+    promote_queue_keys: int = 4096  # blocks waiting to be promoted, at most; more are dropped (counted)
     # lru, s3fifo, sieve, prefix-lfu, prefix-reuse or adaptive (kvstore/eviction/; adaptive is the one
     # recommended: never below LRU across the measured workloads; lru stays the default until the fault
     # suite has run with adaptive, see docs/performance.md)
@@ -134,6 +139,11 @@ class ServerConfig:
         return self.tls_cert is not None
 
     @property
+    def promote_budget_bytes(self) -> int:
+        """`promote_bytes`, or where it is unset a quarter of the DRAM tier; 0: no promotion."""
+        return self.hot_tier_bytes // 4 if self.promote_bytes is None else self.promote_bytes
+
+    @property
     def loopback_only(self) -> bool:
         return self.host in ("127.0.0.1", "localhost", "::1") or self.host.startswith("127.")
 
@@ -205,6 +215,12 @@ class ServerConfig:
             raise ValueError(f"direct_io_min_bytes must be >= 0 (0: no direct I/O), got {self.direct_io_min_bytes}")
         if self.hot_tier_bytes < 0:
             raise ValueError(f"hot_tier_bytes must be >= 0 (0 disables the DRAM tier), got {self.hot_tier_bytes}")
+        if self.promote_bytes is not None and self.promote_bytes < 0:
+            raise ValueError(f"promote_bytes must be >= 0 (0: no promotion; off: a quarter of hot_tier_bytes), "
+                             f"got {self.promote_bytes}")
+        if self.promote_queue_keys < 1:
+            raise ValueError(f"promote_queue_keys must be positive (promote_bytes = 0 turns promotion off), "
+                             f"got {self.promote_queue_keys}")
         if self.lmdb_max_map_bytes < self.lmdb_map_bytes:
             raise ValueError("lmdb_max_map_bytes must be >= lmdb_map_bytes")
         if self.max_block_bytes > self.max_inflight_put_bytes:

@@ -304,25 +304,26 @@ class DataPlaneServer:
                 return region.view[offset : offset + nbytes]
         heads: list[bytes] = []  # heads of parts already in the client's memory, sent a layer at a time
         layer = request.layer_begin
-        async for head, payload in get_parts(self.store, request, target, scope):
-            in_region = region is not None and isinstance(payload, memoryview) and payload.obj is region.mapping
-            if heads and (not in_region or head.layer_begin != layer):
-                await connection.send(b"".join(heads))
-                heads.clear()
-            layer = head.layer_begin
-            if in_region:  # the bytes are already in the client's memory: only the head travels
-                assert region is not None
-                self.metrics.region_bytes.inc(head.payload_bytes)
-                head.in_region = True
-                head.region_offset = self._place(request, region, head.index, head.layer_begin,
-                                                 head.payload_bytes)[0]
-                heads.append(wire.frame(wire.PART, head.SerializeToString()))
-                continue
-            await connection.send(wire.frame(wire.PART, head.SerializeToString()))
-            if payload is not None:
-                await connection.send(payload)
-        heads.append(wire.frame(wire.DONE))
-        await connection.send(b"".join(heads))
+        with self.store.gets_in_flight:  # promotion waits while any Get is served
+            async for head, payload in get_parts(self.store, request, target, scope):
+                in_region = region is not None and isinstance(payload, memoryview) and payload.obj is region.mapping
+                if heads and (not in_region or head.layer_begin != layer):
+                    await connection.send(b"".join(heads))
+                    heads.clear()
+                layer = head.layer_begin
+                if in_region:  # the bytes are already in the client's memory: only the head travels
+                    assert region is not None
+                    self.metrics.region_bytes.inc(head.payload_bytes)
+                    head.in_region = True
+                    head.region_offset = self._place(request, region, head.index, head.layer_begin,
+                                                     head.payload_bytes)[0]
+                    heads.append(wire.frame(wire.PART, head.SerializeToString()))
+                    continue
+                await connection.send(wire.frame(wire.PART, head.SerializeToString()))
+                if payload is not None:
+                    await connection.send(payload)
+            heads.append(wire.frame(wire.DONE))
+            await connection.send(b"".join(heads))
         self.metrics.rpc_latency.labels(method="data.Get").observe(time.perf_counter() - started)
 
     @staticmethod

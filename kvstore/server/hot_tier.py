@@ -5,18 +5,33 @@ much more once a process holds a few GiB), so a buffer freed by eviction is hand
 read of the same size instead of back to the allocator. A reader pins the entry it is sending from;
 an evicted entry's buffer is recycled only once its last reader is done, so eviction never rewrites
 bytes a reader holds.
+
+Records also arrive before anyone asks for them (promotion.py): `put_prefetched` keeps them flagged
+until their first read, holds at most `prefetch_bytes` of them unread at a time, and makes room only by
+evicting entries that no reader pins and that are not themselves unread prefetches; where that cannot
+make room it refuses. `hold` flags an entry already here the same way. A plain put (a read, a Put)
+passes unread prefetches over while anything else can go, so that ordinary traffic does not push them
+out before the read they were brought in for.
+How each prefetched entry ended, read ("used") or evicted or discarded unread ("wasted"), is told to
+`on_prefetch_end`.
 """
 
 from __future__ import annotations
 
 import mmap
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 from kvstore.eviction import LRU, EvictionPolicy
 from kvstore.record import RecordBytes
 
 FREE_BUFFERS_PER_SIZE = 8
 Recyclable = bytearray | mmap.mmap  # a payload buffer the tier hands to the next put or read of its size
+PrefetchEnd = Literal["used", "wasted"]
+# Why put_prefetched did not keep a record: the key is held already, the prefetch budget is spent, or no
+# room can be made without evicting a pinned entry or another unread prefetch.
+PrefetchRefusal = Literal["in_dram", "budget", "no_room"]
 
 
 @dataclass(eq=False, slots=True)
@@ -25,25 +40,50 @@ class HotEntry:
     payload: RecordBytes
     pins: int = 0
     evicted: bool = False
+    prefetched: bool = False  # put by put_prefetched and not read since
+
+    @property
+    def size(self) -> int:
+        return len(self.header) + len(self.payload)
+
+    @property
+    def held(self) -> bool:
+        """Whether put_prefetched may not evict it: a reader pins it, or it is a prefetch nobody has read."""
+        return self.pins > 0 or self.prefetched
 
 
 class HotTier:
-    def __init__(self, capacity_bytes: int, policy: EvictionPolicy | None = None) -> None:
+    def __init__(self, capacity_bytes: int, policy: EvictionPolicy | None = None, prefetch_bytes: int = 0,
+                 on_prefetch_end: Callable[[PrefetchEnd, int], None] | None = None) -> None:
         self.capacity_bytes = capacity_bytes
+        self.prefetch_bytes = prefetch_bytes  # the most bytes of unread prefetched entries at a time; 0: none
+        self._on_prefetch_end = on_prefetch_end
         self._policy = policy or LRU()
         self._entries: dict[bytes, HotEntry] = {}
         self._free: dict[int, list[Recyclable]] = {}  # size -> buffers nobody references
+        self.prefetched_bytes = 0  # bytes of entries put by put_prefetched and not read yet
+        self._held_bytes = 0  # bytes of the entries in the tier that are `held`
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
 
     def pin(self, key: bytes) -> HotEntry | None:
-        """The entry of `key`, pinned until `unpin`; None on a miss."""
+        """The entry of `key`, pinned until `unpin`; None on a miss. A read: the first one of a prefetched
+        entry is when the prefetch was used."""
         entry = self._entries.get(key)
         if entry is not None:
+            was_held = entry.held
+            if entry.prefetched:
+                self._end_prefetch(entry, "used")
             entry.pins += 1
+            self._held_changed(entry, was_held)
             self._policy.access(key)
         return entry
 
     def unpin(self, entry: HotEntry) -> None:
+        was_held = entry.held
         entry.pins -= 1
+        self._held_changed(entry, was_held)
         if entry.evicted and entry.pins == 0:
             self._recycle(entry.payload)
 
@@ -68,11 +108,97 @@ class HotTier:
             self._drop(old)
         self._entries[key] = HotEntry(header, payload)
         self._policy.insert(key, size)
-        while self._policy.tracked_bytes > self.capacity_bytes:
-            victim = self._policy.pop_victim()
-            if victim is None:
-                break
-            self._drop(self._entries.pop(victim))
+        # Unread prefetches are passed over: they were brought in (or held) for a read known to be coming,
+        # and ordinary traffic would otherwise push them out before it. They are at most prefetch_bytes;
+        # where nothing else is left, the least recent of them goes too.
+        passed_over: list[tuple[bytes, int]] = []  # out of the policy's order while this looks past them
+        try:
+            while self._policy.tracked_bytes + sum(n for _, n in passed_over) > self.capacity_bytes:
+                victim = self._policy.pop_victim()
+                if victim is None or (victim == key and passed_over):  # only prefetches left besides this one
+                    if victim == key:
+                        self._policy.insert(key, size)
+                    if not passed_over:
+                        break
+                    victim, _ = passed_over.pop(0)
+                elif victim != key and self._entries[victim].prefetched:
+                    passed_over.append((victim, self._entries[victim].size))
+                    continue
+                self._drop(self._entries.pop(victim))
+        finally:
+            for held_key, held_size in passed_over:
+                self._policy.insert(held_key, held_size)
+
+    # -- prefetched entries (promotion.py) ------------------------------------------------------------
+
+    def hold(self, key: bytes) -> bool:
+        """Flag an entry already here as a prefetch until its next read (a read known to be coming), within
+        the prefetch budget; whether it is flagged now."""
+        entry = self._entries.get(key)
+        if entry is None or entry.prefetched:
+            return entry is not None
+        if self.prefetched_bytes + entry.size > self.prefetch_bytes:
+            return False
+        was_held = entry.held
+        entry.prefetched = True
+        self.prefetched_bytes += entry.size
+        self._held_changed(entry, was_held)
+        return True
+
+    def prefetch_refusal(self, key: bytes, size: int) -> PrefetchRefusal | None:
+        """Why put_prefetched would refuse a record of `size` bytes for `key` now; None if it would keep it."""
+        if key in self._entries:
+            return "in_dram"
+        if self.prefetched_bytes + size > self.prefetch_bytes:
+            return "budget"
+        if size > self.capacity_bytes - self._held_bytes:  # what evicting every entry not held would leave
+            return "no_room"
+        return None
+
+    def put_prefetched(self, key: bytes, header: bytes, payload: RecordBytes) -> PrefetchRefusal | None:
+        """Keep a record nobody has asked for yet, flagged until its first read; None once kept, else why
+        not. Room is made by evicting only entries that are not `held`; the tier takes `payload` either way
+        (a refused buffer is recycled)."""
+        size = len(header) + len(payload)
+        refusal = self.prefetch_refusal(key, size)
+        if refusal is not None:
+            self._recycle(payload)
+            return refusal
+        needed = self._policy.tracked_bytes + size - self.capacity_bytes
+        passed_over: list[tuple[bytes, int]] = []
+        try:
+            while needed > 0:
+                victim = self._policy.pop_victim()
+                if victim is None:  # cannot happen while _held_bytes is right; refuse rather than overfill
+                    self._recycle(payload)
+                    return "no_room"
+                entry = self._entries[victim]
+                if entry.held:
+                    passed_over.append((victim, entry.size))
+                    continue
+                del self._entries[victim]
+                self._drop(entry)
+                needed -= entry.size
+        finally:
+            for held_key, held_size in passed_over:  # they stay, as the most recent (HostTier does the same)
+                self._policy.insert(held_key, held_size)
+        self._entries[key] = HotEntry(header, payload, prefetched=True)
+        self._policy.insert(key, size)
+        self.prefetched_bytes += size
+        self._held_bytes += size
+        return None
+
+    def _end_prefetch(self, entry: HotEntry, how: PrefetchEnd) -> None:
+        entry.prefetched = False
+        self.prefetched_bytes -= entry.size
+        if self._on_prefetch_end is not None:
+            self._on_prefetch_end(how, entry.size)
+
+    def _held_changed(self, entry: HotEntry, was_held: bool) -> None:
+        if not entry.evicted and entry.held != was_held:
+            self._held_bytes += entry.size if entry.held else -entry.size
+
+    # -- leaving the tier ---------------------------------------------------------------------------
 
     def discard(self, key: bytes) -> None:
         entry = self._entries.pop(key, None)
@@ -81,6 +207,11 @@ class HotTier:
             self._drop(entry)
 
     def _drop(self, entry: HotEntry) -> None:
+        """`entry`, already out of the entries and the policy, leaves the tier."""
+        if entry.held:
+            self._held_bytes -= entry.size
+        if entry.prefetched:
+            self._end_prefetch(entry, "wasted")
         entry.evicted = True
         if entry.pins == 0:
             self._recycle(entry.payload)

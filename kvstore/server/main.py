@@ -108,6 +108,7 @@ async def serve(config: ServerConfig, stop: asyncio.Event | None = None) -> None
     if config.exit_on_stdin_eof:
         watch_stdin(lambda: loop.call_soon_threadsafe(stop.set))
     maintenance = asyncio.create_task(store.retention.run())
+    promotion = asyncio.create_task(store.promoter.run())
     registration = None
     if config.register is not None:  # only once serving: a client that sees the entry can use it
         registration = Registration(config.register, config.advertised, config.register_ttl_s, config.etcd_access())
@@ -123,11 +124,12 @@ async def serve(config: ServerConfig, stop: asyncio.Event | None = None) -> None
                 await asyncio.sleep(config.leave_drain_s)
         await health_servicer.enter_graceful_shutdown()
         await asyncio.gather(server.stop(config.grace_s), data_plane.stop(config.grace_s))
-        maintenance.cancel()
-        try:
-            await maintenance
-        except asyncio.CancelledError:
-            pass
+        for task in (maintenance, promotion):
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
         try:
             await store.close()  # a full disk is no error here: what cannot be saved is logged
         except OSError as exc:

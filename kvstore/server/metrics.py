@@ -31,6 +31,34 @@ class Metrics:
                                        "than tenant_max_share of the budget", registry=r)
         self.advised = Counter("kvstore_advised_blocks", "Held blocks engines advised on, by whether their "
                                "conversation goes on", ["continues"], registry=r)
+        # Promotion (promotion.py): blocks copied from SSD into the DRAM tier before a Get asked for them
+        self.promoted_blocks = Counter("kvstore_promoted_blocks", "Blocks promoted from SSD into the DRAM tier "
+                                       "before a read, by reason: advice (Advise continues) or lookup (Lookup "
+                                       "promote)", ["reason"], registry=r)
+        self.promoted_bytes = Counter("kvstore_promoted_bytes", "Record bytes promoted into the DRAM tier, by reason",
+                                      ["reason"], registry=r)
+        self.promoted_used = Counter("kvstore_promoted_used_blocks", "Promoted blocks read from the DRAM tier "
+                                     "(counted at their first read)", registry=r)
+        self.promoted_used_bytes = Counter("kvstore_promoted_used_bytes", "Record bytes of promoted blocks read",
+                                           registry=r)
+        self.promoted_wasted = Counter("kvstore_promoted_wasted_blocks", "Promoted blocks evicted or discarded from "
+                                       "the DRAM tier before any read", registry=r)
+        self.promoted_wasted_bytes = Counter("kvstore_promoted_wasted_bytes", "Record bytes of promoted blocks "
+                                             "that left the DRAM tier unread", registry=r)
+        self.promotion_dropped = Counter("kvstore_promotion_dropped_blocks", "Blocks asked for promotion and not "
+                                         "promoted, by cause: queue_full, budget (promote_bytes of unread promoted "
+                                         "blocks held), no_room (only pinned or unread promoted blocks to evict), "
+                                         "gone (deleted, evicted or expired), unreadable (failed verification or "
+                                         "an I/O error)", ["cause"], registry=r)
+        self.promotion_in_dram = Counter("kvstore_promotion_in_dram_blocks", "Blocks asked for promotion that were "
+                                         "in the DRAM tier already", registry=r)
+        self.promotion_cancelled = Counter("kvstore_promotion_cancelled_blocks", "Queued blocks taken out of the "
+                                           "promotion queue by Advise (continues false) or Delete", registry=r)
+        self.promotion_queued = Gauge("kvstore_promotion_queued_blocks", "Blocks waiting to be promoted", registry=r)
+        self.promoted_unread_bytes = Gauge("kvstore_promoted_unread_bytes", "Bytes of promoted blocks in the DRAM "
+                                           "tier not read yet (at most promote_bytes)", registry=r)
+        self.gets_in_flight = Gauge("kvstore_gets_in_flight", "Gets being served, both transports (promotion "
+                                    "waits for none)", registry=r)
         self.expiries = Counter("kvstore_expiries", "Blocks dropped at the end of their TTL", registry=r)
         self.compactions = Counter("kvstore_compactions", "Segments compacted or expired", ["reason"], registry=r)
         self.copied_forward = Counter("kvstore_copied_forward_bytes", "Live bytes copied by compaction", registry=r)
@@ -49,6 +77,15 @@ class Metrics:
                                      registry=r)
         self.rpc_errors = Counter("kvstore_rpc_errors", "RPCs ended with an error status", ["method", "code"],
                                   registry=r)
+
+    def prefetch_ended(self, how: str, nbytes: int) -> None:
+        """A promoted block left the DRAM tier's unread state (HotTier's on_prefetch_end): "used" or "wasted"."""
+        if how == "used":
+            self.promoted_used.inc()
+            self.promoted_used_bytes.inc(nbytes)
+        else:
+            self.promoted_wasted.inc()
+            self.promoted_wasted_bytes.inc(nbytes)
 
     def samples(self) -> list[Sample]:
         """Every sample, labels as they are (histogram buckets and creation times left out)."""

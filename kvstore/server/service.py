@@ -72,7 +72,7 @@ class KVStoreService:
     async def lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
         check_keys(request.keys, self.config)
         scope = self.caller_scope()
-        hits = self.store.lookup(request.keys, scope)
+        hits = self.store.lookup(request.keys, scope, promote=request.promote)
         present = self.store.present(request.keys, scope) if request.each else b""
         return pb.LookupResponse(hits=hits, present=present)
 
@@ -108,10 +108,12 @@ class KVStoreService:
         if request.region_id:
             raise RequestError("shared-memory regions are only served on the data channel")
         who = grpc_caller(context)
-        async for head, payload in get_parts(self.store, request, scope=self.caller_scope()):
-            await self._send(context, head.SerializeToString())
-            if payload is not None:
-                await self._send_payload(context, payload, who)
+        scope = self.caller_scope()
+        with self.store.gets_in_flight:  # promotion waits while any Get is served
+            async for head, payload in get_parts(self.store, request, scope=scope):
+                await self._send(context, head.SerializeToString())
+                if payload is not None:
+                    await self._send_payload(context, payload, who)
 
     async def _send_payload(self, context, payload: RecordBytes, who: str) -> None:
         """Send one payload, holding its memory against the send budget until the client has taken it.

@@ -11,7 +11,9 @@ thread. Guarantees (docs/design.md section 10):
 
 Beside it: what it holds, in numbers (accounting.py); the access times and extended expiries not yet in
 the index (access_times.py); expiry, eviction and compaction (retention.py, which acts through the
-methods under "for retention"). Its answers are its own (outcomes.py), not the protocol's.
+methods under "for retention"); promotion of blocks into the DRAM tier before they are read (promotion.py,
+which reads through the methods under "for promotion"). Its answers are its own (outcomes.py), not the
+protocol's.
 """
 
 from __future__ import annotations
@@ -27,9 +29,10 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Literal
 
 from kvstore.eviction import EvictionPolicy, ReuseHint, make_policy
-from kvstore.record import RecordBytes, RecordHeader
+from kvstore.record import CorruptRecord, RecordBytes, RecordHeader
 from kvstore.server.access_log import KEYS_PER_CALL, AccessLog
 from kvstore.server.access_times import AccessTimes
 from kvstore.server.accounting import Accounting
@@ -42,6 +45,7 @@ from kvstore.server.key_digest import KeyDigest
 from kvstore.server.metrics import Metrics
 from kvstore.server.names import Names, Scope
 from kvstore.server.outcomes import Miss, MissStatus, PutResult
+from kvstore.server.promotion import GetsInFlight, Promoter
 from kvstore.server.recovery import open_index, reconcile, replace_damaged
 from kvstore.server.retention import Places, Retention, SegmentRecord
 from kvstore.server.segments import Segment, SegmentSet
@@ -67,7 +71,10 @@ class BlockStore:
         self.metrics = metrics or Metrics()
         self.clock = clock
         self.policy = policy or make_policy(config.eviction_policy, config.capacity_bytes)
-        self.hot = HotTier(config.hot_tier_bytes)
+        self.hot = HotTier(config.hot_tier_bytes, prefetch_bytes=config.promote_budget_bytes,
+                           on_prefetch_end=self.metrics.prefetch_ended)
+        self.gets_in_flight = GetsInFlight(self.metrics.gets_in_flight)  # the transports count each Get they serve
+        self.promoter = Promoter(self, self.hot, self.gets_in_flight, self.metrics, config.promote_queue_keys)
         self.hot_keys = HotKeys(config.hot_reads, config.hot_window_s) if config.hot_replicas > 1 else None
         self.names = Names(config)
         self.access = AccessTimes(self.policy, self.names.ttl_ms)
@@ -180,8 +187,9 @@ class BlockStore:
         """For each key on its own, 1 if it exists, has not expired and belongs to a tenant in `scope`."""
         return self.index.live_each(keys, self.now_ms(), self.access.extended, self.names.tenant_ids(scope))
 
-    def lookup(self, keys: Sequence[bytes], scope: Scope = None) -> int:
-        """How many leading keys exist, have not expired, and belong to a tenant in `scope`."""
+    def lookup(self, keys: Sequence[bytes], scope: Scope = None, promote: bool = False) -> int:
+        """How many leading keys exist, have not expired, and belong to a tenant in `scope`; with `promote`,
+        those are queued for promotion into the DRAM tier (the caller is about to read them)."""
         now_ms = self.now_ms()
         hits = self.index.live_prefix(keys, now_ms, self.access.extended, self.names.tenant_ids(scope))
         if self.access_log is not None:
@@ -191,6 +199,8 @@ class BlockStore:
             self.access_log.skipped(len(keys) - len(logged))
         self.metrics.lookup_keys.inc(len(keys))
         self.metrics.lookup_hits.inc(hits)
+        if promote:
+            self.promoter.enqueue(keys[:hits], "lookup")
         return hits
 
     async def open_block(self, key: bytes, scope: Scope = None) -> OpenBlock | Miss:
@@ -354,7 +364,9 @@ class BlockStore:
         return touched
 
     async def delete(self, keys: Sequence[bytes], scope: Scope = None) -> int:
-        return len(await self.remove(self.in_scope(keys, scope)))
+        keys = self.in_scope(keys, scope)
+        self.promoter.cancel(keys)
+        return len(await self.remove(keys))
 
     def in_scope(self, keys: Sequence[bytes], scope: Scope) -> Sequence[bytes]:
         """The distinct keys whose blocks a caller limited to `scope` may act on."""
@@ -364,14 +376,48 @@ class BlockStore:
         return [key for key, entry in zip(keys, self.index.get_many(keys)) if self.names.visible(entry, scope)]
 
     def advise(self, keys: Sequence[bytes], continues: bool, scope: Scope = None) -> int:
-        """Tell the eviction policy whether the conversation that put `keys` goes on; how many it holds."""
+        """Tell the eviction policy whether the conversation that put `keys` goes on; how many it holds.
+
+        A conversation that goes on will send `keys` (its prompt, in prefix order) again soon: those not
+        expired are queued for promotion into the DRAM tier. One that ended takes them out of the queue."""
         advice = ReuseHint(0, 0, continues=continues)
-        held = [key for key in self.in_scope(keys, scope) if key in self.policy]
+        in_scope = self.in_scope(keys, scope)
+        held = [key for key in in_scope if key in self.policy]
         for key in held:
             self.policy.advise(key, advice)
             self.access.reclass(key, self.policy.class_of(key))
         self.metrics.advised.labels(continues=str(continues).lower()).inc(len(held))
+        if not continues:
+            self.promoter.cancel(in_scope)
+        elif self.promoter.enabled:
+            self.promoter.enqueue([key for key, live in zip(held, self.present(held)) if live], "advice")
         return len(held)
+
+    # -- for promotion (promotion.PromotionSource) -----------------------------------------------
+
+    def record_bytes(self, key: bytes) -> int | None:
+        entry = self.index.get(key)
+        if entry is None or self.access.expiry(key, entry) <= self.now_ms():
+            return None
+        return entry.record_len
+
+    async def read_for_promotion(self, key: bytes) -> tuple[bytes, RecordBytes] | Literal["gone", "unreadable"]:
+        entry = self.index.get(key)
+        if entry is None or self.access.expiry(key, entry) <= self.now_ms():
+            return "gone"
+        found = await self._reader.open_segment(key, entry)
+        if isinstance(found, Miss):
+            return "gone" if found.cause == "segment_gone" else "unreadable"
+        try:
+            payload = await self._reader.read_layers(found, 0, found.header.n_layers, keep=False)
+        except (CorruptRecord, OSError, ValueError):  # a corrupt block is dropped by the read, as by a Get's
+            return "unreadable"
+        finally:
+            self._reader.close(found)
+        now = self.index.get(key)
+        if now is None or (now.segment, now.offset) != (entry.segment, entry.offset):
+            return "gone"  # deleted (or evicted, or stored again) while it was read
+        return found.header_bytes, payload
 
     # -- for retention (retention.Retained) -----------------------------------------------------
 
@@ -447,6 +493,8 @@ class BlockStore:
         m.disk_bytes.set(self.accounting.disk_bytes)
         m.capacity_bytes.set(self.retention.limit())
         m.hot_bytes.set(self.hot.bytes)
+        m.promotion_queued.set(len(self.promoter))
+        m.promoted_unread_bytes.set(self.hot.prefetched_bytes)
         if self.access_log is not None:
             m.access_log_dropped.set(self.access_log.dropped)
         m.segments.set(len(self.segments.segments))

@@ -47,3 +47,38 @@ def test_too_large_a_state_is_refused():
     assert not WindowTier(10).put(b"a", _state(1))
     with pytest.raises(ValueError):
         WindowTier(-1)
+
+
+def test_a_held_state_outlives_newer_ones_until_its_turn_reads_it():
+    tier = WindowTier(4 * 64)
+    tier.put(b"agent", _state(1))
+    assert tier.hold(b"agent") and not tier.hold(b"absent")
+    for key in (b"b", b"c", b"d", b"e", b"f"):  # traffic that would have evicted it four times over
+        tier.put(key, _state(2))
+    assert b"agent" in tier and tier.nbytes == 4 * 64
+    assert tier.get(b"agent") is not None and tier.holds == {"held": 1, "used": 1}
+    tier.put(b"g", _state(3))  # read, it is an ordinary state again: the least recent goes
+    assert b"c" not in tier and b"agent" in tier
+
+
+def test_holds_take_at_most_half_the_tier_and_survive_the_same_window_kept_again():
+    tier = WindowTier(4 * 64)
+    for key in (b"a", b"b", b"c"):
+        tier.put(key, _state(1))
+        tier.hold(key)
+    assert tier.holds["held"] == 3 and b"a" in tier  # the oldest hold was let go, not the state
+    for key in (b"x", b"y"):
+        tier.put(key, _state(2))
+    assert b"a" not in tier and b"b" in tier and b"c" in tier  # a, no longer held, went first
+    tier.put(b"b", _state(5))  # the same prefix's window again (another session's turn ended there): still held
+    for key in (b"p", b"q"):
+        tier.put(key, _state(6))
+    assert b"b" in tier and b"c" in tier and tier.holds["wasted"] == 0 and tier.nbytes <= 4 * 64
+
+
+def test_a_held_state_its_session_moved_on_from_is_wasted():
+    tier = WindowTier(4 * 64)
+    tier.put(b"turn1", _state(1), session_id="s")
+    tier.hold(b"turn1")
+    tier.put(b"turn2", _state(2), session_id="s")  # the next turn was served elsewhere, and a later one here
+    assert b"turn1" not in tier and tier.holds == {"held": 1, "wasted": 1}

@@ -27,8 +27,8 @@ def assert_same_call(face, concrete) -> None:
 
 
 def test_the_face_lists_the_calls_engines_and_plug_ins_make():
-    assert FACE == ["advise", "block_sources", "close", "delete", "get", "load", "lookup", "present", "put", "save",
-                    "tokens_worth_loading", "write_behind"]
+    assert FACE == ["advise", "block_sources", "cancel_prefetch", "close", "delete", "get", "load", "lookup",
+                    "prefetch", "present", "put", "save", "tokens_worth_loading", "write_behind"]
 
 
 @pytest.mark.parametrize("name", FACE)
@@ -40,8 +40,8 @@ def test_kvclient_has_each_call_of_the_face_with_its_parameters(name):
 def test_the_async_client_has_the_same_calls(name):
     concrete = inspect.getattr_static(AsyncKVClient, name)
     assert_same_call(inspect.getattr_static(StoreClient, name), concrete)
-    # what waits on a daemon is awaitable there; what never waits (queueing, estimates, load once the hit
-    # is known: start_load) is a plain call on both
+    # what waits on a daemon is awaitable there; what never waits (queueing saves and prefetches, estimates,
+    # load once the hit is known: start_load) is a plain call on both
     assert inspect.iscoroutinefunction(concrete) == (name in {"lookup", "present", "get", "load", "put", "delete",
                                                               "advise"})
 

@@ -61,3 +61,27 @@ def test_then_follows_its_own_save_in_order_with_the_daemons_answer(daemons):
         assert client.write_behind.flush(timeout=30)
         assert answers == [("first", (2, 0)), ("again", (0, 1))]
         assert client.write_behind.counters["then_failed"] == 1 and client.lookup([b for b, _ in saved]) == 2
+
+
+def test_a_mark_waits_for_the_saves_queued_before_it_not_after(daemons):
+    daemon, = daemons(1)
+    with KVClient([daemon.address]) as client:
+        turns = threading.Semaphore(0)  # one put goes through per release
+
+        def put(*args, **kwargs):
+            assert turns.acquire(timeout=30)
+            return client.put(*args, **kwargs)
+
+        queue = WriteBehind(put, max_bytes=8 * NS.block_bytes)
+        assert queue.wait_for(queue.mark(), timeout=0)  # nothing queued: nothing to wait for
+        first, later = items(1, seed=1), items(1, seed=2)
+        assert queue.save(first, NS.num_layers)
+        mark = queue.mark()
+        assert queue.save(later, NS.num_layers)
+        assert not queue.wait_for(mark, timeout=0)  # the first save is held
+        turns.release()
+        assert queue.wait_for(mark, timeout=30)  # while the later one is still held
+        assert client.lookup([first[0][0]]) == 1 and client.lookup([later[0][0]]) == 0
+        turns.release()
+        queue.close()
+        assert client.lookup([later[0][0]]) == 1

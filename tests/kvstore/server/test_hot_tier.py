@@ -40,3 +40,79 @@ def test_a_pinned_buffer_is_never_handed_out_while_read():
     assert bytes(reading.payload) == b"x" * 100
     tier.unpin(reading)
     assert tier.buffer(100) is buffer, "recycled once the last reader is done"
+
+
+def test_a_prefetch_never_evicts_a_pinned_entry_nor_an_unread_prefetch_and_is_refused_without_room():
+    tier = HotTier(capacity_bytes=300, prefetch_bytes=300)
+    pinned = tier.buffer(100)
+    pinned[:] = b"p" * 100
+    tier.put(b"read", b"", pinned)
+    reading = tier.pin(b"read")
+    tier.put(b"idle", b"", bytearray(100))
+    assert tier.put_prefetched(b"a", b"", bytearray(100)) is None  # room: the tier is not full
+    assert tier.put_prefetched(b"b", b"", bytearray(100)) is None  # evicts "idle", neither pinned nor prefetched
+    assert b"idle" not in tier and len(tier) == 3
+    assert tier.put_prefetched(b"c", b"", bytearray(100)) == "no_room", "only pinned and unread prefetches left"
+    assert b"read" in tier and b"c" not in tier and bytes(reading.payload) == b"p" * 100
+    assert tier.put_prefetched(b"a", b"", bytearray(100)) == "in_dram"
+    tier.unpin(reading)  # no longer read: it may go now
+    assert tier.put_prefetched(b"c", b"", bytearray(100)) is None
+    assert b"read" not in tier and tier.bytes == 300 and tier.prefetched_bytes == 300
+    assert tier.buffer(100) is pinned, "the evicted entry's buffer is recycled once its reader is done"
+
+
+def test_the_prefetch_budget_bounds_unread_bytes_and_reads_and_evictions_end_prefetches():
+    ended: list[tuple[str, int]] = []
+    tier = HotTier(capacity_bytes=1000, prefetch_bytes=250, on_prefetch_end=lambda how, n: ended.append((how, n)))
+    assert tier.put_prefetched(b"a", b"h", bytearray(99)) is None
+    assert tier.put_prefetched(b"b", b"h", bytearray(99)) is None
+    assert tier.put_prefetched(b"c", b"h", bytearray(99)) == "budget"
+    refused = bytearray(99)
+    tier.put_prefetched(b"c", b"h", refused)
+    assert tier.reuse(99) is refused, "a refused buffer is the tier's to recycle"
+    tier.unpin(tier.pin(b"a"))  # its first read: used, and no longer counted against the budget
+    tier.unpin(tier.pin(b"a"))
+    assert ended == [("used", 100)] and tier.prefetched_bytes == 100
+    assert tier.put_prefetched(b"c", b"h", bytearray(99)) is None
+    tier.discard(b"b")  # deleted unread
+    tier.put(b"d", b"h", bytearray(949))  # with nothing else left, a plain put evicts the unread "c" too
+    assert ended == [("used", 100), ("wasted", 100), ("wasted", 100)]
+    assert tier.prefetched_bytes == 0 and b"c" not in tier and len(tier) == 1
+
+
+def test_a_prefetch_makes_room_again_once_pins_are_gone():
+    # What a prefetch may evict follows pins as they come and go, entries evicted while pinned included.
+    tier = HotTier(capacity_bytes=200, prefetch_bytes=200)
+    tier.put(b"x", b"", bytearray(100))
+    first, second = tier.pin(b"x"), tier.pin(b"x")
+    tier.put(b"y", b"", bytearray(100))
+    tier.put(b"z", b"", bytearray(100))  # a plain put evicts "x" while it is read
+    assert b"x" not in tier
+    tier.unpin(first)
+    tier.unpin(second)
+    assert tier.put_prefetched(b"a", b"", bytearray(100)) is None
+    assert tier.put_prefetched(b"b", b"", bytearray(100)) is None
+    assert set(tier._entries) == {b"a", b"b"}
+
+
+def test_plain_traffic_passes_unread_prefetches_over_and_a_held_entry_is_kept_until_read():
+    tier = HotTier(4 * 100, prefetch_bytes=2 * 100)
+    tier.put(b"held", b"h", b"x" * 99)
+    assert tier.hold(b"held") and not tier.hold(b"absent")
+    assert tier.put_prefetched(b"ahead", b"h", bytearray(99)) is None
+    for i in range(6):  # traffic that would have evicted both three times over
+        tier.put(b"plain%d" % i, b"h", b"y" * 99)
+    assert b"held" in tier and b"ahead" in tier and len(tier) == 4
+    entry = tier.pin(b"held")  # its read: an ordinary entry again
+    tier.unpin(entry)
+    for i in range(3):  # the two plain entries left, then the one that was held
+        tier.put(b"later%d" % i, b"h", b"z" * 99)
+    assert b"held" not in tier and b"ahead" in tier
+
+
+def test_with_nothing_else_to_evict_plain_traffic_takes_the_oldest_unread_prefetch():
+    tier = HotTier(2 * 100, prefetch_bytes=2 * 100)
+    for key in (b"a", b"b"):
+        assert tier.put_prefetched(key, b"h", bytearray(99)) is None
+    tier.put(b"plain", b"h", b"y" * 99)
+    assert b"a" not in tier and b"b" in tier and b"plain" in tier

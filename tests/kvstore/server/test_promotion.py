@@ -1,0 +1,285 @@
+"""Promotion (kvstore/server/promotion.py): blocks on SSD copied into the DRAM tier before a Get asks for them.
+
+In-process stores (conftest.py) hold the worker where a test needs it to wait: a Get in flight is
+`with store.gets_in_flight:`, as the transports count theirs. Real daemons check the rest end to end:
+Advise and Lookup over gRPC, the next Get's tier, and Gets held open on either transport holding promotion
+back. The only clocks are hang guards: every wait is for a condition.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import struct
+import time
+from collections.abc import Callable
+
+import grpc
+import pytest
+
+from kvstore import wire
+from kvstore.block import KVLayout, Namespace
+from kvstore.client import KVClient
+from kvstore.proto import method, pb
+from kvstore.record import build_record
+from kvstore.server.block_reader import OpenBlock
+from kvstore.stats import Stats
+
+from .conftest import put_all, records
+
+HANG_GUARD_S = 30.0  # liveness only
+
+
+def metric(store, name: str, **labels: str) -> float:
+    return Stats(store.metrics.samples()).value(name, **labels)
+
+
+async def until(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + HANG_GUARD_S
+    while not condition():
+        assert time.monotonic() < deadline, f"hang guard: {what}"
+        await asyncio.sleep(0.005)
+
+
+async def let_others_run() -> None:
+    """Give every other task on the loop its turns (not a clock: a worker free to act acts within these)."""
+    for _ in range(20):
+        await asyncio.sleep(0)
+
+
+async def on_ssd_only(store, recs) -> list[bytes]:
+    """Store `recs` and drop their DRAM copies (a put keeps one), as a restart would; their keys."""
+    await put_all(store, recs)
+    keys = [block.key for block, *_ in recs]
+    for key in keys:
+        store.hot.discard(key)
+    return keys
+
+
+async def tier_of(store, key: bytes) -> str:
+    """Where a read of `key` is served from ("dram" or "ssd"); the read is closed at once."""
+    found = await store.open_block(key)
+    assert isinstance(found, OpenBlock)
+    store.close_block(found)
+    return found.tier
+
+
+@pytest.fixture
+async def promoting(open_store):
+    """promoting(**config) -> an opened BlockStore with its promotion worker running, as the daemon runs it."""
+    workers = []
+
+    async def make(**overrides):
+        store = await open_store(**overrides)
+        workers.append(asyncio.create_task(store.promoter.run()))
+        return store
+
+    yield make
+    for worker in workers:
+        worker.cancel()
+    await asyncio.gather(*workers, return_exceptions=True)
+
+
+# -- in process ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.unit
+async def test_advice_promotes_in_prefix_order_up_to_the_budget_and_reads_find_them_in_dram(promoting):
+    recs = records(6)
+    record_bytes = len(recs[0][1]) + len(recs[0][3])
+    store = await promoting(promote_bytes=3 * record_bytes + record_bytes // 2)
+    keys = await on_ssd_only(store, recs[1:])
+    await put_all(store, recs[:1])  # the first block is in DRAM already: held there (in the budget), not read again
+    keys = [recs[0][0].key, *keys]
+
+    assert store.advise(keys, continues=True) == 6
+    assert metric(store, "kvstore_promotion_in_dram_blocks_total") == 1
+    await until(lambda: metric(store, "kvstore_promoted_blocks_total") + metric(
+        store, "kvstore_promotion_dropped_blocks_total") == 5, "promotion of the advised blocks")
+    assert metric(store, "kvstore_promoted_blocks_total", reason="advice") == 2
+    assert metric(store, "kvstore_promoted_bytes_total", reason="advice") == 2 * record_bytes
+    assert metric(store, "kvstore_promotion_dropped_blocks_total", cause="budget") == 3
+    assert [key in store.hot for key in keys] == [True, True, True, False, False, False], "the prefix, in order"
+    store.refresh_gauges()
+    assert metric(store, "kvstore_promoted_unread_bytes") == 3 * record_bytes
+
+    assert await tier_of(store, keys[1]) == "dram"
+    assert await tier_of(store, keys[1]) == "dram"
+    assert metric(store, "kvstore_promoted_used_blocks_total") == 1, "counted at the first read only"
+    assert store.hot.prefetched_bytes == 2 * record_bytes
+    assert await tier_of(store, keys[3]) == "ssd"
+
+
+@pytest.mark.unit
+async def test_a_get_in_flight_holds_promotion_and_advice_that_ended_or_a_delete_take_keys_back(promoting):
+    store = await promoting()
+    keys = await on_ssd_only(store, records(4))
+    with store.gets_in_flight:  # a Get being served: reads come first
+        assert store.advise(keys, continues=True) == 4
+        await let_others_run()
+        assert len(store.promoter) == 4 and metric(store, "kvstore_promoted_blocks_total") == 0
+        assert not any(key in store.hot for key in keys)
+        store.advise(keys[:1], continues=False)
+        assert await store.delete(keys[1:2]) == 1
+        assert list(keys[2:]) == [key for key in keys if key in store.promoter]
+        assert metric(store, "kvstore_promotion_cancelled_blocks_total") == 2
+        with store.gets_in_flight:  # two at once: the first ending is not enough
+            pass
+        await let_others_run()
+        assert metric(store, "kvstore_promoted_blocks_total") == 0
+    await until(lambda: metric(store, "kvstore_promoted_blocks_total", reason="advice") == 2,
+                "promotion once the Get ended")
+    assert [key in store.hot for key in keys] == [False, False, True, True]
+    assert len(store.promoter) == 0
+
+
+@pytest.mark.unit
+async def test_lookup_with_promote_promotes_the_hit_prefix(promoting):
+    store = await promoting()
+    keys = await on_ssd_only(store, records(5))
+    asked = keys[:3] + [os.urandom(16)] + keys[4:]  # a hole after three blocks: the hit is three long
+    assert store.lookup(asked) == 3 and len(store.promoter) == 0, "a plain lookup promotes nothing"
+    assert store.lookup(asked, promote=True) == 3
+    await until(lambda: metric(store, "kvstore_promoted_blocks_total", reason="lookup") == 3, "promotion of the hit")
+    assert [key in store.hot for key in keys] == [True, True, True, False, False]
+
+
+@pytest.mark.unit
+async def test_promote_bytes_zero_turns_promotion_off(promoting):
+    store = await promoting(promote_bytes=0)
+    keys = await on_ssd_only(store, records(2))
+    assert store.advise(keys, continues=True) == 2 and store.lookup(keys, promote=True) == 2
+    assert len(store.promoter) == 0
+    assert not any(key in store.hot for key in keys)
+
+
+@pytest.mark.unit
+async def test_past_the_queue_bound_keys_are_dropped_and_counted(promoting):
+    store = await promoting(promote_queue_keys=2)
+    keys = await on_ssd_only(store, records(5))
+    with store.gets_in_flight:
+        assert store.promoter.enqueue(keys, "advice") == 2
+        assert metric(store, "kvstore_promotion_dropped_blocks_total", cause="queue_full") == 3
+
+
+# -- real daemons ----------------------------------------------------------------------------------------------
+
+NS = Namespace("promotion-test", KVLayout(num_layers=4, kv_heads=1, head_dim=64, dtype="float16"), block_tokens=64)
+# one 2 MiB block, read 40 times in one Get that is never taken: far past what sockets and HTTP/2 buffer
+BIG = Namespace("promotion-big", KVLayout(num_layers=4, kv_heads=8, head_dim=128, dtype="float16"), block_tokens=128)
+HELD_READS = 40
+
+
+def chain(namespace: Namespace, n: int, seed: int):
+    tokens = range(seed * 1_000_000, seed * 1_000_000 + n * namespace.block_tokens)
+    return [(block, os.urandom(namespace.block_bytes)) for block in namespace.blocks(tokens)]
+
+
+def record_bytes(items) -> int:
+    return sum(len(header) + len(payload) for header, payload in
+               (build_record(block, payload, NS.num_layers, "chat") for block, payload in items))
+
+
+def stats(client: KVClient, daemon) -> Stats:
+    found = client.server_stats()[daemon.address]
+    assert found is not None
+    return found
+
+
+def wait_until(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + HANG_GUARD_S
+    while not condition():
+        assert time.monotonic() < deadline, f"hang guard: {what}"
+        time.sleep(0.02)
+
+
+@pytest.mark.integration
+def test_advice_and_lookup_promote_blocks_on_ssd_and_the_next_get_reads_them_from_dram(daemons):
+    daemon, = daemons(1)
+    advised, looked_up = chain(NS, 6, seed=1), chain(NS, 4, seed=2)
+    with KVClient([daemon.address]) as writer:
+        assert writer.put(advised + looked_up, NS.num_layers).stored == 10
+    daemon.stop()
+    daemon.start()  # a daemon starts with an empty DRAM tier: every block is on SSD alone
+
+    with KVClient([daemon.address]) as client:
+        assert client.advise([b for b, _ in advised], continues=True) == 6
+        assert client.lookup([b for b, _ in looked_up], promote=True) == 4
+        wait_until(lambda: stats(client, daemon).value("kvstore_promoted_blocks_total") == 10,
+                   "the advised and looked-up blocks promoted")
+        before = stats(client, daemon)
+        assert before.by("kvstore_promoted_blocks_total", "reason") == {"advice": 6, "lookup": 4}
+        assert before.value("kvstore_promoted_bytes_total") == record_bytes(advised + looked_up)
+        assert before.value("kvstore_promoted_unread_bytes") == record_bytes(advised + looked_up)
+        assert before.value("kvstore_hits_total") == 0
+
+        for items in (advised, looked_up):
+            assert [bytes(got.payload) for got in client.get([b for b, _ in items])] == [p for _, p in items]
+        after = stats(client, daemon)
+        assert after.by("kvstore_hits_total", "tier") == {"dram": 10}, "read from DRAM, none from SSD"
+        assert after.value("kvstore_promoted_used_blocks_total") == 10
+        assert after.value("kvstore_promoted_unread_bytes") == 0
+        assert after.value("kvstore_promoted_wasted_blocks_total") == 0
+
+
+class HeldGet:
+    """A Get of one block read HELD_READS times whose answer is never taken, on gRPC or the data channel: the
+    daemon serves it, blocked on flow control, until `release` ends it from this side."""
+
+    def __init__(self, daemon, key: bytes, transport: str) -> None:
+        request = pb.GetRequest(keys=[key] * HELD_READS)
+        self._stream = self._socket = self._channel = None
+        if transport == "grpc":
+            self._channel = grpc.insecure_channel(daemon.address, options=[("grpc.max_receive_message_length",
+                                                                            2**30)])
+            self._stream = self._channel.unary_stream(method("Get"), None, None)(request.SerializeToString(),
+                                                                                timeout=HANG_GUARD_S)
+        else:
+            self._socket = socket.create_connection(("127.0.0.1", daemon.data_port), timeout=HANG_GUARD_S)
+            self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close: reset
+            self._socket.sendall(wire.frame(wire.GET, request.SerializeToString()))
+
+    def release(self) -> None:
+        if self._stream is not None:
+            self._stream.cancel()
+            self._channel.close()
+        if self._socket is not None:
+            self._socket.close()
+
+
+@pytest.mark.integration
+def test_a_get_in_flight_on_either_transport_holds_promotion_back_and_delete_cancels(daemons):
+    daemon, = daemons(1, "--rpc-stream-timeout-s", "60", "--data-frame-timeout-s", "60")
+    big, = chain(BIG, 1, seed=3)
+    chains = {"grpc": chain(NS, 4, seed=4), "data": chain(NS, 4, seed=5)}
+    with KVClient([daemon.address]) as writer:
+        assert writer.put([big], BIG.num_layers).stored == 1
+        assert writer.put(chains["grpc"] + chains["data"], NS.num_layers).stored == 8
+    daemon.stop()
+    daemon.start()
+
+    promoted = 0
+    with KVClient([daemon.address]) as client:
+        for transport, items in chains.items():
+            blocks = [b for b, _ in items]
+            held = HeldGet(daemon, big[0].key, transport)
+            try:
+                wait_until(lambda: stats(client, daemon).value("kvstore_gets_in_flight") == 1,
+                           f"the {transport} Get being served")
+                assert client.advise(blocks, continues=True) == 4
+                assert client.delete(blocks[3:]) == 1  # taken out of the queue too
+                now = stats(client, daemon)
+                assert now.value("kvstore_promotion_queued_blocks") == 3, "the worker waits for the Get"
+                assert now.value("kvstore_promoted_blocks_total") == promoted
+            finally:
+                held.release()
+            promoted += 3
+            wait_until(lambda: stats(client, daemon).value("kvstore_promoted_blocks_total") == promoted,
+                       f"promotion once the {transport} Get ended")
+            assert stats(client, daemon).value("kvstore_gets_in_flight") == 0
+        assert stats(client, daemon).value("kvstore_promotion_cancelled_blocks_total") == 2
+        before = stats(client, daemon).value("kvstore_hits_total", tier="dram")
+        got = client.get([b for b, _ in chains["data"][:3]])
+        assert [bytes(g.payload) for g in got] == [p for _, p in chains["data"][:3]]
+        assert stats(client, daemon).value("kvstore_hits_total", tier="dram") == before + 3
