@@ -232,9 +232,10 @@ class PrefillEngine:
 
     def prefetch(self, blocks: Sequence[Block]) -> None:
         """The next turn of the conversation whose full blocks (prompt and reply, in one of this engine's
-        namespaces) are `blocks` is coming: bring them into the client's host tier, and the window record at
-        their end into this engine (`WindowKeeper.prefetch`), ahead of it. On any thread but the engine's:
-        it waits on the store for the record (the blocks come in the client's background)."""
+        namespaces) are `blocks` is coming: bring them into the client's host tier, and have the window at
+        their end ready (held in the window tier, or its record read ahead: `WindowKeeper.prefetch`). On any
+        thread but the engine's: it may wait on the store for the record (the blocks come in the client's
+        background)."""
         if self.client is None or not blocks:
             return
         self.client.prefetch(blocks)
@@ -278,8 +279,8 @@ class PrefillEngine:
 
     def cancel(self, request_id: int) -> bool:
         """Drop a request now: a queued one leaves the queue; an admitted one stops its load (no byte lands
-        after this returns) and gives its KV pages back. Nothing of it is saved (lookups still running are left to end
-        unread). False if unknown or done."""
+        after this returns) and gives its KV pages back. Nothing of it is saved (lookups still running are
+        left to end unread). False if unknown or done."""
         for i, queued in enumerate(self._queue):
             if queued.id == request_id:
                 del self._queue[i]
