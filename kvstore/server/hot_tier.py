@@ -112,17 +112,20 @@ class HotTier:
         # and ordinary traffic would otherwise push them out before it. They are at most prefetch_bytes;
         # where nothing else is left, the least recent of them goes too.
         passed_over: list[tuple[bytes, int]] = []  # out of the policy's order while this looks past them
+        passed_bytes = 0
         try:
-            while self._policy.tracked_bytes + sum(n for _, n in passed_over) > self.capacity_bytes:
+            while self._policy.tracked_bytes + passed_bytes > self.capacity_bytes:
                 victim = self._policy.pop_victim()
                 if victim is None or (victim == key and passed_over):  # only prefetches left besides this one
                     if victim == key:
                         self._policy.insert(key, size)
                     if not passed_over:
                         break
-                    victim, _ = passed_over.pop(0)
+                    victim, victim_bytes = passed_over.pop(0)
+                    passed_bytes -= victim_bytes
                 elif victim != key and self._entries[victim].prefetched:
                     passed_over.append((victim, self._entries[victim].size))
+                    passed_bytes += passed_over[-1][1]
                     continue
                 self._drop(self._entries.pop(victim))
         finally:

@@ -396,14 +396,12 @@ class BlockStore:
     # -- for promotion (promotion.PromotionSource) -----------------------------------------------
 
     def record_bytes(self, key: bytes) -> int | None:
-        entry = self.index.get(key)
-        if entry is None or self.access.expiry(key, entry) <= self.now_ms():
-            return None
-        return entry.record_len
+        entry = self._live_entry(key)
+        return None if entry is None else entry.record_len
 
     async def read_for_promotion(self, key: bytes) -> tuple[bytes, RecordBytes] | Literal["gone", "unreadable"]:
-        entry = self.index.get(key)
-        if entry is None or self.access.expiry(key, entry) <= self.now_ms():
+        entry = self._live_entry(key)
+        if entry is None:
             return "gone"
         found = await self._reader.open_segment(key, entry)
         if isinstance(found, Miss):
@@ -418,6 +416,11 @@ class BlockStore:
         if now is None or (now.segment, now.offset) != (entry.segment, entry.offset):
             return "gone"  # deleted (or evicted, or stored again) while it was read
         return found.header_bytes, payload
+
+    def _live_entry(self, key: bytes) -> Entry | None:
+        """The index entry of `key`, unless it is gone or expired."""
+        entry = self.index.get(key)
+        return None if entry is None or self.access.expiry(key, entry) <= self.now_ms() else entry
 
     # -- for retention (retention.Retained) -----------------------------------------------------
 
