@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
+from kvstore.codec import RAW, BlockCodec, LayerGeometry, check_codec, codec_named
+
 KEY_BYTES = 16
 NO_TENANT = bytes(16)  # the tenant of a record written before records named one (format 1)
 MAX_TOKEN_ID = 2**32 - 1
@@ -61,6 +63,7 @@ class KVLayout:
     head_dim: int
     dtype: str = "bfloat16"
     kv_per_layer: int = 2  # K and V; 1 for an MLA-style latent vector
+    codec: str = RAW  # the form its layers take in the store (kvstore/codec.py): raw, zstd, int8 or int4
 
     _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "int8": 1}
 
@@ -70,10 +73,18 @@ class KVLayout:
                 raise ValueError(f"KVLayout.{name} must be >= 1, got {getattr(self, name)}")
         if self.dtype not in self._DTYPE_BYTES:
             raise ValueError(f"KVLayout.dtype must be one of {sorted(self._DTYPE_BYTES)}, got {self.dtype!r}")
+        check_codec(self.codec, self.dtype)
 
     def layer_bytes(self, block_tokens: int) -> int:
         """Bytes of one layer of one block: (kv_per_layer, block_tokens, kv_heads, head_dim)."""
         return self.kv_per_layer * block_tokens * self.kv_heads * self.head_dim * self._DTYPE_BYTES[self.dtype]
+
+    def block_codec(self, block_tokens: int) -> BlockCodec | None:
+        """The codec bound to a block's layers; None for raw, which stores the engine's bytes as they are."""
+        if self.codec == RAW:
+            return None
+        geometry = LayerGeometry(self.kv_per_layer, block_tokens, self.kv_heads * self.head_dim, self.dtype)
+        return BlockCodec(codec_named(self.codec), geometry)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +96,8 @@ class Block:
     parent: bytes  # (16,) the previous block's key, or the namespace digest for the first block
     tokens: tuple[int, ...]
     tenant: bytes = NO_TENANT  # (16,) the digest of the namespace's salt: who owns the block (Namespace.tenant)
+    # how its layers are encoded in the store (the namespace's KVLayout.codec); None: raw, as the engine holds them
+    codec: BlockCodec | None = None
 
 
 class Namespace:
@@ -93,7 +106,7 @@ class Namespace:
     The raw salt is folded into the digest and then dropped; it is never stored, logged or exposed.
     """
 
-    __slots__ = ("model_id", "layout", "block_tokens", "digest", "tenant")
+    __slots__ = ("model_id", "layout", "block_tokens", "digest", "tenant", "codec")
 
     def __init__(self, model_id: str, layout: KVLayout, block_tokens: int, salt: bytes | str = b"") -> None:
         if not model_id:
@@ -110,17 +123,21 @@ class Namespace:
         self.layout = layout
         self.block_tokens = block_tokens
         self.tenant = tenant
+        self.codec = layout.block_codec(block_tokens)
+        fields: dict[str, int | str] = {
+            "v": 1,
+            "model": model_id,
+            "layers": layout.num_layers,
+            "kv_heads": layout.kv_heads,
+            "head_dim": layout.head_dim,
+            "dtype": layout.dtype,
+            "kv_per_layer": layout.kv_per_layer,
+            "block_tokens": block_tokens,
+        }
+        if layout.codec != RAW:  # named only when not raw, so the digests of raw namespaces stay as they were
+            fields["codec"] = layout.codec
         identity = json.dumps(
-            {
-                "v": 1,
-                "model": model_id,
-                "layers": layout.num_layers,
-                "kv_heads": layout.kv_heads,
-                "head_dim": layout.head_dim,
-                "dtype": layout.dtype,
-                "kv_per_layer": layout.kv_per_layer,
-                "block_tokens": block_tokens,
-            },
+            fields,
             sort_keys=True,
             separators=(",", ":"),
         ).encode()
@@ -156,7 +173,7 @@ class Namespace:
         for i in range(full):
             chunk = array[i * self.block_tokens : (i + 1) * self.block_tokens]
             key = chain_hash(parent, chunk, self.tenant)
-            out.append(Block(self.digest, key, parent, tuple(int(t) for t in chunk), self.tenant))
+            out.append(Block(self.digest, key, parent, tuple(int(t) for t in chunk), self.tenant, self.codec))
             parent = key
         return out
 

@@ -16,6 +16,12 @@ Format 3 changes only the layer checksums: CRC32C (in the same u64 slots) instea
 the same speed here (0.14 ms per 4 MiB with SSE4.2) but releases the GIL, so a client verifies the
 layers it has while later ones arrive and the engine's threads run on. Records of formats 1 and 2
 keep their xxh3-64 layer checksums and are still read.
+
+Format 4 adds the codec its layers are encoded with (u32 after the tenant; kvstore/codec.py): 0 for raw,
+the engine's bytes as they are. The checksums cover the stored (encoded) bytes, so a daemon verifies what
+it keeps without decoding it, and a reader checks before it decodes. A reader expecting another codec reads
+the record as a miss of cause "codec_mismatch" (the codec is also part of the namespace, so the keys differ
+anyway). Records of format 3 and before are raw.
 """
 
 from __future__ import annotations
@@ -32,17 +38,19 @@ import xxhash
 from kvstore.block import NO_TENANT, Block, chain_hash, encode_tokens
 
 MAGIC = b"KVB1"
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 CLASS_NAME_BYTES = 16
 # magic, version, flags, header_len, namespace, parent, key, class, n_tokens, n_layers, layer_bytes
 _FIXED_V1 = struct.Struct("<4sHHI16s16s16s16sIIQ")
 _TENANT = struct.Struct("<16s")  # format 2: then the tenant
+_CODEC = struct.Struct("<I")  # format 4: then the codec
 # A record's bytes in memory, as a transport delivered them or a tier keeps them (an mmap: a large payload the
 # daemon received from the data channel into a fresh anonymous mapping)
 RecordBytes = bytes | bytearray | memoryview | mmap.mmap
 # The shortest fixed part: enough to learn the header's length (bytes 8..12) whatever the version.
 FIXED_HEADER_BYTES = _FIXED_V1.size
-_FIXED_BYTES = {1: _FIXED_V1.size, 2: _FIXED_V1.size + _TENANT.size, 3: _FIXED_V1.size + _TENANT.size}
+_FIXED_BYTES = {1: _FIXED_V1.size, 2: _FIXED_V1.size + _TENANT.size, 3: _FIXED_V1.size + _TENANT.size,
+                4: _FIXED_V1.size + _TENANT.size + _CODEC.size}
 MAX_TOKENS_PER_BLOCK = 1 << 20
 MAX_LAYERS = 1 << 12
 
@@ -87,6 +95,7 @@ class RecordHeader:
     header_len: int
     tenant: bytes = NO_TENANT  # (16,) the namespace salt's digest; NO_TENANT for format 1 records
     version: int = FORMAT_VERSION  # which layer checksum the record carries
+    codec: int = 0  # the code of the codec its layers are encoded with (kvstore/codec.py); 0: raw
 
     @property
     def payload_len(self) -> int:
@@ -115,6 +124,8 @@ class RecordHeader:
             raise CorruptRecord("parent_mismatch", "record has another parent block")
         if not np.array_equal(self.tokens, np.asarray(block.tokens, dtype=np.uint32)):
             raise CorruptRecord("tokens_mismatch", "record token ids differ from the request (hash collision)")
+        if self.codec != (block.codec.code if block.codec is not None else 0):
+            raise CorruptRecord("codec_mismatch", f"record encoded with codec {self.codec}, the reader's differs")
         if n_layers is not None and self.n_layers != n_layers:
             raise CorruptRecord("layout_mismatch", f"record has {self.n_layers} layers, expected {n_layers}")
         if layer_bytes is not None and self.layer_bytes != layer_bytes:
@@ -137,7 +148,7 @@ def header_len_for(n_tokens: int, n_layers: int, version: int = FORMAT_VERSION) 
 
 
 def encode_header(
-    block: Block, traffic_class: str, n_layers: int, layer_bytes: int, layer_sums: Sequence[int]
+    block: Block, traffic_class: str, n_layers: int, layer_bytes: int, layer_sums: Sequence[int], codec: int = 0
 ) -> bytes:
     class_bytes = traffic_class.encode()
     if not class_bytes or len(class_bytes) > CLASS_NAME_BYTES or b"\x00" in class_bytes:
@@ -153,6 +164,7 @@ def encode_header(
             class_bytes.ljust(CLASS_NAME_BYTES, b"\x00"), len(block.tokens), n_layers, layer_bytes,
         )
         + _TENANT.pack(block.tenant)
+        + _CODEC.pack(codec)
         + token_bytes
         + struct.pack(f"<{n_layers}Q", *layer_sums)
     )
@@ -182,6 +194,7 @@ def decode_header(buf: bytes | memoryview) -> RecordHeader:
     if xxhash.xxh3_64_intdigest(view[: header_len - 8]) != stored_sum:
         raise CorruptRecord("checksum", "header checksum mismatch")
     tenant = _TENANT.unpack_from(view, _FIXED_V1.size)[0] if version >= 2 else NO_TENANT
+    (codec,) = _CODEC.unpack_from(view, _FIXED_V1.size + _TENANT.size) if version >= 4 else (0,)
     tokens_at = _FIXED_BYTES[version]
     sums_at = tokens_at + 4 * n_tokens
     tokens = np.frombuffer(view[tokens_at:sums_at], dtype="<u4").copy()
@@ -194,7 +207,7 @@ def decode_header(buf: bytes | memoryview) -> RecordHeader:
         raise CorruptRecord("bad_header", "empty traffic class")
     return RecordHeader(
         bytes(namespace), bytes(parent), bytes(key), traffic_class, tokens, n_layers, layer_bytes, layer_sums,
-        header_len, bytes(tenant), version,
+        header_len, bytes(tenant), version, codec,
     )
 
 
@@ -218,18 +231,23 @@ def peek_header(buf: bytes | memoryview) -> tuple[bytes, int, int]:
 
 
 def build_record(block: Block, layers: bytes | memoryview | Iterable[bytes], n_layers: int,
-                 traffic_class: str) -> tuple[bytes, bytes]:
-    """Header and payload of a block. `layers` is the layer-major payload or one bytes per layer."""
+                 traffic_class: str, encoded: bool = False) -> tuple[bytes, bytes]:
+    """Header and payload of a block. `layers` is the layer-major payload or one bytes per layer: the engine's
+    raw KV, which is encoded with the block's codec, or (`encoded`) bytes already in the codec's stored form,
+    as a copy of a record carries them."""
     if isinstance(layers, (bytes, bytearray, memoryview)):
         payload = bytes(layers)
     else:
         payload = b"".join(layers)
     if n_layers < 1 or len(payload) % n_layers or not payload:
         raise ValueError(f"payload of {len(payload)} bytes does not split into {n_layers} equal layers")
+    if block.codec is not None and not encoded:
+        payload, _slot = block.codec.encode(payload, n_layers)
     layer_bytes = len(payload) // n_layers
     view = memoryview(payload)
     sums = [layer_checksum(view[i * layer_bytes : (i + 1) * layer_bytes]) for i in range(n_layers)]
-    return encode_header(block, traffic_class, n_layers, layer_bytes, sums), payload
+    codec = block.codec.code if block.codec is not None else 0
+    return encode_header(block, traffic_class, n_layers, layer_bytes, sums, codec), payload
 
 
 def payload_layer_sums(chunks: Sequence[RecordBytes], layer_bytes: int,

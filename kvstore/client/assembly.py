@@ -35,7 +35,8 @@ def payload_bytes(payload: Payload) -> int:
 
 @dataclass(slots=True)
 class BlockData:
-    """A verified block as read: layers [layer_begin, layer_end) of its layer-major payload."""
+    """A verified block as read: layers [layer_begin, layer_end) of its layer-major payload, in the form the
+    store keeps it (encoded with the block's codec, if it has one: `kv` and `layer` decode)."""
 
     block: Block
     header: RecordHeader
@@ -43,10 +44,26 @@ class BlockData:
     layer_end: int
     payload: Buffer  # (layer_end - layer_begin) * header.layer_bytes bytes, layer-major
 
-    def layer(self, layer: int) -> memoryview:
+    def stored_layer(self, layer: int) -> memoryview:
+        """Layer `layer` as the record holds it."""
         size = self.header.layer_bytes
         start = (layer - self.layer_begin) * size
         return memoryview(self.payload)[start : start + size]
+
+    def layer(self, layer: int) -> memoryview:
+        """Layer `layer` as the engine holds it. Raises CorruptLayer for bytes the codec cannot decode."""
+        codec = self.block.codec
+        if codec is None:
+            return self.stored_layer(layer)
+        out = memoryview(bytearray(codec.geometry.raw_bytes))
+        codec.decode(self.stored_layer(layer), out)
+        return out
+
+    def kv(self) -> Buffer:
+        """The layers read, layer-major, as the engine holds them (the payload itself for raw blocks)."""
+        if self.block.codec is None:
+            return self.payload
+        return b"".join(self.layer(layer) for layer in range(self.layer_begin, self.layer_end))
 
 
 class GetAssembly:
@@ -57,6 +74,9 @@ class GetAssembly:
 
     def __init__(self, blocks: Sequence[Block], positions: list[int], layer_begin: int, layer_end: int | None,
                  into: Sequence[Buffer] | None, miss_causes: Counter) -> None:
+        if into is not None and blocks and blocks[0].codec is not None:
+            raise ValueError("a Get into caller's buffers takes raw blocks; read encoded ones without `into` "
+                             "and decode them with BlockData.kv()")
         self.blocks, self.positions = blocks, positions
         self.layer_begin, self.layer_end = layer_begin, layer_end
         self.into, self.miss_causes = into, miss_causes

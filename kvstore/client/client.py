@@ -48,6 +48,14 @@ from kvstore.stats import Stats
 log = logging.getLogger(__name__)
 
 
+def _records(items: Sequence[tuple[Block, Payload]], num_layers: int,
+             traffic_class: str) -> list[tuple[bytes, bytes]]:
+    """The records of `items` (given in prefix order), leaf first: so that in the daemons' recency order a
+    parent is never older than its children."""
+    same_namespace([block for block, _ in items])
+    return [build_record(block, layer_major(payload), num_layers, traffic_class) for block, payload in reversed(items)]
+
+
 class AsyncKVClient:
     """The client on an asyncio event loop. I/O calls are coroutines; the calls that never wait on a daemon
     (save, start_load, prefetch, cancel_prefetch, block_sources, tokens_worth_loading, last_errors) are plain,
@@ -285,13 +293,21 @@ class AsyncKVClient:
         Records go out leaf first (the reverse of `items`, given in prefix order), so that in the daemons'
         recency order a parent is never older than its children. `hint`: of the prompt these blocks come
         from, how many full blocks were cached and how many it has (for the daemons' eviction policy)."""
-        same_namespace([block for block, _ in items])
-        items = list(reversed(items))
-        records = [build_record(block, layer_major(payload), num_layers, traffic_class) for block, payload in items]
+        # encoding takes about a millisecond per layer-megabyte: on the pool, so the event loop keeps serving
+        if items and items[0][0].codec is not None:
+            records = await asyncio.get_running_loop().run_in_executor(
+                self.executor, _records, items, num_layers, traffic_class)
+        else:
+            records = _records(items, num_layers, traffic_class)
+        return await self._put_records(records, hint)
+
+    async def _put_records(self, records: Sequence[tuple[bytes, bytes]], hint: ReuseHint | None) -> PutSummary:
+        """Store built records (leaf first)."""
         summary = PutSummary()
+        headers = [decode_header(header) for header, _ in records]
         if self.host is not None:  # the next turn of this session is likely to want them; leaf first
-            for header, payload in records:
-                self.host.put(decode_header(header), payload)
+            for header, (_, payload) in zip(headers, records):
+                self.host.put(header, payload)
 
         async def put_to(shard: Shard | None, positions: list[int]) -> None:
             results = None if shard is None else await shard.put([records[i] for i in positions], hint)
@@ -301,8 +317,8 @@ class AsyncKVClient:
             summary.stored += sum(1 for r in results if r == pb.STORED)
             summary.existed += sum(1 for r in results if r == pb.EXISTS)
 
-        await asyncio.gather(*(put_to(shard, positions)
-                               for shard, positions in self._group([b for b, _ in items]).items()))
+        groups = self.cluster.group([header.key for header in headers])
+        await asyncio.gather(*(put_to(shard, positions) for shard, positions in groups.items()))
         return summary
 
     def save(self, items: Sequence[tuple[Block, Payload]], num_layers: int, traffic_class: str = "chat",
@@ -331,7 +347,8 @@ class AsyncKVClient:
                       hint: ReuseHint | None) -> PutSummary:
         if self.loop is None:
             raise RuntimeError("write-behind needs a client made on an event loop")
-        return asyncio.run_coroutine_threadsafe(self.put(items, num_layers, traffic_class, hint), self.loop).result()
+        records = _records(items, num_layers, traffic_class)  # encoded here, on the write-behind's own thread
+        return asyncio.run_coroutine_threadsafe(self._put_records(records, hint), self.loop).result()
 
     # -- retention and admin ----------------------------------------------------------------------
 

@@ -111,7 +111,8 @@ class Copier:
             data = await self.gets.get([block]) if missing else None
             if data:
                 header = data[0].header
-                record = build_record(block, layer_major(data[0].payload), header.n_layers, header.traffic_class)
+                record = build_record(block, layer_major(data[0].payload), header.n_layers, header.traffic_class,
+                                      encoded=True)
                 for target in missing:
                     results = await shards[target].put([record], None)
                     if results and results[0] in (pb.STORED, pb.EXISTS):

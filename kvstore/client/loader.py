@@ -27,19 +27,34 @@ from kvstore.client.host_tier import HostBlock, HostTier
 from kvstore.client.loading import KVDestination, LoadCancelled, LoadHandle, LoadProgress
 from kvstore.client.shard import Shard
 from kvstore.client.stats import ClientStats
+from kvstore.codec import BlockCodec, CorruptLayer
 from kvstore.proto import pb
-from kvstore.record import CorruptRecord
+from kvstore.record import CorruptRecord, RecordHeader
 
 log = logging.getLogger(__name__)
 
 
+def fits(header: RecordHeader, codec: BlockCodec | None, destination: KVDestination) -> bool:
+    """Whether a record's layers go into `destination`'s views: as they are, or decoded by `codec`."""
+    if header.n_layers < destination.num_layers:
+        return False
+    if codec is None:
+        return header.layer_bytes == destination.layer_bytes
+    return codec.geometry.raw_bytes == destination.layer_bytes and header.layer_bytes <= codec.max_slot_bytes
+
+
 class LoadAssembly(GetAssembly):
-    """A layer-major Get whose parts land straight in the engine's buffers and advance a LoadProgress."""
+    """A layer-major Get whose parts land straight in the engine's buffers and advance a LoadProgress.
+
+    Encoded blocks (a codec in their namespace) land in a staging buffer of their stored size instead, and
+    each layer is decoded into the engine's view as soon as its checksum holds: on the thread that received
+    it, while later layers arrive and the engine computes the layers before it."""
 
     def __init__(self, blocks: Sequence[Block], positions: list[int], progress: LoadProgress,
                  destination: KVDestination, miss_causes) -> None:
         super().__init__(blocks, positions, 0, destination.num_layers, None, miss_causes)
         self.progress, self.target = progress, destination
+        self.codec = blocks[0].codec if blocks else None
 
     def _miss(self, local: int, cause: str) -> None:
         super()._miss(local, cause)
@@ -48,8 +63,7 @@ class LoadAssembly(GetAssembly):
     def accept(self, head: pb.GetPartHead) -> bool:
         wanted = super().accept(head)
         header = self.headers.get(head.index)
-        if header is not None and head.header and (header.layer_bytes != self.target.layer_bytes
-                                                   or header.n_layers < self.target.num_layers):
+        if header is not None and head.header and not fits(header, self.codec, self.target):
             self._miss(head.index, "layout_mismatch")
             return False
         return wanted
@@ -59,15 +73,24 @@ class LoadAssembly(GetAssembly):
             raise LoadCancelled()
         if head.layer_end != head.layer_begin + 1:
             raise CorruptRecord("protocol", "a layer-major part must hold exactly one layer")
+        if self.codec is not None:  # the staging buffer of the block's stored layers
+            return super().destination(head)
         return self.target.layer_view(head.layer_begin, self.positions[head.index])
 
     def received(self, head: pb.GetPartHead, offset: int, data) -> None:
         before = len(self.broken)
         super().received(head, offset, data)
-        if len(self.broken) == before:
-            position = self.positions[head.index]
-            self.target.layer_written(head.layer_begin, position)
-            self.progress.mark(head.layer_begin, position)
+        if len(self.broken) != before:
+            return
+        position = self.positions[head.index]
+        if self.codec is not None:
+            try:
+                self.codec.decode(data, self.target.layer_view(head.layer_begin, position))
+            except CorruptLayer:  # a record whose checksums hold but whose bytes no codec wrote
+                self._miss(head.index, "codec")
+                return
+        self.target.layer_written(head.layer_begin, position)
+        self.progress.mark(head.layer_begin, position)
 
 
 class LoadWork:
@@ -159,7 +182,8 @@ class Loader:
         work = LoadWork(progress, first + len(groups))
         if host is not None and pinned:
             try:
-                self.executor.submit(work.run, 0, self._from_host, host, pinned, progress, destination)
+                self.executor.submit(work.run, 0, self._from_host, host, pinned, progress, destination,
+                                     blocks[0].codec)
             except BaseException:  # the pool is shut down: the client is closing
                 host.unpin(pinned)
                 raise
@@ -176,12 +200,11 @@ class Loader:
         return groups
 
     def _from_host(self, host: HostTier, pinned: Sequence[HostBlock], progress: LoadProgress,
-                   destination: KVDestination) -> None:
+                   destination: KVDestination, codec: BlockCodec | None) -> None:
         started = time.perf_counter()
         try:
             for position, block in enumerate(pinned):
-                header = block.header
-                if header.layer_bytes != destination.layer_bytes or header.n_layers < destination.num_layers:
+                if not fits(block.header, codec, destination):
                     progress.shrink(position, "layout_mismatch")
                     return
             for layer in range(destination.num_layers):  # layer by layer, like the daemons
@@ -189,8 +212,16 @@ class Loader:
                     if progress.cancelled:
                         return
                     size = block.header.layer_bytes
-                    destination.layer_view(layer, position)[:] = host.slot_view(block.slot, block.header.payload_len)[
-                        layer * size : (layer + 1) * size]
+                    stored = host.slot_view(block.slot, block.header.payload_len)[layer * size : (layer + 1) * size]
+                    if codec is None:
+                        destination.layer_view(layer, position)[:] = stored
+                    else:
+                        try:
+                            codec.decode(stored, destination.layer_view(layer, position))
+                        except CorruptLayer:
+                            self.stats.miss_causes["codec"] += 1
+                            progress.shrink(position, "codec")
+                            return
                     destination.layer_written(layer, position)
                     progress.mark(layer, position)
             self.stats.tier_hits["host"] += len(pinned)
@@ -216,7 +247,8 @@ class Loader:
             await work.in_pool(piece, self.executor, step)
 
         try:  # a failure is a shorter hit, never an error
-            await self.gets.fetch(shard, request, assembly, self._placement(destination, positions), on_pool)
+            await self.gets.fetch(shard, request, assembly, self._placement(destination, positions, blocks[0].codec),
+                                  on_pool)
         except LoadCancelled:
             return
         # Blocks of this daemon that did not arrive in every layer end the hit.
@@ -234,18 +266,24 @@ class Loader:
     def _keep_in_host(self, host: HostTier, destination: KVDestination, assembly: LoadAssembly,
                       positions: list[int]) -> None:
         """Copy blocks that arrived whole into the host tier, leaf first (the destination is host memory
-        that stays put, not CUDA staging)."""
+        that stays put, not CUDA staging); encoded blocks as they arrived, from their staging buffers."""
         local = {position: i for i, position in enumerate(assembly.positions)}
         for position in reversed(positions):
             header = assembly.headers.get(local[position])
             if header is None or header.n_layers != destination.num_layers or assembly.progress.cancelled:
                 continue
-            host.put(header, b"".join(destination.layer_view(layer, position) for layer in range(header.n_layers)))
+            if assembly.codec is not None:
+                host.put(header, assembly.payloads[local[position]])
+            else:
+                host.put(header, b"".join(destination.layer_view(layer, position) for layer in range(header.n_layers)))
 
-    def _placement(self, destination: KVDestination, positions: list[int]) -> SharedPlacement | None:
+    def _placement(self, destination: KVDestination, positions: list[int],
+                   codec: BlockCodec | None) -> SharedPlacement | None:
         """If the destination's (layer, block) views lie in a shared buffer at a fixed step between layers
         (paged KV allocated from `shared_buffer`), the daemon can write every layer straight into place."""
         gets = self.gets
+        if codec is not None:  # encoded layers land in staging, not in place
+            return None
         if not gets.shared_buffers or destination.num_layers < 2:
             return gets.placement([destination.layer_view(0, p) for p in positions])
         first = [destination.layer_view(0, p) for p in positions]

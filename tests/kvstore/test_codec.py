@@ -1,0 +1,172 @@
+"""KV codecs: round trips, the bounds of each, codecs in the namespace and the record, and bad bytes refused."""
+
+import os
+
+import numpy as np
+import pytest
+
+from kvstore.block import KVLayout, Namespace
+from kvstore.codec import CODECS, BlockCodec, CorruptLayer, LayerGeometry, codec_named
+from kvstore.record import CorruptRecord, build_record, decode_header
+
+GEOMETRY = LayerGeometry(kv_per_layer=2, tokens=16, channels=64, dtype="bfloat16")
+
+
+def kv_like(geometry: LayerGeometry, seed: int = 0) -> bytes:
+    """One layer shaped like attention KV: normal values, a few key channels and value tokens far larger
+    (the outliers the per-channel and per-token groupings are for)."""
+    rng = np.random.default_rng(seed)
+    values = rng.normal(size=(geometry.kv_per_layer, geometry.tokens, geometry.channels)).astype(np.float32)
+    values[0, :, :: geometry.channels // 4] *= 20  # outlier key channels
+    values[-1, :: geometry.tokens // 4] *= 10  # outlier value tokens
+    return to_dtype(values, geometry.dtype)
+
+
+def to_dtype(values: np.ndarray, dtype: str) -> bytes:
+    if dtype == "bfloat16":
+        return (values.astype(np.float32).view(np.uint32) >> 16).astype("<u2").tobytes()
+    return values.astype({"float32": "<f4", "float16": "<f2"}[dtype]).tobytes()
+
+
+def as_float32(raw: bytes, dtype: str) -> np.ndarray:
+    if dtype == "bfloat16":
+        return (np.frombuffer(raw, "<u2").astype(np.uint32) << 16).view(np.float32)
+    return np.frombuffer(raw, {"float32": "<f4", "float16": "<f2"}[dtype]).astype(np.float32)
+
+
+def round_trip(codec: BlockCodec, raw: bytes) -> bytes:
+    stored, slot = codec.encode(raw, 1)
+    assert slot == len(stored) <= codec.max_slot_bytes
+    out = bytearray(len(raw))
+    codec.decode(stored, memoryview(out))
+    return bytes(out)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_lossless_codecs_give_back_every_bit_and_zstd_shrinks_kv(dtype):
+    geometry = LayerGeometry(2, 16, 64, dtype)
+    raw = kv_like(geometry)
+    for name in ("raw", "zstd"):
+        assert round_trip(BlockCodec(codec_named(name), geometry), raw) == raw
+    stored, _ = BlockCodec(codec_named("zstd"), geometry).encode(raw, 1)
+    assert len(stored) < len(raw)
+
+
+def test_a_layer_zstd_cannot_shrink_is_stored_raw_in_a_slot_four_bytes_longer():
+    codec = BlockCodec(codec_named("zstd"), GEOMETRY)
+    noise = os.urandom(GEOMETRY.raw_bytes)
+    stored, slot = codec.encode(noise, 1)
+    assert slot == GEOMETRY.raw_bytes + 4 == codec.max_slot_bytes
+    assert round_trip(codec, noise) == noise
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize(("name", "bound"), [("int8", 0.01), ("int4", 0.12)])
+def test_quantisers_stay_within_their_step_and_shrink_the_layer(name, bound, dtype):
+    """Relative error per group: int8 is within 1/254 of each group's largest value, int4 within 1/30 of its
+    range; measured on the whole layer, both well inside `bound`."""
+    geometry = LayerGeometry(2, 16, 64, dtype)
+    raw = kv_like(geometry, seed=3)
+    codec = BlockCodec(codec_named(name), geometry)
+    got, want = as_float32(round_trip(codec, raw), dtype), as_float32(raw, dtype)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < bound
+    stored, _ = codec.encode(raw, 1)
+    assert len(stored) < len(raw) / (1.6 if name == "int8" else 2.5)
+
+
+def test_quantisers_keep_an_outlier_channel_from_flattening_the_others():
+    """Per-channel key scales: a key channel 1000x larger leaves the small ones as exact as without it."""
+    geometry = LayerGeometry(2, 16, 64, "float32")
+    values = np.random.default_rng(1).normal(size=(2, 16, 64)).astype(np.float32)
+    values[0, :, 5] *= 1000
+    got = as_float32(round_trip(BlockCodec(codec_named("int8"), geometry), to_dtype(values, "float32")), "float32")
+    small = np.delete(values[0], 5, axis=1)
+    assert np.abs(np.delete(got.reshape(values.shape)[0], 5, axis=1) - small).max() < np.abs(small).max() / 100
+
+
+def test_an_all_zero_layer_decodes_to_zeros_under_every_codec():
+    raw = bytes(GEOMETRY.raw_bytes)
+    for codec in CODECS.values():
+        assert round_trip(BlockCodec(codec, GEOMETRY), raw) == raw
+
+
+def test_many_layers_share_one_slot_length_and_decode_one_by_one():
+    codec = BlockCodec(codec_named("zstd"), GEOMETRY)
+    layers = [kv_like(GEOMETRY, seed) for seed in range(3)] + [os.urandom(GEOMETRY.raw_bytes)]
+    stored, slot = codec.encode(b"".join(layers), len(layers))
+    assert len(stored) == slot * len(layers)
+    for i, layer in enumerate(layers):
+        out = bytearray(GEOMETRY.raw_bytes)
+        codec.decode(memoryview(stored)[i * slot : (i + 1) * slot], memoryview(out))
+        assert bytes(out) == layer
+
+
+@pytest.mark.parametrize("name", ["zstd", "int8", "int4"])
+def test_bytes_no_encoder_wrote_are_refused_never_decoded(name):
+    codec = BlockCodec(codec_named(name), GEOMETRY)
+    stored, slot = codec.encode(kv_like(GEOMETRY), 1)
+    out = memoryview(bytearray(GEOMETRY.raw_bytes))
+    for bad in (stored[:3], b"\xff\xff\xff\x7f" + stored[4:], stored[:4] + bytes(len(stored) - 4),
+                stored[:4] + os.urandom(len(stored) - 4)):
+        with pytest.raises(CorruptLayer):
+            codec.decode(bad, out)
+
+
+def test_a_wrong_payload_length_is_refused_before_encoding():
+    with pytest.raises(ValueError, match="not 2 layers"):
+        BlockCodec(codec_named("int8"), GEOMETRY).encode(bytes(GEOMETRY.raw_bytes), 2)
+
+
+# -- the codec in the namespace and the record ---------------------------------------------------------
+
+LAYOUT = KVLayout(num_layers=3, kv_heads=2, head_dim=32, dtype="bfloat16")
+
+
+def layout(codec: str) -> KVLayout:
+    return KVLayout(LAYOUT.num_layers, LAYOUT.kv_heads, LAYOUT.head_dim, LAYOUT.dtype, codec=codec)
+
+
+def test_each_codec_is_a_namespace_of_its_own_and_raw_keeps_the_old_digest():
+    spaces = {name: Namespace("m", layout(name), block_tokens=16) for name in CODECS}
+    assert spaces["raw"].digest == Namespace("m", LAYOUT, block_tokens=16).digest
+    assert len({space.digest for space in spaces.values()}) == len(CODECS)
+    assert len({space.blocks(range(16))[0].key for space in spaces.values()}) == len(CODECS)
+    assert spaces["raw"].codec is None and spaces["int8"].blocks(range(16))[0].codec == spaces["int8"].codec
+
+
+def test_a_layout_refuses_an_unknown_codec_and_quantising_non_float_kv():
+    with pytest.raises(ValueError, match="one of raw, zstd, int8, int4"):
+        layout("lz77")
+    with pytest.raises(ValueError, match="quantises"):
+        KVLayout(1, 1, 8, dtype="int8", codec="int4")
+    KVLayout(1, 1, 8, dtype="int8", codec="zstd")  # lossless codecs take any bytes
+
+
+def test_the_record_names_its_codec_and_checksums_the_stored_bytes():
+    space = Namespace("m", layout("int4"), block_tokens=16)
+    block = space.blocks(range(16))[0]
+    raw = b"".join(kv_like(space.codec.geometry, seed) for seed in range(LAYOUT.num_layers))
+    header_bytes, payload = build_record(block, raw, LAYOUT.num_layers, "chat")
+    header = decode_header(header_bytes)
+    assert (header.version, header.codec) == (4, codec_named("int4").code)
+    assert header.payload_len == len(payload) < len(raw) / 2.5
+    header.check_expected(block)
+    header.check_layers(payload, 0)
+    damaged = bytearray(payload)
+    damaged[len(payload) // 2] ^= 1
+    with pytest.raises(CorruptRecord, match="checksum"):
+        header.check_layers(bytes(damaged), 0)
+
+
+def test_a_record_of_another_codec_is_a_codec_mismatch_for_the_reader():
+    """Keys already differ per codec; a record under a key of one codec that names another (a writer that
+    got it wrong) is still never decoded as the reader's."""
+    int8 = Namespace("m", layout("int8"), block_tokens=16)
+    block = int8.blocks(range(16))[0]
+    raw = bytes(int8.block_bytes)
+    header, _ = build_record(block, raw, LAYOUT.num_layers, "chat")
+    as_zstd = type(block)(block.namespace, block.key, block.parent, block.tokens, block.tenant,
+                          Namespace("m", layout("zstd"), block_tokens=16).codec)
+    with pytest.raises(CorruptRecord) as caught:
+        decode_header(header).check_expected(as_zstd)
+    assert caught.value.cause == "codec_mismatch"
