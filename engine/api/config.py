@@ -9,6 +9,8 @@ from pathlib import Path
 
 from engine.model.dtype import check_name as check_dtype
 from engine.prefill.config import BLOCK_TOKENS
+from kvstore.codec import DEFAULT as DEFAULT_CODEC
+from kvstore.codec import codec_named
 from kvstore.settings import Command
 
 TRAFFIC_CLASSES = ("chat", "agent")
@@ -41,6 +43,9 @@ class ApiConfig:
     # Tokens per KV page and per stored block; the store's namespace includes it, so every process that shares
     # cached prompts with this one must use the same (engine.prefill.config.BLOCK_TOKENS says why 64)
     block_tokens: int = BLOCK_TOKENS
+    # The form cached blocks and window records take in the store: raw, zstd (lossless, 1.4x smaller), int8 (2x)
+    # or int4 (3.5x), the last two quantised at the quality docs/performance.md states; part of the namespace
+    kv_codec: str = DEFAULT_CODEC
     max_running: int = 32  # sequences decoded at once; more wait for a slot
     # Speculative decoding (DecodeConfig.speculative): n-gram drafts verified on the DSpark schedule, lossless;
     # its SPS profile is measured at the first start on a machine and cached
@@ -89,6 +94,10 @@ class ApiConfig:
         if not self.model_name:
             raise ValueError("ApiConfig: model_name must be non-empty")
         check_dtype(self.dtype, "ApiConfig")
+        try:
+            codec_named(self.kv_codec)
+        except ValueError as exc:
+            raise ValueError(f"ApiConfig: {exc}") from None
         if not 0 <= self.port <= 65535:
             raise ValueError(f"ApiConfig: port must lie in [0, 65535], got {self.port}")
         for name in ("kv_pages", "block_tokens", "max_running", "tokenize_workers", "max_stored_responses",

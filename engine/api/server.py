@@ -338,13 +338,14 @@ def build(config: ApiConfig) -> Service:
         from kvstore.client import ClientConfig, KVClient
         from kvstore.client.config import security_from_environment
 
+        slot = stored_block_bytes(model, config.block_tokens, config.kv_codec)
         host: dict[str, Any] = {"host_tier_bytes": config.host_tier_bytes,
-                "host_block_bytes": stored_block_bytes(model, config.block_tokens)} if config.host_tier_bytes else {}
+                                "host_block_bytes": slot} if config.host_tier_bytes else {}
         # a secured cluster's token and CA come from KVSTORE_TOKEN, KVSTORE_TLS_CA, ... (docs/operations.md)
         client = store = KVClient(ClientConfig(tuple(config.servers), **host, **security_from_environment()))
     cost = ChunkCost(*config.chunk_cost) if config.chunk_cost else None
     prefill = PrefillEngine(model, client, PrefillConfig(block_tokens=config.block_tokens, kv_pages=config.kv_pages,
-                                                         cost=cost), model_identity(folder))
+                                                         cost=cost, kv_codec=config.kv_codec), model_identity(folder))
     if client is not None:
         advising = ThreadPoolExecutor(1, thread_name_prefix="advise")  # the client blocks; the loop must not
 

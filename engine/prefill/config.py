@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.prefill.cost import ChunkCost
+from kvstore.codec import DEFAULT as DEFAULT_CODEC
+from kvstore.codec import codec_named
 
 # Tokens per KV page and per stored block: the default of every engine process (the prefill and decode engines,
 # kvstore-api, decode instances). The block size is part of the store's namespace, so processes that differ in it
@@ -31,6 +33,9 @@ class PrefillConfig:
     # process queued before it: the continuation record of a sequence it preempted may still be on its way
     handoff_wait_s: float = 2.0
     model_id: str | None = None  # the namespace's model identity; None: directory name + weights digest
+    # The form stored blocks and window records take (kvstore/codec.py): raw, zstd (lossless), int8 or int4
+    # (quantised; docs/performance.md states what each costs in quality). Part of the namespace
+    kv_codec: str = DEFAULT_CODEC
     # Bounded replay (engine.window) where a hybrid model's window state is gone:
     replay_tokens: int | None = None  # R; None: the default for the model's window; 0: never replay
     replay_min_prefix_factor: float = 2.0  # replay only a prefix at least this many times R long
@@ -41,6 +46,10 @@ class PrefillConfig:
             raise ValueError("PrefillConfig: block_tokens and kv_pages must be >= 1")
         if self.step_budget_s <= 0 or self.load_timeout_s <= 0 or self.handoff_wait_s < 0:
             raise ValueError("PrefillConfig: step_budget_s and load_timeout_s must be positive, handoff_wait_s >= 0")
+        try:
+            codec_named(self.kv_codec)
+        except ValueError as exc:
+            raise ValueError(f"PrefillConfig: {exc}") from None
         if self.window_tier_bytes < 0:
             raise ValueError("PrefillConfig: window_tier_bytes must be >= 0")
         replay = self.replay_tokens

@@ -65,6 +65,7 @@ from kvstore.client import StoreClient
 from kvstore.client.assembly import Buffer
 from kvstore.client.loading import LoadCancelled, LoadHandle
 from kvstore.client.torch_kv import PagedKV
+from kvstore.codec import RAW
 from kvstore.eviction import ReuseHint
 
 
@@ -127,17 +128,18 @@ class PrefillStep:
     before_layer: Callable[[int], None] | None
 
 
-def stored_layout(model: Decoder) -> KVLayout:
-    """What the store keeps of `model`'s KV: its full-attention layers, in its dtype."""
+def stored_layout(model: Decoder, codec: str = RAW) -> KVLayout:
+    """What the store keeps of `model`'s KV: its full-attention layers, in its dtype, encoded with `codec`."""
     mc = model.config
     return KVLayout(num_layers=len(mc.full_layers), kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
-                    dtype=str(model.dtype).removeprefix("torch."))
+                    dtype=str(model.dtype).removeprefix("torch."), codec=codec)
 
 
-def stored_block_bytes(model: Decoder, block_tokens: int) -> int:
-    """Payload bytes of one stored block of `model`'s KV: a host tier's slot size."""
-    layout = stored_layout(model)
-    return layout.layer_bytes(block_tokens) * layout.num_layers
+def stored_block_bytes(model: Decoder, block_tokens: int, codec: str = RAW) -> int:
+    """The most payload bytes one stored block of `model`'s KV takes: a host tier's slot size."""
+    layout = stored_layout(model, codec)
+    bound = layout.block_codec(block_tokens)
+    return (bound.max_slot_bytes if bound is not None else layout.layer_bytes(block_tokens)) * layout.num_layers
 
 
 class PrefillEngine:
@@ -151,7 +153,7 @@ class PrefillEngine:
                              "another model's replayed (approximate) KV")
         self.model_id = model_id
         self.block_tokens = config.block_tokens
-        self.layout = stored_layout(model)
+        self.layout = stored_layout(model, config.kv_codec)
         self.pool = PagePool(mc, config.kv_pages, config.block_tokens, model.dtype, model.device)
         # a hybrid model's sliding-window state (engine.window); None for a model without sliding layers
         self.windows = WindowKeeper(config.block_tokens, mc.sliding_window or 0, config.window_tier_bytes,
@@ -190,7 +192,7 @@ class PrefillEngine:
     @property
     def block_bytes(self) -> int:
         """Payload bytes of one stored block (the client's host tier slot size)."""
-        return stored_block_bytes(self.model, self.block_tokens)
+        return stored_block_bytes(self.model, self.block_tokens, self.config.kv_codec)
 
     def namespace(self, salt: str = "") -> Namespace:
         space = self._namespaces.get(salt)

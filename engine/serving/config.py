@@ -14,6 +14,8 @@ from engine.decode import DecodeConfig
 from engine.model.dtype import check_name as check_dtype
 from engine.prefill.config import BLOCK_TOKENS, KV_PAGES
 from kvstore.client.config import ClientConfig
+from kvstore.codec import DEFAULT as DEFAULT_CODEC
+from kvstore.codec import codec_named
 from kvstore.settings import Command
 
 MAX_MESSAGE_BYTES = 2**20  # a 1 MiB request holds a prompt of >200k token ids: past these models' contexts
@@ -33,6 +35,9 @@ class InstanceConfig:
     # Tokens per KV page, and per stored block with servers; the store's namespace includes it, so a prefill
     # process handing prompts over, or kvstore-api sharing the store, must use the same (engine.prefill.config)
     block_tokens: int = BLOCK_TOKENS
+    # The form cached blocks take in the store (kvstore/codec.py: raw, zstd, int8, int4); part of the namespace,
+    # so it must match the other processes sharing the store's prompts
+    kv_codec: str = DEFAULT_CODEC
     max_running: int = 64  # sequences decoded at once; more wait for a slot
     prefill_tokens_per_step: int = 2048  # prompt tokens one step computes besides the decoding sequences' tokens
     threads: int = 1  # torch threads: several instances share a machine's cores, so one each by default
@@ -71,6 +76,10 @@ class InstanceConfig:
 
     def __post_init__(self) -> None:
         check_dtype(self.dtype, "InstanceConfig")
+        try:
+            codec_named(self.kv_codec)
+        except ValueError as exc:
+            raise ValueError(f"InstanceConfig: {exc}") from None
         object.__setattr__(self, "model", Path(self.model))
         if not self.model.is_dir():
             raise ValueError(f"InstanceConfig: model must be a model directory (config.json + weights), "

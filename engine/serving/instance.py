@@ -75,7 +75,8 @@ def serve(config: InstanceConfig, ready: TextIO | None = None) -> int:
         from kvstore.client import KVClient
 
         prefill = PrefillEngine(model, KVClient(config.store_client()),
-                                PrefillConfig(block_tokens=config.block_tokens, kv_pages=config.kv_pages),
+                                PrefillConfig(block_tokens=config.block_tokens, kv_pages=config.kv_pages,
+                                              kv_codec=config.kv_codec),
                                 model_identity(config.model))
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     interceptors = [TokenInterceptor(authenticator, verb_of)] if authenticator else []

@@ -184,7 +184,7 @@ class WindowKeeper:
         replayed_into_exact = state.window_from and not chain.model_id.endswith(REPLAYED_SUFFIX)
         if client is not None and self.store_records and not replayed_into_exact:
             record = window_records.window_record(chain, block)
-            payload = window_records.encode(state, window_records.session_tag(session))
+            payload = window_records.encode(state, window_records.session_tag(session), chain.layout.codec)
             # the older records go once this one's save is done, on the write-behind thread: never on the
             # engine's, and never before the save they are superseded by. Where the queue drops the save, they
             # stay: the session's is deleted after its next save that goes through, `superseded` expires.
@@ -239,7 +239,7 @@ class WindowKeeper:
                 return None
             payload = found[0].payload
         try:
-            checked = window_records.check(payload, count * self.block_tokens, rings, exact)
+            checked = window_records.check(payload, count * self.block_tokens, rings, exact, chain.layout.codec)
         except window_records.CorruptWindow as exc:
             self.misses[exc.cause] += 1
             return None

@@ -30,6 +30,11 @@ The dtype and the shape are written out, not inferred from the byte count: a win
 with as many bytes (two heads of 64 for one of 128) is a miss of cause "shape", never read as this one.
 Versions 1 (no tag) and 2 (no shape) are read as misses of cause "format": records live an hour, so none
 outlives an upgrade by long.
+
+Version 4 is version 3 with the sliding layers encoded by the namespace's codec (kvstore/codec.py), as the
+blocks are: after the prelude, the codec's code (u32), then per sliding layer its encoded (2, w, kv_heads ×
+head_dim) values, each behind its length (u32). A namespace that stores raw KV writes version 3; a record
+of the other version, or of another codec, is a miss of cause "codec".
 """
 
 from __future__ import annotations
@@ -43,12 +48,14 @@ import xxhash
 
 from engine.model.kv import WindowState
 from kvstore.block import Block, Namespace, chain_hash
+from kvstore.codec import RAW, CorruptLayer, LayerGeometry, codec_named
 
 WINDOW_CLASS = "window"  # the traffic class of window records: a short TTL, useful while sessions are active
 WINDOW_SUFFIX = "#window"  # the model identity suffix of the namespace window records are keyed in
 # magic, version, dtype code, position, window_from, window positions, session, n_sliding, kv_heads, head_dim
 _PRELUDE = struct.Struct("<4sHHIIIQIII")
-_MAGIC, _VERSION = b"KVW1", 3
+_MAGIC, _VERSION, _ENCODED_VERSION = b"KVW1", 3, 4
+_U32 = struct.Struct("<I")
 _DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 
 
@@ -82,14 +89,48 @@ def ring_slots(position: int, positions: int, window: int, device: torch.device)
     return torch.arange(position - positions, position, device=device) % window
 
 
-def encode(state: WindowState, session: int = 0) -> bytes:
-    """The payload of `state` (rings (n_sliding, 2, W, kv_heads, head_dim)), of the session tagged `session`."""
+def encode(state: WindowState, session: int = 0, codec: str = RAW) -> bytes:
+    """The payload of `state` (rings (n_sliding, 2, W, kv_heads, head_dim)), of the session tagged `session`,
+    its layers encoded with `codec`."""
     window = state.rings.shape[2]
     w = window_positions(state.position, state.window_from, window)
     ordered = state.rings[:, :, ring_slots(state.position, w, window, state.rings.device)]
     sliding, _, _, kv_heads, head_dim = state.rings.shape
-    return _PRELUDE.pack(_MAGIC, _VERSION, _DTYPE_CODES[state.rings.dtype], state.position, state.window_from, w,
-                         session, sliding, kv_heads, head_dim) + tensor_bytes(ordered)
+    version = _VERSION if codec == RAW else _ENCODED_VERSION
+    prelude = _PRELUDE.pack(_MAGIC, version, _DTYPE_CODES[state.rings.dtype], state.position, state.window_from, w,
+                            session, sliding, kv_heads, head_dim)
+    if codec == RAW:
+        return prelude + tensor_bytes(ordered)
+    encoder = codec_named(codec)
+    geometry = LayerGeometry(2, w, kv_heads * head_dim, str(state.rings.dtype).removeprefix("torch."))
+    layers = [encoder.encode(tensor_bytes(layer), geometry) if w else b"" for layer in ordered]
+    return prelude + _U32.pack(encoder.code) + b"".join(_U32.pack(len(layer)) + layer for layer in layers)
+
+
+def _decoded(view: memoryview, codec: str, sliding: int, w: int, like: torch.Tensor) -> bytearray:
+    """A version-4 payload as version 3 would hold it: the prelude, then the raw sliding layers. CorruptWindow
+    of cause "codec" where it is not `codec`'s encoding of such layers."""
+    if len(view) < _PRELUDE.size + _U32.size or _U32.unpack_from(view, _PRELUDE.size)[0] != codec_named(codec).code:
+        raise CorruptWindow("codec", f"a window record of another codec than this namespace's {codec}")
+    geometry = LayerGeometry(2, w, math.prod(like.shape[3:]), str(like.dtype).removeprefix("torch."))
+    out = bytearray(view[: _PRELUDE.size]) + bytearray(sliding * geometry.raw_bytes)
+    at = _PRELUDE.size + _U32.size
+    for layer in range(sliding):
+        if at + _U32.size > len(view):
+            raise CorruptWindow("codec", f"sliding layer {layer} is cut short")
+        (length,) = _U32.unpack_from(view, at)
+        at += _U32.size
+        if w:
+            start = _PRELUDE.size + layer * geometry.raw_bytes
+            try:
+                codec_named(codec).decode(view[at : at + length], geometry,
+                                          memoryview(out)[start : start + geometry.raw_bytes])
+            except CorruptLayer as exc:
+                raise CorruptWindow("codec", f"sliding layer {layer}: {exc}") from None
+        at += length
+    if at != len(view):
+        raise CorruptWindow("codec", f"{len(view) - at} bytes after the last sliding layer")
+    return out
 
 
 @dataclass(frozen=True)
@@ -115,16 +156,20 @@ class Checked:
         return WindowState(self.position, rings, self.window_from)
 
 
-def check(payload: bytes | bytearray | memoryview, position: int, like: torch.Tensor, exact: bool) -> Checked:
+def check(payload: bytes | bytearray | memoryview, position: int, like: torch.Tensor, exact: bool,
+          codec: str = RAW) -> Checked:
     """Whether a payload holds the window as of `position`, for rings shaped and typed `like` (a request's
-    rings; only their shape and dtype are read, so any thread may check). CorruptWindow where it is not
-    that: another format, position or shape, or a replayed window for an `exact` chain."""
+    rings; only their shape and dtype are read, so any thread may check), encoded with `codec` (decoded
+    here). CorruptWindow where it is not that: another format, codec, position or shape, or a replayed window
+    for an `exact` chain."""
     view = memoryview(payload).cast("B")
     if len(view) < _PRELUDE.size:
         raise CorruptWindow("format", f"{len(view)} bytes: shorter than the prelude")
     magic, version, dtype, at, window_from, w, session, *geometry = _PRELUDE.unpack_from(view)
-    if (magic, version) != (_MAGIC, _VERSION):
+    if magic != _MAGIC or version not in (_VERSION, _ENCODED_VERSION):
         raise CorruptWindow("format", f"magic {magic!r} version {version}: not a window record this engine reads")
+    if (version == _ENCODED_VERSION) != (codec != RAW):
+        raise CorruptWindow("codec", f"a window record of version {version} in a namespace of codec {codec}")
     if exact and window_from:
         raise CorruptWindow("replayed", f"a replayed window (from {window_from}) read for an exact chain")
     window = like.shape[2]
@@ -135,16 +180,19 @@ def check(payload: bytes | bytearray | memoryview, position: int, like: torch.Te
     if (dtype, tuple(geometry)) != (_DTYPE_CODES.get(like.dtype), (like.shape[0], *like.shape[3:])):
         raise CorruptWindow("shape", f"a window of {geometry} (sliding layers, KV heads, head size) in dtype code "
                                      f"{dtype} is not this model's {(like.shape[0], *like.shape[3:])} {like.dtype}")
+    if version == _ENCODED_VERSION:
+        payload = _decoded(view, codec, like.shape[0], w, like)
+        view = memoryview(payload)
     if len(view) != _PRELUDE.size + math.prod(shape) * like.element_size():
         raise CorruptWindow("shape", f"{len(view)} bytes do not hold a {w}-position window of this model")
     return Checked(payload, position, window_from, w, session)
 
 
 def decode(payload: bytes | bytearray | memoryview, position: int, like: torch.Tensor,
-           exact: bool) -> tuple[WindowState, int]:
+           exact: bool, codec: str = RAW) -> tuple[WindowState, int]:
     """The window as of `position` a payload holds, as rings shaped and typed `like` (a request's rings), and
     the session tag it was saved with; CorruptWindow as `check` raises it."""
-    checked = check(payload, position, like, exact)
+    checked = check(payload, position, like, exact, codec)
     return checked.state(like), checked.session
 
 

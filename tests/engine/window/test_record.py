@@ -87,3 +87,30 @@ def test_a_window_in_another_dtype_of_the_same_width_is_refused():
     assert refused.value.cause == "shape"
     back, _ = record.decode(record.encode(WindowState(16, rings.bfloat16())), 16, rings.bfloat16(), exact=True)
     assert torch.equal(back.rings, rings.bfloat16())
+
+
+@pytest.mark.parametrize("codec", ["zstd", "int8", "int4"])
+@pytest.mark.parametrize("position, window_from", [(16, 0), (5, 0), (20, 14), (14, 14)])
+def test_an_encoded_window_round_trips_within_its_codec(codec, position, window_from):
+    """Version 4: the sliding layers encoded as blocks are; zstd gives every bit back, int8 and int4 stay within
+    their steps; an empty window (w = 0) holds no layer bytes at all."""
+    state = _state(position, window_from)
+    payload = record.encode(state, 3, codec)
+    back, session = record.decode(payload, position, state.rings, exact=False, codec=codec)
+    w = min(W, position - window_from)
+    slots = torch.arange(position - w, position) % W
+    want, got = state.rings[:, :, slots], back.rings[:, :, slots]
+    bound = {"zstd": 0.0, "int8": 0.01, "int4": 0.12}[codec]
+    assert session == 3 and back.window_from == window_from
+    assert (got - want).norm() <= bound * want.norm()
+    assert not back.rings.index_fill(2, slots, 0).any()
+
+
+def test_a_window_of_another_codec_is_a_codec_miss_and_broken_layers_too():
+    state = _state(16)
+    encoded = record.encode(state, 0, "int8")
+    for payload, codec in ((encoded, "raw"), (record.encode(state), "int8"), (encoded, "zstd"),
+                           (encoded[:-3], "int8"), (encoded[:50] + bytes(len(encoded) - 50), "int8")):
+        with pytest.raises(record.CorruptWindow) as refused:
+            record.decode(payload, 16, state.rings, exact=True, codec=codec)
+        assert refused.value.cause == "codec"
