@@ -116,14 +116,39 @@ def session_replay_quality(model: Decoder, tokens: Sequence[int], spans: Sequenc
     only moves forward. Prefix work runs in chunks of `chunk_tokens`; `on_span` is called after each span.
     Results: for each span, one per R, in the order given.
     """
-    _check(len(tokens), spans, replay_tokens, continuation, chunk_tokens, logit_rows)
+    if not replay_tokens or min(replay_tokens) < 1:
+        raise ValueError(f"replay quality: replay_tokens must be one or more R >= 1, got {list(replay_tokens)}")
+    ids = torch.tensor(list(tokens), dtype=torch.long)  # (n,)
+
+    def replays(exact: RequestKV, span: Span) -> list[RequestKV]:
+        made = [_replay_kv(model, exact, span.prefix, r, span.end + continuation, block_tokens) for r in replay_tokens]
+        _advance(model, ids, [(kv, max(0, span.prefix - r), span.prefix - 1) for kv, r in zip(made, replay_tokens)],
+                 chunk_tokens)
+        return made
+
+    return session_variant_quality(model, tokens, spans, replays, replay_tokens, continuation, chunk_tokens,
+                                   logit_rows, block_tokens, on_span)
+
+
+def session_variant_quality(model: Decoder, tokens: Sequence[int], spans: Sequence[Span],
+                            variants: Callable[[RequestKV, Span], list[RequestKV]], labels: Sequence[int],
+                            continuation: int = CONTINUATION, chunk_tokens: int = 1024, logit_rows: int = 32,
+                            block_tokens: int = 256,
+                            on_span: Callable[[Span, list[ReplayQuality]], None] | None = None,
+                            ) -> list[ReplayQuality]:
+    """The next turn's quality, at every span of one session, of each KV `variants(exact, span)` makes from the
+    exact run's KV of [0, prefix) (a bounded replay, KV through a lossy codec...), against the exact run's.
+    Each result's `replay_tokens` is its variant's label (`labels`, one per variant)."""
+    _check(len(tokens), spans, continuation, chunk_tokens, logit_rows)
     ids = torch.tensor(list(tokens), dtype=torch.long)  # (n,)
     exact = _new_kv(model, spans[-1].end + continuation, block_tokens)
     done, results = 0, []
     for span in spans:
         _advance(model, ids, [(exact, done, span.prefix - 1)], chunk_tokens)
-        measured = _measure_span(model, ids, exact, span, replay_tokens, continuation, chunk_tokens, logit_rows,
-                                 block_tokens)
+        def made(kv: RequestKV, at: Span = span) -> list[RequestKV]:
+            return variants(kv, at)
+
+        measured = _measure_span(model, ids, exact, span, made, labels, continuation, logit_rows)
         done = span.end
         results += measured
         if on_span is not None:
@@ -144,8 +169,9 @@ def spans_at(prompt_ends: Sequence[int], prefixes: Sequence[int], min_new_tokens
     return spans
 
 
-def _measure_span(model: Decoder, ids: torch.Tensor, exact: RequestKV, span: Span, replay_tokens: Sequence[int],
-                  continuation: int, chunk_tokens: int, logit_rows: int, block_tokens: int) -> list[ReplayQuality]:
+def _measure_span(model: Decoder, ids: torch.Tensor, exact: RequestKV, span: Span,
+                  variants: Callable[[RequestKV], list[RequestKV]], replay_tokens: Sequence[int],
+                  continuation: int, logit_rows: int) -> list[ReplayQuality]:
     """`exact` holds [0, prefix - 1); compare the span's logits block by block, then the continuations."""
     prefix, end = span.prefix, span.end
     blocks = [(prefix - 1, prefix)] + [(a, min(a + logit_rows, end)) for a in range(prefix, end, logit_rows)]
@@ -158,10 +184,8 @@ def _measure_span(model: Decoder, ids: torch.Tensor, exact: RequestKV, span: Spa
     max_dlogit = [0.0] * len(replay_tokens)
     for a, b in blocks:
         (exact_logits,) = model.forward([Chunk(exact, ids[a:b], a)], all_logits=True)  # (b - a, vocab)
-        if not replays:  # the exact run now holds all of [0, prefix): load it into each replay
-            replays = [_replay_kv(model, exact, prefix, r, end + continuation, block_tokens) for r in replay_tokens]
-            _advance(model, ids, [(kv, max(0, prefix - r), prefix - 1) for kv, r in zip(replays, replay_tokens)],
-                     chunk_tokens)
+        if not replays:  # the exact run now holds all of [0, prefix): make each variant from it
+            replays = variants(exact)
         replay_logits = model.forward([Chunk(kv, ids[a:b], a) for kv in replays], all_logits=True)
         exact_log_probs = torch.log_softmax(exact_logits.double(), dim=-1)  # (b - a, vocab)
         scored = max(0, min(b, end - 1) - a)  # rows whose next token is the next turn's, not the reply's
@@ -173,7 +197,7 @@ def _measure_span(model: Decoder, ids: torch.Tensor, exact: RequestKV, span: Spa
             nll_exact[i].append(-exact_log_probs[:scored].gather(1, targets)[:, 0])
             nll_replay[i].append(-log_probs[:scored].gather(1, targets)[:, 0])
             max_dlogit[i] = max(max_dlogit[i], (exact_logits - logits).abs().max().item())
-    continuations = _greedy(model, [_clone(model, exact), *replays],
+    continuations = _greedy(model, [clone_kv(model, exact), *replays],
                             [exact_logits[-1], *(logits[-1] for logits in replay_logits)], end, continuation)
     return [ReplayQuality(span, r, torch.cat(kl[i]), torch.cat(top1[i]), torch.cat(nll_exact[i]),
                           torch.cat(nll_replay[i]), max_dlogit[i], continuations[0], continuations[i + 1])
@@ -220,7 +244,7 @@ def _replay_kv(model: Decoder, exact: RequestKV, prefix: int, replay_tokens: int
     return kv
 
 
-def _clone(model: Decoder, kv: RequestKV) -> RequestKV:
+def clone_kv(model: Decoder, kv: RequestKV) -> RequestKV:
     """An independent copy of `kv`: pages, rings and positions."""
     copy = _new_kv(model, len(kv.block_table) * kv.block_tokens, kv.block_tokens)
     for source, target in zip(kv.pool.layers, copy.pool.layers):
@@ -231,12 +255,9 @@ def _clone(model: Decoder, kv: RequestKV) -> RequestKV:
     return copy
 
 
-def _check(n_tokens: int, spans: Sequence[Span], replay_tokens: Sequence[int], continuation: int,
-           chunk_tokens: int, logit_rows: int) -> None:
+def _check(n_tokens: int, spans: Sequence[Span], continuation: int, chunk_tokens: int, logit_rows: int) -> None:
     if not spans:
         raise ValueError("replay quality: give at least one span (prefix, end) to measure")
-    if not replay_tokens or min(replay_tokens) < 1:
-        raise ValueError(f"replay quality: replay_tokens must be one or more R >= 1, got {list(replay_tokens)}")
     if min(continuation, chunk_tokens, logit_rows) < 1:
         raise ValueError(f"replay quality: continuation ({continuation}), chunk_tokens ({chunk_tokens}) and "
                          f"logit_rows ({logit_rows}) must each be >= 1")

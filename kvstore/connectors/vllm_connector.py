@@ -9,6 +9,7 @@
             "model_id": "gemma-3-270m@1f2e...",  # optional: the operator's promise of the model's identity
             "tenant": "team-a",         # optional: the namespace salt, whose blocks these are
             "traffic_class": "chat",    # optional: the daemons' retention class
+            "codec": "zstd",            # optional: how blocks are stored (kvstore/codec.py), default raw
             "timeout_s": 5.0,           # optional: the deadline of each call
             "write_behind_bytes": 268435456}}'  # optional: saves queued beyond this are dropped (counted)
 
@@ -70,6 +71,7 @@ from vllm.model_executor.models.utils import extract_layer_index
 from kvstore.client import StoreClient
 from kvstore.client.loading import LoadCancelled, LoadHandle
 from kvstore.client.torch_kv import PagedKV
+from kvstore.codec import RAW
 from kvstore.connectors.identity import model_identity
 from kvstore.connectors.store import SETTINGS, LazyClient, client_config
 from kvstore.connectors.vllm_groups import (
@@ -164,6 +166,10 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             raise ValueError("KVStoreConnector: pipeline parallelism splits a block's layers; not supported")
         self.world = parallel.tensor_parallel_size
         self.groups = stored_groups(kv_cache_config, _page_format())
+        try:
+            self.codec = self.groups.check_codec(str(extra.get("codec", RAW)))
+        except ValueError as exc:
+            raise ValueError(f"KVStoreConnector: kv_connector_extra_config.codec: {exc}") from None
         self.block_tokens = self.groups.block_tokens
         self.asynchronous = len(kv_cache_config.kv_cache_groups) > 1  # see the module docstring
         policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute")
@@ -198,7 +204,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if spaces is None:
             if len(self._namespaces) >= MAX_NAMESPACES:  # callers choose salts: a bound, not one entry each
                 self._namespaces.clear()
-            spaces = namespaces(self.groups, self.model_id, self.tenant, cache_salt, rank, self.world)
+            spaces = namespaces(self.groups, self.model_id, self.tenant, cache_salt, rank, self.world, self.codec)
             self._namespaces[(cache_salt, rank)] = spaces
         return spaces
 

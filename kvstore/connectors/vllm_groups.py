@@ -34,6 +34,7 @@ import torch
 import xxhash
 
 from kvstore.block import KVLayout, Namespace
+from kvstore.codec import RAW, check_codec, codec_named
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -77,8 +78,17 @@ class StoredGroups:
             return (self.kv_heads, self.block_tokens, 2 * self.head_size)
         return (2, self.block_tokens, self.kv_heads, self.head_size)
 
-    def layout(self, layers: int) -> KVLayout:
-        return KVLayout(layers, self.kv_heads, self.head_size, self.dtype)
+    def layout(self, layers: int, codec: str = RAW) -> KVLayout:
+        return KVLayout(layers, self.kv_heads, self.head_size, self.dtype, codec=codec)
+
+    def check_codec(self, codec: str) -> str:
+        """`codec`, if it can store these pages: a quantising codec groups keys by channel and values by token,
+        which vLLM's CPU pages, K and V interleaved per head, do not lay out as it reads them."""
+        check_codec(codec, self.dtype)
+        if self.page == PAGE_CPU and not codec_named(codec).lossless:
+            raise ValueError(f"the {codec} codec quantises pages of K then V, [2, block, heads, head_size]; vLLM's "
+                             "CPU pages interleave them per head: use raw or zstd")
+        return codec
 
     def window_range(self, end: int) -> range:
         """The blocks whose window layers are saved for a prompt of `end` full blocks: those a resume at
@@ -147,7 +157,7 @@ class Namespaces:
 
 
 def namespaces(groups: StoredGroups, model_id: str, tenant: str, cache_salt: str | None, rank: int,
-               world: int) -> Namespaces:
+               world: int, codec: str = RAW) -> Namespaces:
     """A request's namespaces. The operator's tenant is the namespace's salt (the block's owner, what a
     store token is scoped to); a request's `cache_salt` keys its blocks apart within that tenant, through
     the model identity, so a caller's salt can never name another deployment's tenant."""
@@ -156,11 +166,11 @@ def namespaces(groups: StoredGroups, model_id: str, tenant: str, cache_salt: str
         identity = f"{identity}#tp{rank}/{world}"
     if cache_salt:
         identity = f"{identity}|cache_salt={xxhash.xxh3_128_hexdigest(cache_salt.encode())}"
-    full = Namespace(identity, groups.layout(len(groups.full_layers)), groups.block_tokens, tenant)
+    full = Namespace(identity, groups.layout(len(groups.full_layers), codec), groups.block_tokens, tenant)
     window = None
     if groups.hybrid:
-        window = Namespace(f"{identity}|window={groups.window_tokens}", groups.layout(len(groups.window_layers)),
-                           groups.block_tokens, tenant)
+        window = Namespace(f"{identity}|window={groups.window_tokens}",
+                           groups.layout(len(groups.window_layers), codec), groups.block_tokens, tenant)
     return Namespaces(full, window)
 
 

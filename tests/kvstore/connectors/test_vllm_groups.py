@@ -95,3 +95,17 @@ def test_the_checkpoint_identity_follows_every_weight_byte(tmp_path):
     (twin / "model.safetensors").unlink(), (twin / "pytorch_model.bin").unlink()
     with pytest.raises(ValueError, match="no weight file"):  # a config alone names no checkpoint
         checkpoint_identity(twin)
+
+
+def test_the_codec_is_in_both_chains_namespaces_and_cpu_pages_take_only_lossless_ones():
+    nhd = _groups(page=PAGE_NHD)
+    raw = namespaces(nhd, "m", "t", None, 0, 1)
+    int8 = namespaces(nhd, "m", "t", None, 0, 1, nhd.check_codec("int8"))
+    assert raw.full.digest != int8.full.digest and raw.window.digest != int8.window.digest
+    assert int8.full.codec is not None and int8.window.codec is not None and raw.full.codec is None
+    cpu = _groups(page=PAGE_CPU)
+    assert cpu.check_codec("zstd") == "zstd"
+    with pytest.raises(ValueError, match="interleave"):
+        cpu.check_codec("int4")
+    with pytest.raises(ValueError, match="one of"):
+        nhd.check_codec("gzip")
