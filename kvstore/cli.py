@@ -35,6 +35,7 @@ def _namespace_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--codec", default="raw", help="how the blocks are stored: raw, zstd, int8 or int4")
     parser.add_argument("--block-tokens", type=int, default=16)
     parser.add_argument("--salt", default="", help="tenant cache salt (never stored)")
     group = parser.add_mutually_exclusive_group(required=True)
@@ -46,8 +47,8 @@ def _namespace_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _blocks(args: argparse.Namespace):
-    namespace = Namespace(args.model, KVLayout(args.num_layers, args.kv_heads, args.head_dim, args.dtype),
-                          args.block_tokens, args.salt)
+    namespace = Namespace(args.model, KVLayout(args.num_layers, args.kv_heads, args.head_dim, args.dtype,
+                                               codec=args.codec), args.block_tokens, args.salt)
     if args.text is not None:
         tokens = list(args.text.encode())
     else:
@@ -117,8 +118,8 @@ def cmd_get(args: argparse.Namespace) -> int:
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         for data in got:
-            (args.out / f"{data.block.key.hex()}.kv").write_bytes(data.payload)
-        print(f"payloads written to {args.out}/<key>.kv")
+            (args.out / f"{data.block.key.hex()}.kv").write_bytes(data.kv())
+        print(f"payloads written to {args.out}/<key>.kv (decoded: the engine's KV)")
     return 0
 
 

@@ -1,8 +1,11 @@
 """KV codecs: round trips, the bounds of each, codecs in the namespace and the record, and bad bytes refused."""
 
+import dataclasses
 import os
+import struct
 
 import numpy as np
+import xxhash
 import pytest
 
 from kvstore.block import KVLayout, Namespace
@@ -165,8 +168,26 @@ def test_a_record_of_another_codec_is_a_codec_mismatch_for_the_reader():
     block = int8.blocks(range(16))[0]
     raw = bytes(int8.block_bytes)
     header, _ = build_record(block, raw, LAYOUT.num_layers, "chat")
-    as_zstd = type(block)(block.namespace, block.key, block.parent, block.tokens, block.tenant,
-                          Namespace("m", layout("zstd"), block_tokens=16).codec)
+    as_zstd = _as_codec(block, "zstd")
     with pytest.raises(CorruptRecord) as caught:
         decode_header(header).check_expected(as_zstd)
     assert caught.value.cause == "codec_mismatch"
+
+
+def test_a_format_3_record_reads_as_raw():
+    """Format 3 had no codec field: its layers are the engine's bytes, and a raw reader takes them."""
+    space = Namespace("m", LAYOUT, block_tokens=16)
+    block = space.blocks(range(16))[0]
+    header_bytes, payload = build_record(block, bytes(space.block_bytes), LAYOUT.num_layers, "chat")
+    tenant_end = 4 + 2 + 2 + 4 + 16 * 4 + 4 + 4 + 8 + 16
+    body = bytearray(header_bytes[:tenant_end] + header_bytes[tenant_end + 4 : -8])
+    struct.pack_into("<HHI", body, 4, 3, 0, len(body) + 8)
+    old = decode_header(bytes(body) + struct.pack("<Q", xxhash.xxh3_64_intdigest(bytes(body))))
+    assert (old.version, old.codec, old.layer_sums) == (3, 0, decode_header(header_bytes).layer_sums)
+    old.check_expected(block)
+    with pytest.raises(CorruptRecord, match="codec"):
+        old.check_expected(_as_codec(block, "zstd"))
+
+
+def _as_codec(block, name: str):
+    return dataclasses.replace(block, codec=Namespace("m", layout(name), block_tokens=16).codec)

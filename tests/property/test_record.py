@@ -174,8 +174,9 @@ def as_format_2(header_bytes: bytes, payload: bytes) -> bytes:
     header = decode_header(header_bytes)
     size = header.layer_bytes
     sums = [xxhash.xxh3_64_intdigest(payload[i * size : (i + 1) * size]) for i in range(header.n_layers)]
-    body = bytearray(header_bytes[:-8])
-    struct.pack_into("<H", body, 4, 2)
+    tenant_end = 4 + 2 + 2 + 4 + 16 * 4 + 4 + 4 + 8 + 16
+    body = bytearray(header_bytes[:tenant_end] + header_bytes[tenant_end + 4 : -8])  # format 4's codec dropped
+    struct.pack_into("<HHI", body, 4, 2, 0, len(body) + 8)
     struct.pack_into(f"<{header.n_layers}Q", body, len(body) - 8 * header.n_layers, *sums)
     return with_checksum(bytes(body))
 
@@ -190,7 +191,7 @@ def test_format_2_records_are_still_read_with_their_xxh3_layer_checksums(record,
     old.check_layers(payload, 0)
     assert payload_layer_sums([payload[:3], payload[3:]], old.layer_bytes, old.version) == list(old.layer_sums)
     new = decode_header(header_bytes)
-    assert new.version == FORMAT_VERSION == 3 and new.layer_sums != old.layer_sums
+    assert new.version == FORMAT_VERSION == 4 and new.layer_sums != old.layer_sums
     if other[: len(payload)] != payload and len(other) >= len(payload):
         with pytest.raises(CorruptRecord):
             old.check_layers(other[: len(payload)], 0)

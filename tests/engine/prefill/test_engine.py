@@ -206,10 +206,12 @@ def test_a_window_record_that_is_not_the_window_is_a_counted_miss_and_the_prompt
         boundary = len(stored.blocks) * BLOCK
         state = first.window_tier.get(stored.blocks[-1].key)  # the true window as of the boundary
         stored.kv.release()
-        wrong = {"position": window_records.encode(type(state)(boundary - 1, state.rings)),
-                 "shape": window_records.encode(type(state)(boundary, state.rings[:, :, :, :, :-1])),
-                 "format": b"KVH1" + window_records.encode(state)[4:],
-                 "replayed": window_records.encode(type(state)(boundary, state.rings, window_from=1))}[damage]
+        codec = first.namespace().layout.codec  # the engine's: a record in another is a miss of cause "codec"
+        wrong = {"position": window_records.encode(type(state)(boundary - 1, state.rings), codec=codec),
+                 "shape": window_records.encode(type(state)(boundary, state.rings[:, :, :, :, :-1]), codec=codec),
+                 "format": b"KVH1" + window_records.encode(state, codec=codec)[4:],
+                 "replayed": window_records.encode(type(state)(boundary, state.rings, window_from=1),
+                                                   codec=codec)}[damage]
         record = window_records.window_record(first.namespace(), stored.blocks[-1])
         client.put([(record, wrong)], 1, window_records.WINDOW_CLASS)  # a record made by someone else
         fresh = _engine(tiny, client, replay_tokens=0)

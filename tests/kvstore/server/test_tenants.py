@@ -22,9 +22,9 @@ def record(block, payload=None):
 
 
 def format_1(header_bytes: bytes) -> bytes:
-    """The same header as format 1 wrote it: no tenant field, version 1."""
+    """The same header as format 1 wrote it: no tenant field (nor format 4's codec), version 1."""
     fixed = 4 + 2 + 2 + 4 + 16 * 4 + 4 + 4 + 8
-    body = bytearray(header_bytes[:fixed] + header_bytes[fixed + 16 : -8])
+    body = bytearray(header_bytes[:fixed] + header_bytes[fixed + 16 + 4 : -8])
     struct.pack_into("<HHI", body, 4, 1, 0, len(body) + 8)
     return bytes(body) + struct.pack("<Q", xxhash.xxh3_64_intdigest(bytes(body)))
 
