@@ -12,10 +12,13 @@ For each codec (kvstore/codec.py), from the exact KV of those prefixes:
 - encode and decode rates on one core, GB/s of raw KV (median and spread over the blocks' layers, repeated);
 - quality over the next turn (`engine.window.quality.session_variant_quality`): the exact run's KV of
   [0, P), full layers and sliding window alike, sent through the codec and back as a store would, then the
-  next turn computed on it and compared with the exact run: top-1 agreement at every position and at the
-  prompt's end, KL(exact || codec) mean and p99, max |Δlogit|, and how many of 32 greedy tokens match;
-- the load time of a 90%-cached 4,096-token prompt (57 blocks) from one daemon's DRAM tier into the
-  engine's paged KV, `client.load` to the last layer, beside raw, interleaved repeats;
+  next turn computed on it and compared with the same turn computed, in the same batch, on the exact KV
+  unchanged: top-1 agreement at every position and at the prompt's end, KL(exact || codec) mean and p99,
+  max |Δlogit|, and how many of 32 greedy tokens match. (Against the exact run computed alone, bf16's
+  rounding of another batch shape alone gives a KL near 1e-3: `--against-alone` shows it);
+- the load time of a 90%-cached 4,096-token prompt (57 blocks) from one daemon into the engine's paged KV,
+  `client.load` to the last layer, beside raw, interleaved repeats: from its DRAM tier, and with no DRAM
+  tier from its SSD segments (O_DIRECT where aligned, else the page cache);
 - the hit rate it buys: `kvstore analytics replay` on traces/conversation_trace.jsonl (512-token blocks) at
   SSD budgets in bytes, each codec's bytes per block against raw's.
 """
@@ -112,12 +115,12 @@ def rates(codec: BlockCodec, payloads: list[bytes], layers: int, repeats: int = 
             "decode_GBps_range": [raw / max(decode_s) / 1e9, raw / min(decode_s) / 1e9]}
 
 
-def load_times(model: Decoder, payloads: list[bytes], repeats: int) -> dict[str, list[float]]:
-    """Seconds to load the leading 90% of a prompt's blocks (`payloads`) from one daemon's DRAM tier into
-    paged KV, per codec, interleaved."""
+def load_times(model: Decoder, payloads: list[bytes], repeats: int, hot_tier: str) -> dict[str, list[float]]:
+    """Seconds to load the leading 90% of a prompt's blocks (`payloads`) from one daemon into paged KV, per
+    codec, interleaved: from its DRAM tier, or with none (`hot_tier` 0) from its SSD segments."""
     hit = len(payloads)
     workdir = Path(tempfile.mkdtemp(prefix="kvstore-compression-bench-"))
-    daemon = DaemonProcess(workdir / "data", workdir, ["--hot-tier-bytes", "1GiB"])
+    daemon = DaemonProcess(workdir / "data", workdir, ["--hot-tier-bytes", hot_tier])
     times: dict[str, list[float]] = {name: [] for name in ("raw", *CODEC_NAMES)}
     try:
         daemon.start()
@@ -161,19 +164,23 @@ def hit_rates(bytes_per_block: dict[str, float]) -> dict:
 
 
 def table(figures: dict) -> str:
-    lines = [f"{'codec':>6} {'block':>7} {'window':>7} {'enc GB/s':>14} {'dec GB/s':>14} {'load ms':>18} "
-             f"{'top1/turn':>9} {'top1@end':>8} {'KL mean':>9} {'KL p99':>8} {'max|dl|':>8} {'greedy/32':>9}"]
+    lines = [f"{'codec':>6} {'block':>7} {'window':>7} {'enc GB/s':>16} {'dec GB/s':>16} "
+             f"{'load from DRAM, ms':>24} {'load from SSD, ms':>24}"]
     for name, f in figures.items():
-        q = f.get("quality")
-        load = f["load_ms"]
-        lines.append(
-            f"{name:>6} {f['block_ratio']:6.2f}x {f['window_ratio']:6.2f}x "
-            f"{f.get('encode_GBps', float('nan')):5.2f} [{f.get('encode_GBps_range', [0, 0])[0]:.2f}-"
-            f"{f.get('encode_GBps_range', [0, 0])[1]:.2f}] {f.get('decode_GBps', float('nan')):5.2f} "
-            f"[{f.get('decode_GBps_range', [0, 0])[0]:.2f}-{f.get('decode_GBps_range', [0, 0])[1]:.2f}] "
-            f"{load['median']:6.1f} [{load['min']:.1f}-{load['max']:.1f}] {load['over_raw']:4.2f}x "
-            + (f"{q['top1_turn']:9.3%} {q['top1_end']:8.0%} {q['kl_mean']:9.2e} {q['kl_p99']:8.1e} "
-               f"{q['max_dlogit']:8.2f} {q['greedy_match']:9.1f}" if q else f"{'(exact)':>9}"))
+        cells = [f"{name:>6} {f['block_ratio']:6.2f}x {f['window_ratio']:6.2f}x"]
+        for rate in ("encode_GBps", "decode_GBps"):
+            low, high = f.get(f"{rate}_range", (0.0, 0.0))
+            cells.append(f"{f[rate]:5.2f} [{low:.2f}-{high:.2f}]" if rate in f else f"{'-':>16}")
+        for tier in ("dram", "ssd"):
+            load = f[f"load_{tier}_ms"]
+            cells.append(f"{load['median']:6.1f} [{load['min']:.1f}-{load['max']:.1f}] {load['over_raw']:4.2f}x")
+        lines.append(" ".join(cells))
+    lines += ["", f"{'codec':>6} {'top1/turn':>9} {'top1@end':>8} {'KL mean':>9} {'KL p99':>8} {'max|dl|':>8} "
+                  f"{'greedy/32':>9} {'all 32':>6}"]
+    for name, f in figures.items():
+        if q := f.get("quality"):
+            lines.append(f"{name:>6} {q['top1_turn']:9.3%} {q['top1_end']:8.0%} {q['kl_mean']:9.2e} "
+                         f"{q['kl_p99']:8.1e} {q['max_dlogit']:8.2f} {q['greedy_match']:9.1f} {q['greedy_full']:6.0%}")
     return "\n".join(lines)
 
 
@@ -211,6 +218,8 @@ def main() -> None:
     parser.add_argument("--plot", type=Path)
     parser.add_argument("--sessions", type=int, default=SESSIONS)
     parser.add_argument("--quick", action="store_true", help="one session, P = 1k")
+    parser.add_argument("--against-alone", action="store_true",
+                        help="compare with the exact run computed alone, and show an unchanged copy's figures too")
     args = parser.parse_args()
     sessions = QUICK["sessions"] if args.quick else args.sessions
     prefixes = QUICK["prefixes"] if args.quick else PREFIXES
@@ -231,26 +240,31 @@ def main() -> None:
 
     payloads: list[bytes] = []  # the stored blocks of every session's longest prefix
     windows: list[tuple[WindowState, int]] = []
-    results: dict[str, list[ReplayQuality]] = {name: [] for name in CODEC_NAMES}
+    compared = ("copy", *CODEC_NAMES) if args.against_alone else CODEC_NAMES
+    results: dict[str, list[ReplayQuality]] = {name: [] for name in compared}
     for number, session in enumerate(workload, 1):
         def variants(exact: RequestKV, span: Span) -> list[RequestKV]:
             if span.prefix == max(prefixes):
                 payloads.extend(block_payloads(model, exact, span.prefix // BLOCK_TOKENS))
                 if exact.rings is not None:
                     windows.append((WindowState(span.prefix, exact.rings.clone(), exact.window_from), span.prefix))
-            return [through_codec(model, exact, span.prefix, codecs[name], name) for name in CODEC_NAMES]
+            # the reference: the exact KV unchanged, computed in the same batch as the codecs' (bf16 rounds a
+            # batch of four otherwise than a batch of one)
+            return [clone_kv(model, exact)] + [through_codec(model, exact, span.prefix, codecs[name], name)
+                                               for name in CODEC_NAMES]
 
         def report(span: Span, measured: list[ReplayQuality], number: int = number) -> None:
             cells = "  ".join(f"{name}: KL {q.kl.mean():.1e} top1 {q.top1.double().mean():.3f} greedy {q.greedy_match}"
-                              for name, q in zip(CODEC_NAMES, measured))
+                              for name, q in zip(compared, measured))
             print(f"[{number}/{sessions}] P={span.prefix} T={span.new_tokens}  {cells}  "
                   f"({time.perf_counter() - began:.0f} s)", flush=True)
 
         spans = spans_at(session.prompt_ends, prefixes, MIN_NEW_TOKENS)
-        measured = session_variant_quality(model, session.tokens, spans, variants, list(range(len(CODEC_NAMES))),
-                                           block_tokens=BLOCK_TOKENS, on_span=report)
+        measured = session_variant_quality(model, session.tokens, spans, variants, list(range(len(compared))),
+                                           block_tokens=BLOCK_TOKENS, on_span=report,
+                                           against_first=not args.against_alone)
         for q in measured:
-            results[CODEC_NAMES[q.replay_tokens]].append(q)
+            results[compared[q.replay_tokens]].append(q)
 
     raw_block = len(payloads[0])
     raw_window = sum(len(window_records.encode(state)) for state, _ in windows)
@@ -265,14 +279,17 @@ def main() -> None:
             "quality": summarize(results[name]),
         }
     figures["raw"]["block_bytes"] = raw_block
+    if args.against_alone:
+        figures["raw"]["quality"] = summarize(results["copy"])  # bf16's batch-shape rounding alone
     print("measuring loads ...", flush=True)
     hit = LOAD_PROMPT_TOKENS * 9 // 10 // BLOCK_TOKENS
-    loads = load_times(model, payloads[:hit], LOAD_REPEATS)
-    raw_load = statistics.median(loads["raw"])
-    for name, values in loads.items():
-        figures[name]["load_ms"] = {"median": statistics.median(values) * 1e3, "min": min(values) * 1e3,
-                                    "max": max(values) * 1e3, "over_raw": statistics.median(values) / raw_load,
-                                    "all": [v * 1e3 for v in values]}
+    for tier, hot_tier in (("dram", "1GiB"), ("ssd", "0")):
+        loads = load_times(model, payloads[:hit], LOAD_REPEATS, hot_tier)
+        raw_load = statistics.median(loads["raw"])
+        for name, values in loads.items():
+            figures[name][f"load_{tier}_ms"] = {
+                "median": statistics.median(values) * 1e3, "min": min(values) * 1e3, "max": max(values) * 1e3,
+                "over_raw": statistics.median(values) / raw_load, "all": [v * 1e3 for v in values]}
     print("replaying the conversation trace ...", flush=True)
     per_trace_block = {name: f["block_bytes"] * TRACE_BLOCK_TOKENS / BLOCK_TOKENS for name, f in figures.items()}
     hits = hit_rates(per_trace_block)
@@ -281,7 +298,9 @@ def main() -> None:
           f"{layers} layers; window record: the last {model.config.sliding_window} positions of "
           f"{len(model.config.sliding_layers)} sliding layers); encode/decode GB/s of raw KV on one core, median "
           f"[range]; load of a 90%-cached {LOAD_PROMPT_TOKENS}-token prompt ({hit} blocks) from daemon DRAM, median "
-          f"[range] of {LOAD_REPEATS} and the ratio to raw; quality over the next turn against exact KV, "
+          f"[range] of {LOAD_REPEATS} and the ratio to raw, from the daemon's DRAM tier and (with none) from its "
+          f"SSD; quality over the next turn against exact KV "
+          f"({'computed alone' if args.against_alone else 'computed in the same batch'}), "
           f"{len(results[CODEC_NAMES[0]])} resumed requests")
     print(table(figures))
     print(f"\nhit rate of {TRACE.name} (prefix-reuse, {TRACE_BLOCK_TOKENS}-token blocks) by SSD budget")

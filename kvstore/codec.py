@@ -6,9 +6,10 @@ for attention, [0] holds the keys and [1] the values. A codec turns it into fewe
     raw     the engine's bytes, as they are
     zstd    lossless: the bytes of each value regrouped by significance (a byte shuffle: a bf16's high bytes,
             sign and exponent, are far more alike than its low mantissa bytes), each plane zstd'd apart
-    int8    keys per channel and values per token (the outliers of keys lie in a few channels, of values in
-            a few tokens: KIVI, Liu et al., ICML 2024), symmetric int8 with float32 scales, then zstd
-    int4    the same grouping, asymmetric 4-bit (a minimum and a step per group), values in groups of 32
+    int8    keys per channel over runs of 64 tokens, values per token (the outliers of keys lie in a few
+            channels, of values in a few tokens: KIVI, Liu et al., ICML 2024), symmetric int8 with float32
+            scales, then zstd
+    int4    the same grouping, asymmetric 4-bit (a minimum and a step per group), values in runs of 32
             channels per token; bfloat16 minima and steps; then zstd
 
 Quantising codecs compute in float32 and round back to the engine's dtype on decoding. zstd runs with the
@@ -186,96 +187,111 @@ def _split(data: memoryview, sizes: Sequence[int]) -> list[memoryview]:
     return parts
 
 
+KEY_GROUP_TOKENS = 64  # keys share a scale per channel over runs of this many tokens (KIVI groups 32-128)
+INT4_VALUE_RUN = 32  # int4 values share a scale per token over runs of this many channels
+
+
+def _group_shape(keys: bool, run: int, tokens: int, channels: int) -> tuple[int, int]:
+    """(groups, members) of one part: a key group is a channel over a run of KEY_GROUP_TOKENS tokens (the last
+    run padded), a value group a run of `run` channels of one token."""
+    if keys:
+        return -(-tokens // KEY_GROUP_TOKENS) * channels, min(tokens, KEY_GROUP_TOKENS)
+    run = run if channels % run == 0 else channels
+    return tokens * channels // run, run
+
+
+def _grouped(part: np.ndarray, keys: bool, run: int) -> np.ndarray:
+    """`part` (tokens, channels) as (groups, members) (_group_shape); a key run past the last token repeats it,
+    which widens no group's range."""
+    tokens, channels = part.shape
+    groups, members = _group_shape(keys, run, tokens, channels)
+    if not keys:
+        return part.reshape(groups, members)
+    runs = groups // channels
+    padded = np.pad(part, ((0, runs * members - tokens), (0, 0)), mode="edge")  # (runs * members, channels)
+    return padded.reshape(runs, members, channels).transpose(0, 2, 1).reshape(groups, members)
+
+
+def _ungrouped(groups: np.ndarray, keys: bool, tokens: int, channels: int) -> np.ndarray:
+    """The inverse of _grouped: (tokens, channels)."""
+    if not keys:
+        return groups.reshape(tokens, channels)
+    members = groups.shape[1]
+    runs = groups.shape[0] // channels
+    return groups.reshape(runs, channels, members).transpose(0, 2, 1).reshape(runs * members, channels)[:tokens]
+
+
+def _parts(geometry: LayerGeometry) -> list[bool]:
+    """Per part of a layer, whether it holds keys (grouped per channel): K of K and V; a latent vector is not."""
+    return [i == 0 and geometry.kv_per_layer == 2 for i in range(geometry.kv_per_layer)]
+
+
 class Int8:
-    """Keys per channel, values per token: symmetric int8, a float32 scale per channel or token."""
+    """Keys per channel (over runs of KEY_GROUP_TOKENS tokens), values per token: symmetric int8, a float32
+    scale per group, then zstd."""
 
     name, code, lossless = "int8", 2, False
 
     def encode(self, layer: Buffer, geometry: LayerGeometry) -> bytes:
         kv = _to_float32(layer, geometry)  # (kv, tokens, channels)
         pieces = []
-        for i, part in enumerate(kv):
-            axis = 0 if i == 0 and geometry.kv_per_layer == 2 else 1  # keys: over tokens, per channel
-            scale = np.abs(part).max(axis=axis, keepdims=True) / 127.0
+        for part, keys in zip(kv, _parts(geometry)):
+            groups = _grouped(part, keys, geometry.channels)  # (groups, members)
+            scale = np.abs(groups).max(axis=1, keepdims=True) / 127.0
             scale[scale == 0] = 1.0
-            codes = np.clip(np.rint(part / scale), -127, 127).astype(np.int8)  # (tokens, channels)
+            codes = np.clip(np.rint(groups / scale), -127, 127).astype(np.int8)
             pieces += [scale.astype("<f4").tobytes(), codes.tobytes()]
         return _compress(b"".join(pieces))
 
     def decode(self, data: memoryview, geometry: LayerGeometry, out: memoryview) -> None:
         t, c = geometry.tokens, geometry.channels
-        sizes = []
-        for i in range(geometry.kv_per_layer):
-            sizes += [4 * (c if i == 0 and geometry.kv_per_layer == 2 else t), t * c]
-        raw = memoryview(_decompress(data, sum(sizes)))
-        parts = _split(raw, sizes)
+        shapes = [_group_shape(keys, c, t, c) for keys in _parts(geometry)]
+        sizes = [size for groups, members in shapes for size in (4 * groups, groups * members)]
+        parts = _split(memoryview(_decompress(data, sum(sizes))), sizes)
         values = np.empty((geometry.kv_per_layer, t, c), dtype=np.float32)
-        for i in range(geometry.kv_per_layer):
-            scale = np.frombuffer(parts[2 * i], dtype="<f4")
-            scale = scale.reshape(1, c) if i == 0 and geometry.kv_per_layer == 2 else scale.reshape(t, 1)
-            np.multiply(np.frombuffer(parts[2 * i + 1], dtype=np.int8).reshape(t, c), scale, out=values[i])
+        for i, ((groups, members), keys) in enumerate(zip(shapes, _parts(geometry))):
+            scale = np.frombuffer(parts[2 * i], dtype="<f4").reshape(groups, 1)
+            codes = np.frombuffer(parts[2 * i + 1], dtype=np.int8).reshape(groups, members)
+            values[i] = _ungrouped(codes * scale, keys, t, c)
         _from_float32(values, geometry.dtype, out)
 
 
-INT4_GROUP = 32  # a value group: this many channels of one token
-
-
 class Int4:
-    """Keys per channel over the block's tokens, values per token in groups of INT4_GROUP channels: asymmetric
-    4-bit codes, a bfloat16 minimum and step per group, two codes a byte."""
+    """Keys per channel (over runs of KEY_GROUP_TOKENS tokens), values per token in runs of INT4_VALUE_RUN
+    channels: asymmetric 4-bit codes, a bfloat16 minimum and step per group, two codes a byte, then zstd."""
 
     name, code, lossless = "int4", 3, False
-
-    @staticmethod
-    def _groups(part: np.ndarray, keys: bool) -> np.ndarray:
-        """`part` (tokens, channels) as (groups, members): a key group is a channel, a value group a run of
-        channels of one token."""
-        if keys:
-            return part.T
-        t, c = part.shape
-        group = INT4_GROUP if c % INT4_GROUP == 0 else c
-        return part.reshape(t * (c // group), group)
 
     def encode(self, layer: Buffer, geometry: LayerGeometry) -> bytes:
         kv = _to_float32(layer, geometry)
         pieces = []
-        for i, part in enumerate(kv):
-            groups = self._groups(part, i == 0 and geometry.kv_per_layer == 2)  # (groups, members)
+        for part, keys in zip(kv, _parts(geometry)):
+            groups = _grouped(part, keys, INT4_VALUE_RUN)  # (groups, members)
             low = _bf16_round(groups.min(axis=1, keepdims=True))
             step = _bf16_round((groups.max(axis=1, keepdims=True) - low) / 15.0)
             step[step == 0] = 1.0
             codes = np.clip(np.rint((groups - low) / step), 0, 15).astype(np.uint8).ravel()
-            packed = codes[0::2] | (codes[1::2] << 4) if codes.size % 2 == 0 else None
-            if packed is None:
+            if codes.size % 2:
                 codes = np.append(codes, np.uint8(0))
-                packed = codes[0::2] | (codes[1::2] << 4)
+            packed = codes[0::2] | (codes[1::2] << 4)
             pieces += [(np.concatenate([low, step], axis=1).astype(np.float32).view(np.uint32) >> 16)
                        .astype("<u2").tobytes(), packed.tobytes()]
         return _compress(b"".join(pieces))
 
     def decode(self, data: memoryview, geometry: LayerGeometry, out: memoryview) -> None:
         t, c = geometry.tokens, geometry.channels
-        shapes = []
-        for i in range(geometry.kv_per_layer):
-            keys = i == 0 and geometry.kv_per_layer == 2
-            group = t if keys else (INT4_GROUP if c % INT4_GROUP == 0 else c)
-            shapes.append((t * c // group, group))
-        sizes = []
-        for groups, members in shapes:
-            sizes += [groups * 2 * 2, (groups * members + 1) // 2]
+        shapes = [_group_shape(keys, INT4_VALUE_RUN, t, c) for keys in _parts(geometry)]
+        sizes = [size for groups, members in shapes for size in (groups * 2 * 2, (groups * members + 1) // 2)]
         parts = _split(memoryview(_decompress(data, sum(sizes))), sizes)
         values = np.empty((geometry.kv_per_layer, t, c), dtype=np.float32)
-        for i, (groups, members) in enumerate(shapes):
+        for i, ((groups, members), keys) in enumerate(zip(shapes, _parts(geometry))):
             params = (np.frombuffer(parts[2 * i], dtype="<u2").astype(np.uint32) << 16).view(np.float32)
             params = params.reshape(groups, 2)
             packed = np.frombuffer(parts[2 * i + 1], dtype=np.uint8)
             codes = np.empty(packed.size * 2, dtype=np.uint8)
             codes[0::2], codes[1::2] = packed & 0xF, packed >> 4
             decoded = codes[: groups * members].reshape(groups, members) * params[:, 1:] + params[:, :1]
-            if i == 0 and geometry.kv_per_layer == 2:
-                values[i] = decoded.T
-            else:
-                values[i] = decoded.reshape(t, c)
+            values[i] = _ungrouped(decoded, keys, t, c)
         _from_float32(values, geometry.dtype, out)
 
 

@@ -135,10 +135,15 @@ def session_variant_quality(model: Decoder, tokens: Sequence[int], spans: Sequen
                             continuation: int = CONTINUATION, chunk_tokens: int = 1024, logit_rows: int = 32,
                             block_tokens: int = 256,
                             on_span: Callable[[Span, list[ReplayQuality]], None] | None = None,
-                            ) -> list[ReplayQuality]:
+                            against_first: bool = False) -> list[ReplayQuality]:
     """The next turn's quality, at every span of one session, of each KV `variants(exact, span)` makes from the
     exact run's KV of [0, prefix) (a bounded replay, KV through a lossy codec...), against the exact run's.
-    Each result's `replay_tokens` is its variant's label (`labels`, one per variant)."""
+    Each result's `replay_tokens` is its variant's label (`labels`, one per variant compared).
+
+    `against_first`: the first variant is the reference instead of the exact run, and the others are
+    compared with it. The variants are computed together, in one batch, and the exact run alone; in bf16 the
+    two shapes round differently, so an unchanged copy of the exact KV computed beside the variants is the
+    reference that leaves only what the variants changed."""
     _check(len(tokens), spans, continuation, chunk_tokens, logit_rows)
     ids = torch.tensor(list(tokens), dtype=torch.long)  # (n,)
     exact = _new_kv(model, spans[-1].end + continuation, block_tokens)
@@ -148,7 +153,7 @@ def session_variant_quality(model: Decoder, tokens: Sequence[int], spans: Sequen
         def made(kv: RequestKV, at: Span = span) -> list[RequestKV]:
             return variants(kv, at)
 
-        measured = _measure_span(model, ids, exact, span, made, labels, continuation, logit_rows)
+        measured = _measure_span(model, ids, exact, span, made, labels, continuation, logit_rows, against_first)
         done = span.end
         results += measured
         if on_span is not None:
@@ -171,8 +176,9 @@ def spans_at(prompt_ends: Sequence[int], prefixes: Sequence[int], min_new_tokens
 
 def _measure_span(model: Decoder, ids: torch.Tensor, exact: RequestKV, span: Span,
                   variants: Callable[[RequestKV], list[RequestKV]], replay_tokens: Sequence[int],
-                  continuation: int, logit_rows: int) -> list[ReplayQuality]:
-    """`exact` holds [0, prefix - 1); compare the span's logits block by block, then the continuations."""
+                  continuation: int, logit_rows: int, against_first: bool = False) -> list[ReplayQuality]:
+    """`exact` holds [0, prefix - 1); compare the span's logits block by block, then the continuations.
+    `against_first`: the first variant is the reference, the others are compared with it."""
     prefix, end = span.prefix, span.end
     blocks = [(prefix - 1, prefix)] + [(a, min(a + logit_rows, end)) for a in range(prefix, end, logit_rows)]
     replays: list[RequestKV] = []
@@ -187,18 +193,21 @@ def _measure_span(model: Decoder, ids: torch.Tensor, exact: RequestKV, span: Spa
         if not replays:  # the exact run now holds all of [0, prefix): make each variant from it
             replays = variants(exact)
         replay_logits = model.forward([Chunk(kv, ids[a:b], a) for kv in replays], all_logits=True)
-        exact_log_probs = torch.log_softmax(exact_logits.double(), dim=-1)  # (b - a, vocab)
+        reference, compared = (replay_logits[0], replay_logits[1:]) if against_first else (exact_logits, replay_logits)
+        exact_log_probs = torch.log_softmax(reference.double(), dim=-1)  # (b - a, vocab)
         scored = max(0, min(b, end - 1) - a)  # rows whose next token is the next turn's, not the reply's
         targets = ids[a + 1 : a + 1 + scored, None]  # (scored, 1)
-        for i, logits in enumerate(replay_logits):
+        for i, logits in enumerate(compared):
             log_probs = torch.log_softmax(logits.double(), dim=-1)  # (b - a, vocab)
             kl[i].append((exact_log_probs.exp() * (exact_log_probs - log_probs)).sum(-1))
-            top1[i].append(exact_logits.argmax(-1) == logits.argmax(-1))
+            top1[i].append(reference.argmax(-1) == logits.argmax(-1))
             nll_exact[i].append(-exact_log_probs[:scored].gather(1, targets)[:, 0])
             nll_replay[i].append(-log_probs[:scored].gather(1, targets)[:, 0])
-            max_dlogit[i] = max(max_dlogit[i], (exact_logits - logits).abs().max().item())
+            max_dlogit[i] = max(max_dlogit[i], (reference - logits).abs().max().item())
     continuations = _greedy(model, [clone_kv(model, exact), *replays],
                             [exact_logits[-1], *(logits[-1] for logits in replay_logits)], end, continuation)
+    if against_first:
+        continuations = continuations[1:]
     return [ReplayQuality(span, r, torch.cat(kl[i]), torch.cat(top1[i]), torch.cat(nll_exact[i]),
                           torch.cat(nll_replay[i]), max_dlogit[i], continuations[0], continuations[i + 1])
             for i, r in enumerate(replay_tokens)]

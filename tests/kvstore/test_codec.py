@@ -63,12 +63,13 @@ def test_a_layer_zstd_cannot_shrink_is_stored_raw_in_a_slot_four_bytes_longer():
     assert round_trip(codec, noise) == noise
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize(("dtype", "tokens"), [("bfloat16", 16), ("float16", 16), ("float32", 16),
+                                               ("bfloat16", 150)])  # 150: key runs of 64, the last partial
 @pytest.mark.parametrize(("name", "bound"), [("int8", 0.01), ("int4", 0.12)])
-def test_quantisers_stay_within_their_step_and_shrink_the_layer(name, bound, dtype):
+def test_quantisers_stay_within_their_step_and_shrink_the_layer(name, bound, dtype, tokens):
     """Relative error per group: int8 is within 1/254 of each group's largest value, int4 within 1/30 of its
     range; measured on the whole layer, both well inside `bound`."""
-    geometry = LayerGeometry(2, 16, 64, dtype)
+    geometry = LayerGeometry(2, tokens, 64, dtype)
     raw = kv_like(geometry, seed=3)
     codec = BlockCodec(codec_named(name), geometry)
     got, want = as_float32(round_trip(codec, raw), dtype), as_float32(raw, dtype)
