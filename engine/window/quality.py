@@ -146,7 +146,7 @@ def session_variant_quality(model: Decoder, tokens: Sequence[int], spans: Sequen
     reference that leaves only what the variants changed."""
     _check(len(tokens), spans, continuation, chunk_tokens, logit_rows)
     ids = torch.tensor(list(tokens), dtype=torch.long)  # (n,)
-    exact = _new_kv(model, spans[-1].end + continuation, block_tokens)
+    exact = new_kv(model, spans[-1].end + continuation, block_tokens)
     done, results = 0, []
     for span in spans:
         _advance(model, ids, [(exact, done, span.prefix - 1)], chunk_tokens)
@@ -232,7 +232,7 @@ def _advance(model: Decoder, ids: torch.Tensor, runs: list[tuple[RequestKV, int,
         model.forward(chunks)
 
 
-def _new_kv(model: Decoder, tokens: int, block_tokens: int) -> RequestKV:
+def new_kv(model: Decoder, tokens: int, block_tokens: int) -> RequestKV:
     pool = PagePool(model.config, -(-tokens // block_tokens), block_tokens, model.dtype, model.device)
     kv = RequestKV(model.config, pool)
     kv.reserve(tokens)
@@ -243,7 +243,7 @@ def _replay_kv(model: Decoder, exact: RequestKV, prefix: int, replay_tokens: int
                block_tokens: int) -> RequestKV:
     """A fresh KV whose full layers hold exact's KV of [0, prefix), as a load from the store leaves it, set to
     replay the last `replay_tokens` of the prefix."""
-    kv = _new_kv(model, capacity, block_tokens)
+    kv = new_kv(model, capacity, block_tokens)
     for source, target in zip(exact.pool.layers, kv.pool.layers):  # each (pages, 2, block, kv_heads, head_dim)
         for block in range(-(-prefix // block_tokens)):
             filled = min(block_tokens, prefix - block * block_tokens)
@@ -255,7 +255,7 @@ def _replay_kv(model: Decoder, exact: RequestKV, prefix: int, replay_tokens: int
 
 def clone_kv(model: Decoder, kv: RequestKV) -> RequestKV:
     """An independent copy of `kv`: pages, rings and positions."""
-    copy = _new_kv(model, len(kv.block_table) * kv.block_tokens, kv.block_tokens)
+    copy = new_kv(model, len(kv.block_table) * kv.block_tokens, kv.block_tokens)
     for source, target in zip(kv.pool.layers, copy.pool.layers):
         target[copy.block_table] = source[kv.block_table]
     if kv.rings is not None and copy.rings is not None:  # both of one model: rings in both or neither
