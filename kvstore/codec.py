@@ -24,8 +24,11 @@ header_len + l × layer_bytes and a layer-major Get streams layer by layer:
 
     slot = length u32 (bit 31: the layer is stored raw) | encoded bytes | zeros to the slot's end
 
-A layer that a lossless codec cannot shrink is stored raw (bit 31), so no slot is longer than the raw layer
-plus its 4-byte length.
+A layer that a codec cannot shrink is stored raw (bit 31), so no slot is longer than the raw layer plus its
+4-byte length.
+
+The codes name an encoding for good: a change to how a codec groups or lays out its bytes takes a new code
+(and name), so that a record written before it is never decoded by the rules after it.
 """
 
 from __future__ import annotations
@@ -89,10 +92,15 @@ def _compress(data: Buffer) -> bytes:
 
 
 def _decompress(data: Buffer, size: int) -> bytes:
+    """The `size` bytes a zstd frame holds; CorruptLayer for any other frame (one that declares another size
+    is refused before a byte is allocated for it)."""
     if not hasattr(_contexts, "decompressor"):
         _contexts.decompressor = zstandard.ZstdDecompressor()
     try:
-        out = _contexts.decompressor.decompress(data, max_output_size=size)
+        declared = zstandard.frame_content_size(data)
+        if declared != size:
+            raise CorruptLayer(f"a zstd frame of {declared} bytes where the layer holds {size}")
+        out = _contexts.decompressor.decompress(data, max_output_size=size, allow_extra_data=False)
     except zstandard.ZstdError as exc:
         raise CorruptLayer(f"zstd: {exc}") from exc
     if len(out) != size:
@@ -342,7 +350,8 @@ class BlockCodec:
         for layer in range(num_layers):
             plain = view[layer * raw : (layer + 1) * raw]
             encoded = self.codec.encode(plain, self.geometry)
-            if self.codec.lossless and len(encoded) >= raw:  # nothing gained: keep the layer as it is
+            if len(encoded) >= raw:  # nothing gained (a lossless codec on noise, a quantiser's scales on a
+                # block of a token or two): keep the layer as it is
                 framed.append(_LENGTH.pack(raw | _STORED_RAW) + bytes(plain))
             else:
                 framed.append(_LENGTH.pack(len(encoded)) + encoded)

@@ -36,6 +36,7 @@ import numpy as np
 import xxhash
 
 from kvstore.block import NO_TENANT, Block, chain_hash, encode_tokens
+from kvstore.codec import BY_CODE
 
 MAGIC = b"KVB1"
 FORMAT_VERSION = 4
@@ -195,6 +196,8 @@ def decode_header(buf: bytes | memoryview) -> RecordHeader:
         raise CorruptRecord("checksum", "header checksum mismatch")
     tenant = _TENANT.unpack_from(view, _FIXED_V1.size)[0] if version >= 2 else NO_TENANT
     (codec,) = _CODEC.unpack_from(view, _FIXED_V1.size + _TENANT.size) if version >= 4 else (0,)
+    if codec not in BY_CODE:
+        raise CorruptRecord("bad_header", f"unknown codec {codec}")
     tokens_at = _FIXED_BYTES[version]
     sums_at = tokens_at + 4 * n_tokens
     tokens = np.frombuffer(view[tokens_at:sums_at], dtype="<u4").copy()

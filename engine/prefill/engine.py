@@ -485,7 +485,8 @@ class PrefillEngine:
         if plan.resume == 0:
             a.path = WINDOW_MISSING if self.windows is not None else NOT_WORTH
             return
-        worth = client.tokens_worth_loading(plan.blocks, plan.resume, self.block_bytes, len(tokens),
+        kv_block_bytes = self.layout.layer_bytes(self.block_tokens) * self.layout.num_layers  # as the meter counts
+        worth = client.tokens_worth_loading(plan.blocks, plan.resume, kv_block_bytes, len(tokens),
                                             self.cost.prefill_seconds) // B
         if worth and self.windows is not None:
             worth = plan.resume  # a hybrid model resumes only where it has (or rebuilds) the window

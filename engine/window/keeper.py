@@ -43,7 +43,8 @@ from engine.window.replay import (
 from engine.window.tier import WindowTier
 from kvstore.block import Block, Namespace
 from kvstore.client import PutSummary, StoreClient
-from kvstore.client.assembly import Buffer
+from kvstore.client.assembly import Buffer, Deferred, Payload
+from kvstore.codec import RAW
 
 MAX_SESSIONS_TRACKED = 65_536  # sessions whose latest window record is remembered, to delete it once superseded
 RECORD_SAVE_WAIT_S = 2.0  # how long a prefetch waits for the saves queued before it (the record's, likely)
@@ -184,7 +185,9 @@ class WindowKeeper:
         replayed_into_exact = state.window_from and not chain.model_id.endswith(REPLAYED_SUFFIX)
         if client is not None and self.store_records and not replayed_into_exact:
             record = window_records.window_record(chain, block)
-            payload = window_records.encode(state, window_records.session_tag(session), chain.layout.codec)
+            raw = window_records.encode(state, window_records.session_tag(session))  # the tensor copy: here
+            codec = chain.layout.codec  # the encoding: on the write-behind thread, never the engine's
+            payload: Payload = raw if codec == RAW else Deferred(partial(window_records.recoded, raw, codec), len(raw))
             # the older records go once this one's save is done, on the write-behind thread: never on the
             # engine's, and never before the save they are superseded by. Where the queue drops the save, they
             # stay: the session's is deleted after its next save that goes through, `superseded` expires.

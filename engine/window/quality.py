@@ -151,7 +151,11 @@ def session_variant_quality(model: Decoder, tokens: Sequence[int], spans: Sequen
     for span in spans:
         _advance(model, ids, [(exact, done, span.prefix - 1)], chunk_tokens)
         def made(kv: RequestKV, at: Span = span) -> list[RequestKV]:
-            return variants(kv, at)
+            kvs = variants(kv, at)
+            if len(kvs) != len(labels) + against_first:
+                raise ValueError(f"variant quality: {len(kvs)} variants for {len(labels)} labels"
+                                 + (" and the reference" if against_first else ""))
+            return kvs
 
         measured = _measure_span(model, ids, exact, span, made, labels, continuation, logit_rows, against_first)
         done = span.end

@@ -57,6 +57,7 @@ _PRELUDE = struct.Struct("<4sHHIIIQIII")
 _MAGIC, _VERSION, _ENCODED_VERSION = b"KVW1", 3, 4
 _U32 = struct.Struct("<I")
 _DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
+_DTYPE_NAMES = {code: str(dtype).removeprefix("torch.") for dtype, code in _DTYPE_CODES.items()}
 
 
 class CorruptWindow(ValueError):
@@ -91,19 +92,29 @@ def ring_slots(position: int, positions: int, window: int, device: torch.device)
 
 def encode(state: WindowState, session: int = 0, codec: str = RAW) -> bytes:
     """The payload of `state` (rings (n_sliding, 2, W, kv_heads, head_dim)), of the session tagged `session`,
-    its layers encoded with `codec`."""
+    its layers encoded with `codec`. Tensor work: on the engine's thread; `recoded` does the encoding on any."""
     window = state.rings.shape[2]
     w = window_positions(state.position, state.window_from, window)
     ordered = state.rings[:, :, ring_slots(state.position, w, window, state.rings.device)]
     sliding, _, _, kv_heads, head_dim = state.rings.shape
-    version = _VERSION if codec == RAW else _ENCODED_VERSION
-    prelude = _PRELUDE.pack(_MAGIC, version, _DTYPE_CODES[state.rings.dtype], state.position, state.window_from, w,
-                            session, sliding, kv_heads, head_dim)
+    payload = _PRELUDE.pack(_MAGIC, _VERSION, _DTYPE_CODES[state.rings.dtype], state.position, state.window_from,
+                            w, session, sliding, kv_heads, head_dim) + tensor_bytes(ordered)
+    return recoded(payload, codec)
+
+
+def recoded(payload: bytes, codec: str) -> bytes:
+    """A version-3 payload (`encode`'s with the raw codec) with its sliding layers encoded by `codec`: version
+    4 (the payload itself for raw). No tensor work: any thread."""
     if codec == RAW:
-        return prelude + tensor_bytes(ordered)
+        return payload
+    magic, _, dtype, position, window_from, w, session, sliding, kv_heads, head_dim = _PRELUDE.unpack_from(payload)
     encoder = codec_named(codec)
-    geometry = LayerGeometry(2, w, kv_heads * head_dim, str(state.rings.dtype).removeprefix("torch."))
-    layers = [encoder.encode(tensor_bytes(layer), geometry) if w else b"" for layer in ordered]
+    geometry = LayerGeometry(2, w, kv_heads * head_dim, _DTYPE_NAMES[dtype])
+    view = memoryview(payload)[_PRELUDE.size :]
+    layers = [encoder.encode(view[i * geometry.raw_bytes : (i + 1) * geometry.raw_bytes], geometry) if w else b""
+              for i in range(sliding)]
+    prelude = _PRELUDE.pack(magic, _ENCODED_VERSION, dtype, position, window_from, w, session, sliding, kv_heads,
+                            head_dim)
     return prelude + _U32.pack(encoder.code) + b"".join(_U32.pack(len(layer)) + layer for layer in layers)
 
 

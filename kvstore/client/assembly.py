@@ -7,21 +7,36 @@ buffers (`sink`, `received`), gRPC hands it whole messages (`received_message`).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvstore.block import Block
+from kvstore.codec import BlockCodec
 from kvstore.proto import pb
 from kvstore.record import CorruptRecord, RecordHeader, decode_header
 
 VERIFY_CHUNK_BYTES = 256 * 1024  # verify a part in chunks of about this size while the rest arrives
 MAX_MISS_CAUSES = 64  # distinct miss causes counted by name; past that a new one counts as "other"
 Buffer = bytes | bytearray | memoryview
-Payload = Buffer | Sequence[Buffer]  # a block's payload to store: layer-major, or one buffer per layer
+
+
+@dataclass(frozen=True, slots=True)
+class Deferred:
+    """A payload made when it is stored, on the thread that stores it (`save`'s write-behind thread), not on
+    the caller's: an encoding that would hold an engine's thread. `nbytes` is what it is charged meanwhile."""
+
+    make: Callable[[], Buffer]
+    nbytes: int
+
+
+Payload = Buffer | Sequence[Buffer] | Deferred  # a block's payload to store: layer-major, or one buffer per layer
 
 
 def layer_major(payload: Payload) -> bytes | memoryview:
-    """A payload to store as one layer-major buffer (one buffer per layer is joined)."""
+    """A payload to store as one layer-major buffer (one buffer per layer is joined, a Deferred one made)."""
+    if isinstance(payload, Deferred):
+        made = payload.make()
+        return made if isinstance(made, bytes) else memoryview(made)
     if isinstance(payload, bytes | memoryview):
         return payload
     if isinstance(payload, bytearray):
@@ -29,7 +44,15 @@ def layer_major(payload: Payload) -> bytes | memoryview:
     return b"".join(payload)
 
 
+def kv_bytes(header: RecordHeader, codec: BlockCodec | None) -> int:
+    """The bytes of a record's layers as the engine holds them: its payload, or what the payload decodes to.
+    What the bandwidth meter counts, so that load-or-recompute estimates hold whatever the codec."""
+    return header.payload_len if codec is None else header.n_layers * codec.geometry.raw_bytes
+
+
 def payload_bytes(payload: Payload) -> int:
+    if isinstance(payload, Deferred):
+        return payload.nbytes
     return len(payload) if isinstance(payload, bytes | bytearray | memoryview) else sum(len(p) for p in payload)
 
 
@@ -74,9 +97,6 @@ class GetAssembly:
 
     def __init__(self, blocks: Sequence[Block], positions: list[int], layer_begin: int, layer_end: int | None,
                  into: Sequence[Buffer] | None, miss_causes: Counter) -> None:
-        if into is not None and blocks and blocks[0].codec is not None:
-            raise ValueError("a Get into caller's buffers takes raw blocks; read encoded ones without `into` "
-                             "and decode them with BlockData.kv()")
         self.blocks, self.positions = blocks, positions
         self.layer_begin, self.layer_end = layer_begin, layer_end
         self.into, self.miss_causes = into, miss_causes
@@ -89,6 +109,15 @@ class GetAssembly:
     @property
     def bytes_received(self) -> int:
         return sum(self.received_bytes.values())
+
+    @property
+    def kv_bytes_received(self) -> int:
+        """bytes_received as the engine's KV (decoded, for encoded blocks)."""
+        codec = self.blocks[0].codec if self.blocks else None
+        if codec is None:
+            return self.bytes_received
+        return sum(received // self.headers[local].layer_bytes * codec.geometry.raw_bytes
+                   for local, received in self.received_bytes.items())
 
     def _miss(self, local: int, cause: str) -> None:
         # causes are the daemon's words: a misbehaving one must not grow the counter without bound

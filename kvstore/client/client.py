@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from kvstore.block import Block, same_namespace
-from kvstore.client.assembly import BlockData, Buffer, Payload, layer_major
+from kvstore.client.assembly import BlockData, Buffer, Deferred, Payload, layer_major
 from kvstore.client.cluster import Cluster
 from kvstore.client.config import ClientConfig
 from kvstore.client.copier import Copier, CopyOrders
@@ -294,7 +294,7 @@ class AsyncKVClient:
         recency order a parent is never older than its children. `hint`: of the prompt these blocks come
         from, how many full blocks were cached and how many it has (for the daemons' eviction policy)."""
         # encoding takes about a millisecond per layer-megabyte: on the pool, so the event loop keeps serving
-        if items and items[0][0].codec is not None:
+        if items and (items[0][0].codec is not None or any(isinstance(p, Deferred) for _, p in items)):
             records = await asyncio.get_running_loop().run_in_executor(
                 self.executor, _records, items, num_layers, traffic_class)
         else:

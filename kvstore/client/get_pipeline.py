@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import grpc
 
 from kvstore.block import Block, same_namespace
-from kvstore.client.assembly import BlockData, Buffer, GetAssembly
+from kvstore.client.assembly import BlockData, Buffer, GetAssembly, kv_bytes
 from kvstore.client.cost import BandwidthMeter
 from kvstore.client.dataplane import SharedBuffer, SharedPlacement, TransportError
 from kvstore.client.host_tier import HostTier
@@ -95,6 +95,9 @@ class GetPipeline:
                          into: Sequence[Buffer] | None) -> tuple[list[BlockData], list[ShardGet] | None]:
         """What the host tier holds of the leading blocks, and each daemon's share of the rest (None: nothing
         is left to read)."""
+        if into is not None and blocks and blocks[0].codec is not None:
+            raise ValueError("a Get into caller's buffers takes raw blocks; read encoded ones without `into` "
+                             "and decode them with BlockData.kv()")
         from_host = self.from_host(blocks, layer_begin, layer_end, into)
         rest = len(from_host)
         if rest == len(blocks):
@@ -143,7 +146,8 @@ class GetPipeline:
         finally:
             self.host.unpin(pinned)
         self.stats.tier_hits["host"] += len(out)
-        self.bandwidth.record("host", sum(len(d.payload) for d in out), time.perf_counter() - started)
+        self.bandwidth.record("host", sum(kv_bytes(d.header, d.block.codec) for d in out),
+                              time.perf_counter() - started)
         return out
 
     # -- planning -----------------------------------------------------------------------------------
@@ -213,7 +217,7 @@ class GetPipeline:
     def _succeeded(self, shard: Shard, parts: GetAssembly, seconds: float) -> None:
         """What a daemon delivered in `seconds`, for the load-or-recompute estimates."""
         shard.succeeded()
-        self.bandwidth.record(shard.address, parts.bytes_received, seconds)
+        self.bandwidth.record(shard.address, parts.kv_bytes_received, seconds)
 
     # -- finishing ----------------------------------------------------------------------------------
 

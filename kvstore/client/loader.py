@@ -19,7 +19,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import Executor
 
 from kvstore.block import Block, same_namespace
-from kvstore.client.assembly import GetAssembly
+from kvstore.client.assembly import GetAssembly, kv_bytes
 from kvstore.client.cost import BandwidthMeter
 from kvstore.client.dataplane import SharedPlacement, address_of
 from kvstore.client.get_pipeline import GetPipeline
@@ -207,8 +207,9 @@ class Loader:
                 if not fits(block.header, codec, destination):
                     progress.shrink(position, "layout_mismatch")
                     return
+            usable = len(pinned)  # a block that does not decode ends the hit there; those before it still load
             for layer in range(destination.num_layers):  # layer by layer, like the daemons
-                for position, block in enumerate(pinned):
+                for position, block in enumerate(pinned[:usable]):
                     if progress.cancelled:
                         return
                     size = block.header.layer_bytes
@@ -221,11 +222,13 @@ class Loader:
                         except CorruptLayer:
                             self.stats.miss_causes["codec"] += 1
                             progress.shrink(position, "codec")
-                            return
+                            usable = position
+                            break
                     destination.layer_written(layer, position)
                     progress.mark(layer, position)
-            self.stats.tier_hits["host"] += len(pinned)
-            self.bandwidth.record("host", sum(b.header.payload_len for b in pinned), time.perf_counter() - started)
+            self.stats.tier_hits["host"] += usable
+            self.bandwidth.record("host", sum(kv_bytes(b.header, codec) for b in pinned[:usable]),
+                                  time.perf_counter() - started)
         except LoadCancelled:
             return
         finally:

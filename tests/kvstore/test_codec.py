@@ -192,3 +192,31 @@ def test_a_format_3_record_reads_as_raw():
 
 def _as_codec(block, name: str):
     return dataclasses.replace(block, codec=Namespace("m", layout(name), block_tokens=16).codec)
+
+
+def test_a_quantised_layer_no_smaller_than_raw_is_stored_raw():
+    """A block of one token: int8's float32 scales outweigh its codes, so the layer is kept as it is, exactly,
+    in a slot no longer than any codec's bound."""
+    geometry = LayerGeometry(2, 1, 64, "bfloat16")
+    codec = BlockCodec(codec_named("int8"), geometry)
+    raw = kv_like(LayerGeometry(2, 4, 64, "bfloat16"))[: geometry.raw_bytes]
+    assert codec.encode(raw, 1)[1] == codec.max_slot_bytes and round_trip(codec, raw) == raw
+
+
+def test_a_zstd_frame_declaring_another_size_is_refused_before_it_is_decoded():
+    import zstandard
+
+    codec = BlockCodec(codec_named("int8"), GEOMETRY)
+    huge = zstandard.ZstdCompressor().compress(bytes(1 << 20))  # checksums would hold: a writer's garbage
+    with pytest.raises(CorruptLayer, match="frame of"):
+        codec.decode(struct.pack("<I", len(huge)) + huge, memoryview(bytearray(GEOMETRY.raw_bytes)))
+
+
+def test_a_record_naming_an_unknown_codec_is_a_bad_header():
+    space = Namespace("m", LAYOUT, block_tokens=16)
+    header_bytes, _ = build_record(space.blocks(range(16))[0], bytes(space.block_bytes), LAYOUT.num_layers, "chat")
+    tenant_end = 4 + 2 + 2 + 4 + 16 * 4 + 4 + 4 + 8 + 16
+    body = bytearray(header_bytes[:-8])
+    struct.pack_into("<I", body, tenant_end, 99)
+    with pytest.raises(CorruptRecord, match="unknown codec"):
+        decode_header(bytes(body) + struct.pack("<Q", xxhash.xxh3_64_intdigest(bytes(body))))

@@ -112,8 +112,31 @@ def test_blocks_of_another_codec_are_never_read_as_this_ones(daemons):
         assert client.stats.miss_causes["codec_mismatch"] == 2
 
 
-def test_a_get_into_caller_buffers_refuses_encoded_blocks(daemons):
+def test_a_get_into_caller_buffers_refuses_encoded_blocks_wherever_they_are(daemons):
     cluster = daemons(1)
-    items = conversation(namespace("zstd"), 1)
+    space = namespace("zstd")
+    items = conversation(space, 1)
+    slot = space.codec.max_slot_bytes * LAYERS
     with KVClient(config(cluster)) as client, pytest.raises(ValueError, match="decode them with BlockData.kv"):
-        client.get([b for b, _ in items], into=[bytearray(namespace("zstd").block_bytes)])
+        client.get([b for b, _ in items], into=[bytearray(space.block_bytes)])
+    with KVClient(config(cluster, host_tier_bytes=slot, host_block_bytes=slot)) as client:
+        client.put(items, LAYERS)  # now in the host tier too
+        with pytest.raises(ValueError, match="decode them with BlockData.kv"):
+            client.get([b for b, _ in items], into=[bytearray(space.block_bytes)])
+
+
+def test_a_host_tier_block_that_does_not_decode_ends_the_hit_and_those_before_it_load(daemons):
+    cluster = daemons(1)
+    space = namespace("int8")
+    items = conversation(space, 4, seed=5)
+    other = BlockCodec(codec_named("int8"), LayerGeometry(2, 16, 32, "bfloat16"))
+    forged = (dataclasses.replace(items[2][0], codec=other), items[2][1][: len(items[2][1]) // 2])
+    slot = space.codec.max_slot_bytes * LAYERS
+    with KVClient(config(cluster, host_tier_bytes=4 * slot, host_block_bytes=slot)) as client:
+        client.put(items[:2] + [forged] + items[3:], LAYERS)  # write-through: all four in the host tier
+        assert client.host.leading_hits([b.key for b, _ in items]) == 4
+        hit, buffers = load(client, space, items)
+        assert hit == 2 * 16 and client.stats.miss_causes["codec"] == 1
+        for got, (_, want) in zip(buffers[:2], items[:2]):
+            error = np.linalg.norm(as_float32(bytes(got), "bfloat16") - as_float32(want, "bfloat16"))
+            assert error / np.linalg.norm(as_float32(want, "bfloat16")) < 0.01
