@@ -47,10 +47,12 @@ test-processes: install
 
 # decoding the real Gemma 3 270M: greedy equal to transformers' generate alone, batched and handed over from a
 # prefill process; speculative decoding greedy identical to plain decoding alone and in batches of 8 and 32
-# (make test has the same checks on tiny random families)
+# (make test has the same checks on tiny random families); the GGUF conversion's weights and logits against
+# transformers reading the GGUF; bounded replay's quality on the real model (tests marked real_model)
 test-speculative: install
 	$(BIN)/python -m pytest -q -n 2 -m 'speculative or real_model' tests/engine/decode/test_speculative_real.py \
-		tests/engine/decode/test_real_model.py
+		tests/engine/decode/test_real_model.py tests/engine/checkpoints/test_gguf_convert.py \
+		tests/engine/checkpoints/test_real_model_bf16.py tests/engine/window/test_quality.py
 
 # many hosts: membership against a real etcd and dnsmasq, copies of hot blocks between daemons; then three daemon
 # hosts and two engine hosts in network namespaces joined by a bridge: the real model's prefill and decode across

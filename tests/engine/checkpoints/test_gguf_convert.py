@@ -252,6 +252,7 @@ def test_real_config_has_gemma3_270m_shape(real_folder):
     assert engine_config.full_layers == [5, 11, 17]
 
 
+@pytest.mark.real_model  # make test-speculative: the real model's fidelity suites, apart from make test's time
 def test_real_weights_and_logits_match_transformers_reading_the_gguf(real_folder):
     from engine.checkpoints.real_model import load_tokenizer, packaged_gguf
 

@@ -188,7 +188,7 @@ def test_greedy_reply_alone_is_transformers_generate_in_bf16(real, chat):
     assert greedy(real.model, prompt, REPLY, stop_ids=real.stop) == theirs
 
 
-@pytest.mark.unit
+@pytest.mark.real_model  # make test-speculative: the real model's fidelity suites, apart from make test's time
 def test_greedy_replies_batched_in_the_decode_engine_are_transformers_generate_in_bf16(real):
     # the chats decoded together, with a longer prompt (the conversation's second turn, past the window)
     # that ends its reply first: one forward a step for all, the batched decode attention over bf16 pages

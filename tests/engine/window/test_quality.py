@@ -108,7 +108,7 @@ def real_results():
 
 
 @real_model
-@pytest.mark.unit
+@pytest.mark.real_model  # make test-speculative: the real model's fidelity suites, apart from make test's time
 @pytest.mark.xdist_group("real_model")
 def test_a_longer_replay_is_never_worse_on_average(real_results):
     kl = [real_results[r]["kl_mean"] for r in REAL_RS]
@@ -116,7 +116,7 @@ def test_a_longer_replay_is_never_worse_on_average(real_results):
 
 
 @real_model
-@pytest.mark.unit
+@pytest.mark.real_model
 @pytest.mark.xdist_group("real_model")
 def test_replaying_the_whole_real_prefix_is_exact(real_results):
     whole = real_results[REAL_RS[-1]]
