@@ -5,8 +5,9 @@ import os
 import struct
 
 import numpy as np
-import xxhash
 import pytest
+import xxhash
+import zstandard
 
 from kvstore.block import KVLayout, Namespace
 from kvstore.codec import CODECS, BlockCodec, CorruptLayer, LayerGeometry, codec_named
@@ -204,8 +205,6 @@ def test_a_quantised_layer_no_smaller_than_raw_is_stored_raw():
 
 
 def test_a_zstd_frame_declaring_another_size_is_refused_before_it_is_decoded():
-    import zstandard
-
     codec = BlockCodec(codec_named("int8"), GEOMETRY)
     huge = zstandard.ZstdCompressor().compress(bytes(1 << 20))  # checksums would hold: a writer's garbage
     with pytest.raises(CorruptLayer, match="frame of"):
