@@ -311,9 +311,10 @@ RAW = "raw"
 DEFAULT = "zstd"  # lossless: what an engine stores unless it chooses otherwise (docs/performance.md says why)
 
 
-def codec_named(name: str) -> KVCodec:
+def codec_named(name: str, owner: str = "") -> KVCodec:
+    """The codec called `name`; a ValueError naming the choices (and `owner`, a config's name) for any other."""
     if name not in CODECS:
-        raise ValueError(f"KV codec must be one of {', '.join(CODECS)}, got {name!r}")
+        raise ValueError(f"{owner + ': ' if owner else ''}KV codec must be one of {', '.join(CODECS)}, got {name!r}")
     return CODECS[name]
 
 
@@ -371,6 +372,6 @@ class BlockCodec:
             raise CorruptLayer(f"a slot of {len(view)} bytes says it holds {length}")
         data = view[_LENGTH.size : _LENGTH.size + length]
         if stored_raw:
-            Raw().decode(data, self.geometry, out)
+            CODECS[RAW].decode(data, self.geometry, out)
         else:
             self.codec.decode(data, self.geometry, out)

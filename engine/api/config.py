@@ -94,10 +94,7 @@ class ApiConfig:
         if not self.model_name:
             raise ValueError("ApiConfig: model_name must be non-empty")
         check_dtype(self.dtype, "ApiConfig")
-        try:
-            codec_named(self.kv_codec)
-        except ValueError as exc:
-            raise ValueError(f"ApiConfig: {exc}") from None
+        codec_named(self.kv_codec, "ApiConfig")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"ApiConfig: port must lie in [0, 65535], got {self.port}")
         for name in ("kv_pages", "block_tokens", "max_running", "tokenize_workers", "max_stored_responses",

@@ -46,10 +46,7 @@ class PrefillConfig:
             raise ValueError("PrefillConfig: block_tokens and kv_pages must be >= 1")
         if self.step_budget_s <= 0 or self.load_timeout_s <= 0 or self.handoff_wait_s < 0:
             raise ValueError("PrefillConfig: step_budget_s and load_timeout_s must be positive, handoff_wait_s >= 0")
-        try:
-            codec_named(self.kv_codec)
-        except ValueError as exc:
-            raise ValueError(f"PrefillConfig: {exc}") from None
+        codec_named(self.kv_codec, "PrefillConfig")
         if self.window_tier_bytes < 0:
             raise ValueError("PrefillConfig: window_tier_bytes must be >= 0")
         replay = self.replay_tokens

@@ -485,7 +485,7 @@ class PrefillEngine:
         if plan.resume == 0:
             a.path = WINDOW_MISSING if self.windows is not None else NOT_WORTH
             return
-        kv_block_bytes = self.layout.layer_bytes(self.block_tokens) * self.layout.num_layers  # as the meter counts
+        kv_block_bytes = stored_block_bytes(self.model, self.block_tokens)  # raw, decoded: as the meter counts
         worth = client.tokens_worth_loading(plan.blocks, plan.resume, kv_block_bytes, len(tokens),
                                             self.cost.prefill_seconds) // B
         if worth and self.windows is not None:

@@ -76,10 +76,7 @@ class InstanceConfig:
 
     def __post_init__(self) -> None:
         check_dtype(self.dtype, "InstanceConfig")
-        try:
-            codec_named(self.kv_codec)
-        except ValueError as exc:
-            raise ValueError(f"InstanceConfig: {exc}") from None
+        codec_named(self.kv_codec, "InstanceConfig")
         object.__setattr__(self, "model", Path(self.model))
         if not self.model.is_dir():
             raise ValueError(f"InstanceConfig: model must be a model directory (config.json + weights), "
