@@ -24,12 +24,13 @@ being read unlinks it at once and closes its descriptor when the last reader is 
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import logging
 import mmap
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,6 +40,12 @@ from kvstore.record import FIXED_HEADER_BYTES, MAGIC, CorruptRecord, RecordBytes
 _RESYNC_CHUNK = 1 << 20  # bytes read at a time looking for the next record past a damaged one
 ALIGN = 4096  # O_DIRECT's alignment of file offsets, lengths and memory (512-byte devices included)
 STAGING_BYTES = 8 * 2**20  # each I/O thread's direct-append buffer: a record goes through it in steps
+# Reads at least this large of bytes the page cache does not hold go to the device with O_DIRECT: one 4 KiB
+# page of a header is cheaper through the page cache, and small reads waste the device's request size.
+DIRECT_READ_MIN_BYTES = 64 * 1024
+VERIFY_PIECE_BYTES = 256 * 1024  # verified while still in the CPU's cache
+_direct_open_lock = threading.Lock()
+_bounce = threading.local()  # .buffer: the I/O thread's aligned buffer for direct reads it cannot place
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +64,8 @@ class Segment:
     sealed: bool
     live_bytes: int = 0  # bytes of records the index points at
     direct_fd: int | None = None  # the same file opened with O_DIRECT, while it is appended to
+    direct_reads: bool = False  # large reads of what the page cache lacks go to the device with O_DIRECT
+    read_direct_fd: int | None = None  # opened on the first such read; closed with `fd`
     readers: int = 0
     deleted: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -92,7 +101,8 @@ class SegmentSet:
             except ValueError:
                 continue
             fd = os.open(path, os.O_RDWR)
-            segment = Segment(seg_id, bucket_end, path, fd, os.fstat(fd).st_size, sealed=True)
+            segment = Segment(seg_id, bucket_end, path, fd, os.fstat(fd).st_size, sealed=True,
+                              direct_reads=self.direct_min_bytes > 0)
             self.segments[seg_id] = segment
             self._next_id = max(self._next_id, seg_id + 1)
             if path.suffix == ".open":
@@ -237,7 +247,9 @@ class SegmentSet:
             self._next_id += 1
             path = self.directory / f"{seg_id:010d}-{bucket_end}.open"
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)  # other tenants' KV: no one else's
-            segment = Segment(seg_id, bucket_end, path, fd, 0, sealed=False, direct_fd=self._open_direct(path))
+            direct_fd = self._open_direct(path)
+            segment = Segment(seg_id, bucket_end, path, fd, 0, sealed=False, direct_fd=direct_fd,
+                              direct_reads=direct_fd is not None)
             self.segments[seg_id] = segment
             self._active[bucket_end] = segment
             return segment
@@ -291,17 +303,42 @@ class SegmentSet:
     def release(self, segment: Segment) -> None:
         segment.readers -= 1
         if segment.deleted and segment.readers == 0:
-            os.close(segment.fd)
+            _close_files(segment)
 
     @staticmethod
-    def read_into(segment: Segment, offset: int, view: memoryview) -> None:
-        """Fill `view` from `offset`; a file that ends first holds a truncated record."""
+    def read_into(segment: Segment, offset: int, view: memoryview,
+                  verify: Callable[[int, memoryview], None] | None = None) -> None:
+        """Fill `view` from `offset`; a file that ends first holds a truncated record. `verify(start, piece)`
+        sees each piece of up to VERIFY_PIECE_BYTES just after it lands, while it is in the CPU's cache.
+
+        What the page cache holds is copied from it. A large read of what it does not hold goes to the
+        device with O_DIRECT (where the segment allows it): a buffered read would first take fresh
+        page-cache pages, which on these VMs cost more than the device (docs/performance.md)."""
         faults.hit("segment.read")
-        while len(view):
-            received = os.preadv(segment.fd, [view], offset)
+        length = len(view)
+        done = 0
+        resident = 0  # the page cache was found to hold the bytes up to here
+        while done < length:
+            end = length
+            if segment.direct_reads and length - done >= DIRECT_READ_MIN_BYTES:
+                if done >= resident:
+                    resident = done + _resident_bytes(segment.fd, offset + done, length - done)
+                    if resident == done:  # not in the page cache: the rest from the device, in one request
+                        _read_direct(segment, offset + done, view[done:], verify, done)
+                        return
+                end = resident
+            if verify is not None:
+                end = min(end, done + VERIFY_PIECE_BYTES)
+            piece = view[done:end]
+            received = os.preadv(segment.fd, [piece], offset + done)
             if received == 0:
-                raise CorruptRecord("truncated", f"segment {segment.id} ends before offset {offset}")
-            view, offset = view[received:], offset + received
+                raise CorruptRecord("truncated", f"segment {segment.id} ends before offset {offset + done}")
+            if verify is not None:
+                if received < len(piece):  # verify once the piece is whole
+                    _fill(segment, offset + done + received, piece[received:])
+                    received = len(piece)
+                verify(done, piece)
+            done += received
 
     @staticmethod
     def read(segment: Segment, offset: int, length: int) -> bytes:
@@ -321,7 +358,7 @@ class SegmentSet:
         self.segments.pop(segment.id, None)
         os.unlink(segment.path)
         if segment.readers == 0:
-            os.close(segment.fd)
+            _close_files(segment)
 
     @property
     def disk_bytes(self) -> int:
@@ -332,9 +369,19 @@ class SegmentSet:
             if not segment.sealed:
                 self.seal(segment)
             if not segment.deleted:
-                os.close(segment.fd)
+                _close_files(segment)
                 segment.deleted = True
         self.segments.clear()
+
+
+def _close_files(segment: Segment) -> None:
+    """Close the descriptors a segment is read through (its last reader is done, or it was never read)."""
+    os.close(segment.fd)
+    with _direct_open_lock:
+        if segment.read_direct_fd is not None:
+            os.close(segment.read_direct_fd)
+            segment.read_direct_fd = None
+        segment.direct_reads = False
 
 
 def _close_direct(segment: Segment) -> None:
@@ -356,3 +403,120 @@ def _write_all(fd: int, parts: Sequence[RecordBytes], offset: int) -> None:
             views.pop(0)
         if written:
             views[0] = views[0][written:]
+
+
+def _resident_bytes(fd: int, offset: int, length: int) -> int:
+    """How many of the `length` bytes from `offset` the page cache holds in one run from the start.
+
+    Asked with mincore over a mapping of the range, which reads nothing: a read that may not wait
+    (RWF_NOWAIT) would answer too, but it starts readahead into fresh pages when it misses."""
+    begin = offset - offset % ALIGN
+    span = align_up(offset + length) - begin
+    address = _libc.mmap(None, span, mmap.PROT_READ, mmap.MAP_SHARED, fd, begin)
+    if address in (None, _MAP_FAILED):
+        return length  # cannot tell: read through the page cache, as before
+    try:
+        pages = ctypes.create_string_buffer(span // ALIGN)
+        if _libc.mincore(address, span, pages) != 0:
+            return length
+    finally:
+        _libc.munmap(address, span)
+    run = next((page for page, held in enumerate(pages.raw) if not held & 1), span // ALIGN)
+    return max(0, min(length, begin + run * ALIGN - offset))
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def _fill(segment: Segment, offset: int, view: memoryview) -> None:
+    """Fill `view` from `offset` with plain reads; CorruptRecord if the file ends first."""
+    while len(view):
+        received = os.preadv(segment.fd, [view], offset)
+        if received == 0:
+            raise CorruptRecord("truncated", f"segment {segment.id} ends before offset {offset}")
+        view, offset = view[received:], offset + received
+
+
+def _read_direct(segment: Segment, offset: int, view: memoryview,
+                 verify: Callable[[int, memoryview], None] | None, verified_from: int) -> None:
+    """Fill `view` from `offset` with O_DIRECT: straight into `view` where its memory lines up with the
+    file's 4 KiB pages, else through the thread's aligned bounce buffer, whose pieces are copied out (and
+    verified) while in the CPU's cache. A file system that refuses turns direct reads off for the segment."""
+    with _direct_open_lock:  # I/O threads read a segment at once: one descriptor for all of them
+        direct_fd = segment.read_direct_fd
+        if direct_fd is None:
+            try:  # through the open descriptor: the same file even once renamed (sealed) or unlinked
+                direct_fd = os.open(f"/proc/self/fd/{segment.fd}", os.O_RDONLY | os.O_DIRECT)
+            except OSError:  # a file system that refuses O_DIRECT
+                segment.direct_reads = False
+            else:
+                segment.read_direct_fd = direct_fd
+    if direct_fd is None:
+        _fill(segment, offset, view)
+        _verify_all(view, verify, verified_from)
+        return
+    begin, end = offset - offset % ALIGN, align_up(offset + len(view))
+    lead = offset - begin
+    try:
+        if lead == 0 and _address(view) % ALIGN == 0 and len(view) % ALIGN == 0:
+            _read_aligned(segment, direct_fd, view, begin, len(view))
+            _verify_all(view, verify, verified_from)
+            return
+        bounce = _bounce_buffer(min(end - begin, 2 * STAGING_BYTES))
+        done = 0
+        while done < len(view):
+            at = begin + (lead + done) // ALIGN * ALIGN  # the page holding the next byte wanted
+            skip = offset + done - at
+            take = min(len(view) - done, len(bounce) - skip)
+            _read_aligned(segment, direct_fd, memoryview(bounce)[: align_up(skip + take)], at, skip + take)
+            for start in range(0, take, VERIFY_PIECE_BYTES):
+                piece = view[done + start : done + min(take, start + VERIFY_PIECE_BYTES)]
+                piece[:] = memoryview(bounce)[skip + start : skip + start + len(piece)]
+                if verify is not None:
+                    verify(verified_from + done + start, piece)
+            done += take
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        log.warning("the file system of %s refuses O_DIRECT reads (%s); reading through the page cache",
+                    segment.path.parent, exc)
+        segment.direct_reads = False
+        _fill(segment, offset, view)
+        _verify_all(view, verify, verified_from)
+
+
+def _read_aligned(segment: Segment, direct_fd: int, view: memoryview, offset: int, needed: int) -> None:
+    """An O_DIRECT read of the aligned `view` at the aligned `offset`; at least `needed` bytes must exist."""
+    got = 0
+    while got < needed:
+        received = os.preadv(direct_fd, [view[got:]], offset + got)
+        if received == 0:
+            raise CorruptRecord("truncated", f"segment {segment.id} ends before offset {offset + got}")
+        got += received
+        if got % ALIGN:  # the end of the file: nothing more to read past it
+            if got < needed:
+                raise CorruptRecord("truncated", f"segment {segment.id} ends before offset {offset + needed}")
+            return
+
+
+def _verify_all(view: memoryview, verify: Callable[[int, memoryview], None] | None, verified_from: int) -> None:
+    if verify is not None:
+        for start in range(0, len(view), VERIFY_PIECE_BYTES):
+            verify(verified_from + start, view[start : start + VERIFY_PIECE_BYTES])
+
+
+def _bounce_buffer(nbytes: int) -> mmap.mmap:
+    """The I/O thread's page-aligned bounce buffer, at least `nbytes` (grown, never shrunk)."""
+    buffer = getattr(_bounce, "buffer", None)
+    if buffer is None or len(buffer) < nbytes:
+        buffer = _bounce.buffer = mmap.mmap(-1, align_up(max(nbytes, STAGING_BYTES)))
+    return buffer
+
+
+def _address(view: memoryview) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(view)) if len(view) else 0
