@@ -36,6 +36,7 @@ from pathlib import Path
 from kvstore import wire
 from kvstore.proto import pb
 from kvstore.record import FIXED_HEADER_BYTES
+from kvstore.server.arriving import ArrivingRecord
 from kvstore.server.auth import Authenticator, Principal
 from kvstore.server.config import ServerConfig
 from kvstore.server.data_connection import (
@@ -49,7 +50,7 @@ from kvstore.server.data_connection import (
     populate,
 )
 from kvstore.server.limits import ByteBudget, principal_key
-from kvstore.server.put_stream import PutStream
+from kvstore.server.put_stream import Arrived, PutStream
 from kvstore.server.reads import get_parts
 from kvstore.server.regions import Region
 from kvstore.server.requests import (
@@ -71,6 +72,7 @@ class Unauthenticated(RequestError):
 
 
 MAX_REGIONS_PER_CONNECTION = 4
+RECEIVE_STEP = 256 * 1024  # a record written as it arrives is verified (and written) this often at most
 MAX_AUTH_HEAD_BYTES = 4096  # a DataAuth: what a client that has not shown a token can make the daemon hold
 REFUSED_LINGER_S = 1.0  # a refused connection stays open this long, so its ERROR frame is not lost to a reset
 MAX_LINGERING = 64
@@ -377,9 +379,10 @@ class DataPlaneServer:
         started = time.perf_counter()
         stream = PutStream(self.store, self.config, self.put_budget, who, scope)
 
-        async def arrive(declared: int, verify_header):
+        async def arrive(declared: int, verify_header) -> Arrived:
             """A record as bytes: its header, whose fixed part gives its length, then the payload, received
-            straight into the buffer that becomes the DRAM tier's copy."""
+            straight into the buffer that becomes the DRAM tier's copy. A large record is verified and
+            written to its segment layer by layer as it lands (arriving.py)."""
             fixed = await connection.read(min(FIXED_HEADER_BYTES, declared))
             header_len = int.from_bytes(fixed[8:12], "little") if len(fixed) == FIXED_HEADER_BYTES else 0
             if not FIXED_HEADER_BYTES <= header_len <= declared:
@@ -389,13 +392,24 @@ class DataPlaneServer:
             payload, charged_whole, fresh = self._payload_buffer(connection, header.payload_len)
             fresh_mapping = payload if fresh and isinstance(payload, mmap.mmap) else None
             view = memoryview(payload)
-            step = POPULATE_STEP if fresh_mapping is not None else len(view)
-            for start in range(0, len(view), step):
-                if fresh_mapping is not None:  # fault each step in at once, just before its bytes arrive
-                    populate(fresh_mapping, start, step)
-                await connection.read_into(view[start : start + step], charge=not charged_whole)
+            placed = await self.store.place(header)
+            arriving = ArrivingRecord(self.store, placed, header, view) if placed is not None else None
+            step = RECEIVE_STEP if arriving is not None else POPULATE_STEP if fresh_mapping is not None else len(view)
+            try:
+                for start in range(0, len(view), step):
+                    if fresh_mapping is not None and start % POPULATE_STEP == 0:  # fault in ahead of the bytes
+                        populate(fresh_mapping, start, POPULATE_STEP)
+                    await connection.read_into(view[start : start + step], charge=not charged_whole)
+                    if arriving is not None:
+                        arriving.arrived(min(start + step, len(view)))
+                if arriving is not None:
+                    placed = await arriving.finish(header_bytes)
+            except BaseException:
+                if arriving is not None:
+                    arriving.give_up()
+                raise
             connection.release()  # arrived whole: from here the put budget accounts for it
-            return header, header_bytes, [payload]
+            return Arrived(header, header_bytes, [payload], placed)
 
         put_head: pb.PutHead | None = first
         try:

@@ -4,7 +4,8 @@
 Per record: its declared size is checked and reserved in the caller's share of the put budget; the
 record must then arrive whole within `put_record_timeout_s` (a stalled record gives its reservation back);
 its header must describe exactly the declared bytes, of a tenant the caller may write; its payload must
-match the header's layer checksums; and then it is stored, while later records are still arriving. The
+match the header's layer checksums (a transport may verify and write each layer as it lands: arriving.py);
+and then it is stored, while later records are still arriving. The
 reservation is held until the store has the record. A record that arrived and verified is stored even if
 the stream breaks later (unacknowledged, as after a crash), never cut off half-way.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 
 from kvstore.eviction import ReuseHint
 from kvstore.proto import pb
@@ -22,13 +24,23 @@ from kvstore.server.limits import ByteBudget, TimedOut
 from kvstore.server.outcomes import PutResult
 from kvstore.server.protocol_map import put_response
 from kvstore.server.requests import check_payload, check_put_head, check_tenant, parse_record_header, reuse_hint
-from kvstore.server.store import BlockStore
+from kvstore.server.store import BlockStore, PlacedPut
 
 Payload = Sequence[RecordBytes]  # a record's payload, in the pieces it arrived in
 VerifyHeader = Callable[[bytes], RecordHeader]  # a record's header bytes -> the header, verified
+
+
+@dataclass(frozen=True, slots=True)
+class Arrived:
+    header: RecordHeader
+    header_bytes: bytes
+    payload: Payload
+    placed: PlacedPut | None = None  # verified and written already, as it arrived (arriving.py)
+
+
 # How a transport reads one record of `declared` bytes: it hands the header's bytes to `verify` as soon as
-# they are in (so that nothing is allocated for an unverified header) and returns (header, its bytes, payload).
-Arrive = Callable[[int, VerifyHeader], Awaitable[tuple[RecordHeader, bytes, Payload]]]
+# they are in (so that nothing is allocated for an unverified header) and returns what arrived.
+Arrive = Callable[[int, VerifyHeader], Awaitable[Arrived]]
 
 
 class PutStream:
@@ -46,8 +58,9 @@ class PutStream:
         await self.budget.acquire(declared, self.who)
         try:
             async with asyncio.timeout(self.config.put_record_timeout_s):
-                header, header_bytes, payload = await arrive(declared, lambda raw: self._header(raw, declared))
-            check_payload(header, payload)
+                arrived = await arrive(declared, lambda raw: self._header(raw, declared))
+            if arrived.placed is None:  # else each layer was verified before it was written
+                check_payload(arrived.header, arrived.payload)
         except TimeoutError:
             await self.budget.release(declared, self.who)
             raise TimedOut(f"a record did not arrive whole within {self.config.put_record_timeout_s:g} s of its "
@@ -55,7 +68,7 @@ class PutStream:
         except BaseException:
             await self.budget.release(declared, self.who)
             raise
-        self._storing.append(asyncio.ensure_future(self._store(header, header_bytes, payload, declared, hint)))
+        self._storing.append(asyncio.ensure_future(self._store(arrived, declared, hint)))
 
     async def results(self) -> pb.PutResponse:
         """Every record's outcome, in order, once all are stored."""
@@ -71,10 +84,9 @@ class PutStream:
         check_tenant(header, self.scope)
         return header
 
-    async def _store(self, header: RecordHeader, header_bytes: bytes, payload: Payload, declared: int,
-                     hint: ReuseHint | None) -> PutResult:
+    async def _store(self, arrived: Arrived, declared: int, hint: ReuseHint | None) -> PutResult:
         try:
-            return await self.store.put(header, header_bytes, payload, hint)
+            return await self.store.put(arrived.header, arrived.header_bytes, arrived.payload, hint, arrived.placed)
         finally:
             await self.budget.release(declared, self.who)
 

@@ -289,7 +289,7 @@ class Retention:
         a segment's file before its index entries (the policy's first victim chose it). They point at
         nothing until they can be removed: reads of them are misses, and start-up drops them."""
         store = self.store
-        if segment is None or segment.deleted:
+        if segment is None or segment.deleted or segment.writers:  # records still being written into it
             return
         await store.seal_segment(segment)
         if places is None:
@@ -356,6 +356,8 @@ class Retention:
 
         On a full disk there is no room to copy them: they are evicted instead."""
         store = self.store
+        if segment.writers:  # records placed in it are still being written; their index entries will follow
+            return
         if not segment.sealed:
             await store.seal_segment(segment)
         if segment.live_bytes > 0:
@@ -379,8 +381,8 @@ class Retention:
                     return
             if not await self._drop(segment, expired, evicted):
                 return
-        if segment.live_bytes > 0:
-            return  # something was written meanwhile; try again at the next pass
+        if segment.live_bytes > 0 or segment.writers:
+            return  # something was written (or placed before the seal) meanwhile; try again at the next pass
         store.delete_segment(segment)
         self.metrics.compactions.labels(reason=reason).inc()
 

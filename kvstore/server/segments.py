@@ -67,12 +67,30 @@ class Segment:
     direct_reads: bool = False  # large reads of what the page cache lacks go to the device with O_DIRECT
     read_direct_fd: int | None = None  # opened on the first such read; closed with `fd`
     readers: int = 0
+    writers: int = 0  # records placed in it (`place`) whose bytes are still being written
     deleted: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def garbage_ratio(self) -> float:
         return 1.0 - self.live_bytes / self.size if self.size else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a record written while it arrives goes: its payload starts at a 4 KiB boundary, so each page
+    of it can be written with O_DIRECT straight from the page-aligned buffer it arrives in, and its header
+    ends there, in pages of its own, written last: until then the place holds no record."""
+
+    segment: Segment
+    offset: int  # the record's first byte (its header)
+    payload_offset: int  # aligned
+    end: int  # aligned: the payload's last page, padded with zeros
+
+    @property
+    def header_pages(self) -> int:
+        """Where the pages holding the header begin (the zeros before the header are part of them)."""
+        return self.payload_offset - align_up(self.payload_offset - self.offset)
 
 
 class SegmentSet:
@@ -155,16 +173,21 @@ class SegmentSet:
 
     @staticmethod
     def _next_magic(segment: Segment, offset: int) -> int:
-        """Where the next record magic lies at or after `offset` (the segment's size if nowhere)."""
+        """Where the next record magic lies at or after `offset` (the segment's size if nowhere).
+
+        The first look is short: a record written as it arrived starts after the zeros that pad its
+        header to whole pages, within a page or two."""
         overlap = len(MAGIC) - 1
+        step = 2 * ALIGN
         while offset + FIXED_HEADER_BYTES <= segment.size:
-            chunk = os.pread(segment.fd, _RESYNC_CHUNK, offset)
+            chunk = os.pread(segment.fd, step, offset)
             found = chunk.find(MAGIC)
             if found >= 0:
                 return offset + found
-            if len(chunk) < _RESYNC_CHUNK:
+            if len(chunk) < step:
                 break
             offset += len(chunk) - overlap
+            step = _RESYNC_CHUNK
         return segment.size
 
     # -- appends (I/O threads) ----------------------------------------------------------------
@@ -201,7 +224,78 @@ class SegmentSet:
                     self._seal_locked(segment, sync=self.fsync)
                 return segment, offset
 
-    def _write_direct(self, direct_fd: int, parts: Sequence[RecordBytes], offset: int) -> int | None:
+    def place(self, bucket_end: int, header_len: int, payload_len: int) -> Placement | None:
+        """Set aside the place of a record whose payload is written in pieces as it arrives (`write_payload`,
+        then `write_header`, then `finish`); None where appends are not direct (then `append` it whole).
+
+        Only the placing holds the segment's lock: writers into different places never wait for one another,
+        so a slow client holds up no one. A segment that fills is sealed at once; its O_DIRECT descriptor
+        stays open until its last placed record is finished."""
+        if not 0 < self.direct_min_bytes <= header_len + payload_len:
+            return None
+        header_pages, payload_pages = align_up(header_len), align_up(payload_len)
+        while True:
+            segment = self._writable(bucket_end, header_pages + payload_pages + ALIGN)
+            with segment.lock:
+                if segment.sealed or segment.deleted:
+                    continue  # sealed by another writer meanwhile
+                if segment.direct_fd is None:
+                    return None
+                payload_offset = align_up(segment.size) + header_pages
+                placement = Placement(segment, payload_offset - header_len, payload_offset,
+                                      payload_offset + payload_pages)
+                segment.size = placement.end
+                segment.writers += 1
+                if segment.size >= self.segment_bytes:
+                    self._seal_locked(segment, sync=self.fsync)
+                return placement
+
+    def write_payload(self, placement: Placement, start: int, view: memoryview, last: bool) -> None:
+        """Write payload bytes [start, start + len(view)) of a placed record; `start` is a multiple of 4 KiB,
+        and so is len(view) unless `last` (the payload's end, padded with zeros)."""
+        faults.hit("segment.before_write")
+        assert placement.segment.direct_fd is not None, "a placed record's segment keeps its direct descriptor"
+        whole = len(view) - len(view) % ALIGN
+        offset = placement.payload_offset + start
+        if whole and _address(view) % ALIGN == 0:
+            _write_all(placement.segment.direct_fd, [view[:whole]], offset)
+            view, offset = view[whole:], offset + whole
+        if len(view):
+            assert last or len(view) % ALIGN == 0
+            self._write_direct(placement.segment.direct_fd, [view], offset, refuse=True)
+
+    def write_header(self, placement: Placement, header: bytes) -> None:
+        """Write the header, after the whole payload: from now on the place holds a record."""
+        faults.hit("segment.payload_written")
+        pages = placement.payload_offset - placement.header_pages
+        self._write_direct(placement.segment.direct_fd, [bytes(pages - len(header)), header], placement.header_pages,
+                           refuse=True)
+        faults.hit("segment.after_write")
+
+    def finish(self, placement: Placement, failed: bool = False) -> None:
+        """The placed record is written (or given up: then the segment takes no more records, as after a
+        failed append). Its segment's direct descriptor closes with the last writer of a sealed segment."""
+        segment = placement.segment
+        with segment.lock:
+            segment.writers -= 1
+            if failed:
+                self._seal_locked(segment, sync=False)
+            if segment.sealed and segment.writers == 0:
+                _close_direct(segment)
+
+    def erase(self, placement: Placement, written: int) -> None:
+        """Overwrite the first `written` payload bytes of a record given up with zeros, so that no scan of
+        the hole finds records inside a payload that never became one. Best effort."""
+        zeros = bytes(min(align_up(written), STAGING_BYTES))
+        try:
+            for start in range(0, align_up(written), len(zeros)):
+                self._write_direct(placement.segment.direct_fd, [zeros[: align_up(written) - start]],
+                                   placement.payload_offset + start, refuse=True)
+        except OSError as exc:
+            log.warning("could not erase a record given up in segment %d: %s", placement.segment.id, exc)
+
+    def _write_direct(self, direct_fd: int, parts: Sequence[RecordBytes], offset: int,
+                      refuse: bool = False) -> int | None:
         """Write the record at the aligned `offset` of a segment opened with O_DIRECT (`direct_fd`), padded
         with zeros to ALIGN; its padded end, or None if the file system refuses O_DIRECT's alignment (then
         appends are buffered)."""
@@ -225,7 +319,7 @@ class SegmentSet:
                 _write_all(direct_fd, [memoryview(staging)[:padded]], offset)
                 offset += padded
         except OSError as exc:
-            if exc.errno != errno.EINVAL:
+            if exc.errno != errno.EINVAL or refuse:
                 raise
             log.warning("the file system of %s refuses O_DIRECT appends (%s); appending buffered from now on",
                         self.directory, exc)
@@ -272,7 +366,8 @@ class SegmentSet:
         if segment.sealed:
             return
         segment.sealed = True
-        _close_direct(segment)
+        if not segment.writers:  # else the last placed record's `finish` closes it
+            _close_direct(segment)
         if self._active.get(segment.bucket_end) is segment:
             del self._active[segment.bucket_end]
         if sync:
@@ -352,7 +447,8 @@ class SegmentSet:
         with segment.lock:
             segment.sealed = True
             segment.deleted = True
-            _close_direct(segment)
+            if not segment.writers:
+                _close_direct(segment)
             if self._active.get(segment.bucket_end) is segment:
                 del self._active[segment.bucket_end]
         self.segments.pop(segment.id, None)

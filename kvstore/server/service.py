@@ -20,7 +20,7 @@ from kvstore.record import RecordBytes
 from kvstore.server.config import ServerConfig
 from kvstore.server.grpc_auth import current_principal
 from kvstore.server.limits import ByteBudget, TimedOut, grpc_caller
-from kvstore.server.put_stream import PutStream
+from kvstore.server.put_stream import Arrived, PutStream
 from kvstore.server.reads import get_parts
 from kvstore.server.requests import (
     PermissionDenied,
@@ -170,7 +170,7 @@ class KVStoreService:
                 if received > header.payload_len:
                     raise RequestError(f"payload longer than declared ({header.payload_len} bytes)")
                 chunks.append(chunk)
-            return header, header_bytes, chunks
+            return Arrived(header, header_bytes, chunks)
 
         try:
             while (raw := await message_or_end()) is not None:  # the stream may end between records

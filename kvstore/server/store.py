@@ -28,6 +28,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -48,7 +49,7 @@ from kvstore.server.outcomes import Miss, MissStatus, PutResult
 from kvstore.server.promotion import GetsInFlight, Promoter
 from kvstore.server.recovery import open_index, reconcile, replace_damaged
 from kvstore.server.retention import Places, Retention, SegmentRecord
-from kvstore.server.segments import Segment, SegmentSet
+from kvstore.server.segments import Placement, Segment, SegmentSet
 
 log = logging.getLogger(__name__)
 # Evict once the LMDB map is this full at its maximum size: deleting needs free pages as well.
@@ -62,6 +63,14 @@ class DiskFull(Exception):
 
 class DataDirInUse(RuntimeError):
     pass
+
+
+@dataclass(frozen=True, slots=True)
+class PlacedPut:
+    """A put whose record is written to its place while its payload still arrives (`BlockStore.place`)."""
+
+    placement: Placement
+    expires_ms: int  # chosen with the place: the segment's expiry bucket holds it
 
 
 class BlockStore:
@@ -79,6 +88,7 @@ class BlockStore:
         self.names = Names(config)
         self.access = AccessTimes(self.policy, self.names.ttl_ms)
         self._pending: dict[bytes, asyncio.Future] = {}  # key -> done when the put writing it ends
+        self._background: set[asyncio.Task] = set()  # work a caller started and does not wait for (`background`)
         # victims whose removal did not commit (a full disk), with their bytes: first in line at the next
         # eviction, as the policy chose them. Given back to the policy they would count as new blocks, and a
         # full disk that refuses commit after commit would turn its order round: the newest blocks evicted.
@@ -145,6 +155,7 @@ class BlockStore:
         self.closed = True
         loop = asyncio.get_running_loop()
         try:
+            await asyncio.gather(*self._background, return_exceptions=True)
             await self.access.flush(self.index, self.commit)
             if unsaved := self.access.unsaved():
                 log.warning("no room to save the access times of %d blocks since the last flush: they are lost, "
@@ -174,6 +185,11 @@ class BlockStore:
 
     def class_name(self, entry: Entry | None) -> str:
         return self.names.class_name(entry.class_id) if entry is not None else ""
+
+    def background(self, task: asyncio.Task) -> None:
+        """Keep `task` until it ends (the loop holds only weak references), and let `close` wait for it."""
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def run_io(self, fn: Callable, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
@@ -262,11 +278,59 @@ class BlockStore:
 
     # -- writes -----------------------------------------------------------------------------------
 
+    async def place(self, header: RecordHeader) -> PlacedPut | None:
+        """A place to write `header`'s record to while its payload still arrives (`write_placed`, then
+        `put(..., placed=)`, or `give_up`); None where the record is appended whole once it has arrived: a
+        record under `direct_io_min_bytes`, a full disk, or a key with a live copy or a put writing one."""
+        key = header.key
+        if self.retention.disk_full or key in self._pending:
+            return None
+        now_ms = self.now_ms()
+        entry = self.index.get(key)
+        if entry is not None and self.access.expiry(key, entry) > now_ms:
+            return None
+        expires_ms = now_ms + self.names.ttl_ms(self.names.class_id(header.traffic_class))
+        try:
+            with self.retention.appending():
+                placement = await self.run_io(self.segments.place, self.bucket_end(expires_ms), header.header_len,
+                                              header.payload_len)
+        except OSError:  # no room for a new segment file: the append says so, once the record is in
+            return None
+        return None if placement is None else PlacedPut(placement, expires_ms)
+
+    async def write_placed(self, placed: PlacedPut, start: int, payload: memoryview, last: bool) -> None:
+        """Write verified payload bytes from `start` (SegmentSet.write_payload)."""
+        with self.retention.appending():
+            await self.run_io(self.segments.write_payload, placed.placement, start, payload, last)
+
+    async def write_placed_header(self, placed: PlacedPut, header_bytes: bytes) -> None:
+        with self.retention.appending():
+            await self.run_io(self.segments.write_header, placed.placement, header_bytes)
+
+    async def give_up(self, placed: PlacedPut, written: int, failed: bool) -> None:
+        """A placed record will not be put there (its client went away, or a write failed: `failed`, and
+        the segment takes no more records): erase the `written` payload bytes, and let the place go."""
+        def erase_and_finish() -> None:
+            try:
+                self.segments.erase(placed.placement, written)
+            finally:
+                self.segments.finish(placed.placement, failed)
+        await self.run_io(erase_and_finish)
+
     async def put(self, header: RecordHeader, header_bytes: bytes, chunks: Sequence[RecordBytes],
-                  hint: ReuseHint | None = None) -> PutResult:
+                  hint: ReuseHint | None = None, placed: PlacedPut | None = None) -> PutResult:
         """Store one verified record: STORED, or EXISTS if a live copy is held already. Raises DiskFull.
 
-        `hint` (from the engine, about the request that computed the block) goes to the eviction policy."""
+        `hint` (from the engine, about the request that computed the block) goes to the eviction policy.
+        `placed`: the record is written already, header last, at that place (`place`)."""
+        try:
+            return await self._put(header, header_bytes, chunks, hint, placed)
+        finally:
+            if placed is not None:  # on an I/O thread, where the segment's lock is taken without stalling the loop
+                self._executor.submit(self.segments.finish, placed.placement)
+
+    async def _put(self, header: RecordHeader, header_bytes: bytes, chunks: Sequence[RecordBytes],
+                   hint: ReuseHint | None, placed: PlacedPut | None) -> PutResult:
         key = header.key
         class_id = self.names.class_id(header.traffic_class)
         tenant_id = await self.names.tenant_id(header.tenant, lambda t: self.commit(self.index.tenant_id_op(t)))
@@ -290,17 +354,12 @@ class BlockStore:
         self._pending[key] = asyncio.get_running_loop().create_future()
         try:
             expires_ms = now_ms + self.names.ttl_ms(class_id)
-            if self.retention.disk_full:  # what room eviction makes goes to the index's reserve first
+            if placed is not None:
+                segment, offset, expires_ms = placed.placement.segment, placed.placement.offset, placed.expires_ms
+            elif self.retention.disk_full:  # what room eviction makes goes to the index's reserve first
                 raise DiskFull("the disk is full and eviction is making room; retry shortly")
-            try:
-                with self.retention.appending():
-                    segment, offset = await self.run_io(self.segments.append, self.bucket_end(expires_ms),
-                                                        [header_bytes, *chunks])
-            except OSError as exc:
-                if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-                    self.retention.disk_filled()
-                    raise DiskFull(f"no space left for a {header.record_len}-byte record") from exc
-                raise
+            else:
+                segment, offset = await self._append(header, header_bytes, chunks, expires_ms)
             new = Entry(segment.id, offset, len(header_bytes), header.payload_len, expires_ms, now_ms, class_id,
                         header.parent, self.policy.classify(hint), tenant_id)
             if self.index.fill_ratio() > INDEX_HIGH_FILL:
@@ -316,6 +375,17 @@ class BlockStore:
             return PutResult.STORED
         finally:
             self._pending.pop(key).set_result(None)
+
+    async def _append(self, header: RecordHeader, header_bytes: bytes, chunks: Sequence[RecordBytes],
+                      expires_ms: int) -> tuple[Segment, int]:
+        try:
+            with self.retention.appending():
+                return await self.run_io(self.segments.append, self.bucket_end(expires_ms), [header_bytes, *chunks])
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                self.retention.disk_filled()
+                raise DiskFull(f"no space left for a {header.record_len}-byte record") from exc
+            raise
 
     async def _commit_put(self, key: bytes, new: Entry, segment: Segment, header_bytes: bytes,
                           payload: RecordBytes, hint: ReuseHint | None) -> None:

@@ -1,0 +1,144 @@
+"""Records written to their segment while they arrive on the data channel (kvstore/server/arriving.py): the
+payload on a page boundary, the header written last; a record cut off, or with a corrupt layer, or killed
+between its payload and its header, leaves no record, and its place holds only zeros."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+
+from kvstore import wire
+from kvstore.block import KVLayout, Namespace
+from kvstore.client import ClientConfig, KVClient
+from kvstore.proto import pb
+from kvstore.record import build_record
+from kvstore.server.fsck import check
+from kvstore.server.segments import ALIGN, SegmentSet
+
+pytestmark = pytest.mark.integration
+
+# 2 MiB records of four 512 KiB layers: several receive steps and writes each
+NS = Namespace("arriving", KVLayout(num_layers=4, kv_heads=8, head_dim=128, dtype="float16"), block_tokens=128)
+DIRECT = ("--direct-io-min-bytes", "64KiB", "--max-block-bytes", "4MiB")
+
+
+def record(seed: int) -> tuple[bytes, bytes, bytes]:
+    """(key, header, payload) of a fresh record."""
+    block = NS.blocks(range(seed * NS.block_tokens, (seed + 1) * NS.block_tokens))[0]
+    header, payload = build_record(block, os.urandom(NS.block_bytes), NS.num_layers, "chat")
+    return block.key, header, payload
+
+
+def put_frame(header: bytes, payload_bytes: int) -> bytes:
+    return wire.frame(wire.PUT, pb.PutHead(record_bytes=len(header) + payload_bytes).SerializeToString()) + header
+
+
+def send_raw(daemon, data: bytes) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", daemon.data_port), timeout=30)
+    sock.sendall(data)
+    return sock
+
+
+def put_whole(daemon, seeds: range) -> dict[bytes, bytes]:
+    """Put records through the client (the data channel); their keys and payloads."""
+    with KVClient(ClientConfig((daemon.address,), shared_memory="off")) as client:
+        stored = {}
+        for seed in seeds:
+            block = NS.blocks(range(seed * NS.block_tokens, (seed + 1) * NS.block_tokens))[0]
+            payload = os.urandom(NS.block_bytes)
+            assert client.put([(block, payload)], NS.num_layers).stored == 1
+            stored[block.key] = payload
+        return stored
+
+
+def segment_contents(data_dir) -> tuple[dict[bytes, tuple[int, int]], list[bytes]]:
+    """Each record the segments hold (key -> (offset, header_len)), and the bytes of every segment file
+    outside the pages its records occupy."""
+    segments = SegmentSet(data_dir / "segments", 1 << 40, fsync=False)
+    segments.open_existing()
+    found: dict[bytes, tuple[int, int]] = {}
+    outside: list[bytes] = []
+    try:
+        for segment in segments.segments.values():
+            data = SegmentSet.read(segment, 0, segment.size)
+            at = 0
+            for offset, header in segments.scan(segment):
+                found[header.key] = (offset, header.header_len)
+                outside.append(data[at : offset])
+                at = offset + header.record_len
+            outside.append(data[at:])
+    finally:
+        for segment in segments.segments.values():
+            os.close(segment.fd)
+    return found, outside
+
+
+def test_a_large_put_has_its_payload_on_a_page_boundary_and_reads_back_after_a_restart(daemons):
+    daemon, = daemons(1, *DIRECT)
+    stored = put_whole(daemon, range(1, 4))
+    assert daemon.stop() == 0
+    found, outside = segment_contents(daemon.data_dir)
+    assert set(found) == set(stored)
+    for offset, header_len in found.values():
+        assert (offset + header_len) % ALIGN == 0 and offset % ALIGN != 0, "written as it arrived: header last"
+    assert all(not any(gap) for gap in outside), "between records there are only zeros"
+    assert check(daemon.data_dir).ok
+    daemon.start()
+    with KVClient([daemon.address]) as client:
+        blocks = [NS.blocks(range(s * NS.block_tokens, (s + 1) * NS.block_tokens))[0] for s in range(1, 4)]
+        assert [bytes(g.payload) for g in client.get(blocks)] == [stored[b.key] for b in blocks]
+
+
+@pytest.mark.parametrize("how", ["cut off", "corrupt layer"])
+def test_a_record_that_fails_as_it_arrives_leaves_only_zeros_and_the_daemon_serves_on(daemons, how):
+    daemon, = daemons(1, *DIRECT)
+    key, header, payload = record(50)
+    if how == "cut off":  # three of four layers, then the client goes away
+        send_raw(daemon, put_frame(header, len(payload)) + payload[: 3 * NS.layer_bytes]).close()
+    else:
+        flipped = bytearray(payload)
+        flipped[2 * NS.layer_bytes + 5] ^= 1  # layer 2: layers 0 and 1 are verified and written first
+        with send_raw(daemon, put_frame(header, len(payload)) + bytes(flipped)) as sock:
+            kind, head = wire.parse_prefix(sock.recv(wire.PREFIX.size)), None
+            assert kind[0] == wire.ERROR
+    stored = put_whole(daemon, range(60, 63))
+    assert daemon.stop() == 0  # the record given up is erased before the daemon ends
+    found, outside = segment_contents(daemon.data_dir)
+    assert key not in found and set(found) == set(stored)
+    assert all(not any(gap) for gap in outside), "the place of the record given up holds only zeros"
+    assert check(daemon.data_dir).ok
+
+
+@pytest.mark.parametrize("durability", ["fsync", "os"])
+def test_a_kill_between_the_payload_and_the_header_leaves_no_record(daemons, durability):
+    daemon, = daemons(1, *DIRECT, "--durability", durability)
+    kept = put_whole(daemon, range(70, 72))
+    daemon.stop()
+    daemon.start(extra_env={"KVSTORE_FAULTS": "segment.payload_written=kill"})
+    key, header, payload = record(80)
+    with send_raw(daemon, put_frame(header, len(payload)) + payload):
+        daemon.proc.wait(timeout=30)
+    assert daemon.proc.returncode == -9
+    assert check(daemon.data_dir).ok
+    found, _ = segment_contents(daemon.data_dir)
+    assert key not in found and set(kept) <= set(found)
+    daemon.start()
+    with KVClient([daemon.address]) as client:
+        blocks = [NS.blocks(range(s * NS.block_tokens, (s + 1) * NS.block_tokens))[0] for s in (70, 71, 80)]
+        assert client.lookup(blocks[2:]) == 0
+        assert [bytes(g.payload) for g in client.get(blocks[:2])] == [kept[b.key] for b in blocks[:2]]
+
+
+def test_a_failed_write_appends_the_record_whole_instead(daemons):
+    """An I/O error on the first write to its place: the record is appended the ordinary way, once in."""
+    daemon, = daemons(1, *DIRECT, env={"KVSTORE_FAULTS": "segment.payload_written=raise@1"})
+    stored = put_whole(daemon, range(90, 92))
+    with KVClient([daemon.address]) as client:
+        blocks = [NS.blocks(range(s * NS.block_tokens, (s + 1) * NS.block_tokens))[0] for s in (90, 91)]
+        assert [bytes(g.payload) for g in client.get(blocks)] == [stored[b.key] for b in blocks]
+    assert daemon.stop() == 0
+    found, outside = segment_contents(daemon.data_dir)
+    assert set(found) == set(stored)
+    assert all(not any(gap) for gap in outside)
