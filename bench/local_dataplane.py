@@ -2,15 +2,16 @@
 
     python bench/local_dataplane.py [--block-mib 4] [--blocks 64] [--repeats 7] [--json out.json]
 
-One daemon with its DRAM tier off, so every Get reads the segment files (from the page cache, where a
-fresh put leaves them) straight into the destination buffers, which the client has lent the daemon
+One daemon with its DRAM tier off, so every Get reads the segment files (from the page cache, which
+`pread` fills before them) straight into the destination buffers, which the client has lent the daemon
 (`KVClient.shared_buffer`); the client verifies every layer in place. The limits, in the same run: `pread`
 of exactly the same payload ranges from the same segment files into the same buffers (no daemon, no
 checks), and a memcpy of the same bytes from memory. Also the same Get over the loopback socket.
 
 Cold: the same Get with the segment files dropped from the page cache before each repeat (fsync, then
 POSIX_FADV_DONTNEED), beside an O_DIRECT read of the same payload ranges (each rounded out to 4 KiB, into
-one reused aligned buffer): `cold_get_vs_odirect`, the device's own limit.
+one reused aligned buffer): `cold_get_vs_odirect`, the device's own limit. The daemon reads what the page
+cache lacks with O_DIRECT too (kvstore/server/segments.py).
 """
 
 from __future__ import annotations
@@ -112,10 +113,11 @@ def main() -> None:
                     os.fsync(fd)
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
-            # The cold pair first: the cold Get reads the files back into the page cache for the rest.
-            contenders = {"odirect": odirect, "cold_shm_get": lambda: get(shm_client),
+            # The cold pair first. The daemon reads what the page cache lacks with O_DIRECT, which leaves the
+            # page cache as it was, so `pread` goes next: it reads the files back in for the warm Gets.
+            contenders = {"odirect": odirect, "cold_shm_get": lambda: get(shm_client), "pread": pread,
                           "shm_get": lambda: get(shm_client), "socket_get": lambda: get(socket_client),
-                          "pread": pread, "memcpy": memcpy}
+                          "memcpy": memcpy}
             cold = {"cold_shm_get", "odirect"}
             for fn in contenders.values():  # warm-up: connections, regions, page cache
                 fn()

@@ -101,8 +101,8 @@ def test_a_record_that_fails_as_it_arrives_leaves_only_zeros_and_the_daemon_serv
         flipped = bytearray(payload)
         flipped[2 * NS.layer_bytes + 5] ^= 1  # layer 2: layers 0 and 1 are verified and written first
         with send_raw(daemon, put_frame(header, len(payload)) + bytes(flipped)) as sock:
-            kind, head = wire.parse_prefix(sock.recv(wire.PREFIX.size)), None
-            assert kind[0] == wire.ERROR
+            kind, _ = wire.parse_prefix(sock.recv(wire.PREFIX.size))
+            assert kind == wire.ERROR, "a layer that fails its checksum fails the put as soon as it is in"
     stored = put_whole(daemon, range(60, 63))
     assert daemon.stop() == 0  # the record given up is erased before the daemon ends
     found, outside = segment_contents(daemon.data_dir)
