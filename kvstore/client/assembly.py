@@ -104,7 +104,15 @@ class GetAssembly:
         self.payloads: dict[int, Buffer] = {}
         self.received_bytes: dict[int, int] = {}  # local -> verified payload bytes so far
         self.broken: set[int] = set()
+        # Blocks whose payload failed its layer checksums here: reported to the daemon that sent them (Verify),
+        # which does not check bytes it reads from its segment files straight into a shared region.
+        self.failed_checksums: set[int] = set()
         self.hot: dict[int, int] = {}  # local -> the copies the daemon wants of a block it finds hot
+
+    @property
+    def corrupt_keys(self) -> list[bytes]:
+        """The keys of the blocks whose payload failed its layer checksums here."""
+        return [self.blocks[self.positions[local]].key for local in sorted(self.failed_checksums)]
 
     @property
     def bytes_received(self) -> int:
@@ -183,6 +191,8 @@ class GetAssembly:
         try:
             header.check_layers(data, head.layer_begin + offset // header.layer_bytes)
         except CorruptRecord as exc:
+            if exc.cause == "checksum":
+                self.failed_checksums.add(local)
             self._miss(local, exc.cause)
             return
         self.received_bytes[local] = self.received_bytes.get(local, 0) + len(data)

@@ -10,21 +10,22 @@ on a running event loop follows them as they join and leave, without a restart.
 
 AsyncKVClient puts the parts together and hands each what it needs, no more: the daemons and which to
 ask (cluster.py), each daemon's calls and transport (shard.py, transport.py), the one Get path
-(get_pipeline.py), loads (loader.py), copies of hot blocks (copier.py), write-behind (write_behind.py),
-prefetches into the host tier (prefetch.py).
+(get_pipeline.py), loads (loader.py), copies of hot blocks (copier.py), reports of corrupt blocks to the
+daemons that sent them (reports.py), write-behind (write_behind.py), prefetches into the host tier
+(prefetch.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
 from kvstore.block import Block, same_namespace
-from kvstore.client.assembly import BlockData, Buffer, Deferred, Payload, layer_major
+from kvstore.client.assembly import BlockData, Buffer, Deferred, GetAssembly, Payload, layer_major
 from kvstore.client.cluster import Cluster
 from kvstore.client.config import ClientConfig
 from kvstore.client.copier import Copier, CopyOrders
@@ -37,6 +38,7 @@ from kvstore.client.loading import KVDestination, LoadHandle
 from kvstore.client.membership import Follower, Members, MembershipError
 from kvstore.client.prefetch import Prefetcher
 from kvstore.client.replicas import Replicas
+from kvstore.client.reports import CorruptionReports
 from kvstore.client.shard import Shard
 from kvstore.client.stats import ClientStats, PutSummary
 from kvstore.client.write_behind import Then, WriteBehind
@@ -84,8 +86,14 @@ class AsyncKVClient:
         except RuntimeError:
             self.loop = None
         copies = CopyOrders(self.cluster, self.replicas, self.stats, self.loop)
+        self.reports = CorruptionReports(self.stats, self.loop)
+
+        def after_get(shard: Shard, assembly: GetAssembly, delivered: Container[int]) -> None:
+            copies.after_get(shard, assembly, delivered)
+            self.reports.after_get(shard, assembly)
+
         self.gets = GetPipeline(self.stats, self.bandwidth, self.host, self.cluster.reader, self.executor,
-                                copies.after_get, self.loop)
+                                after_get, self.loop)
         self.copier = Copier(copies, self.cluster, self.gets, self.replicas, self.stats)
         self.loader = Loader(self.gets, self.host, self.stats, self.bandwidth, self.cluster.reader, self.executor)
         self.prefetcher = Prefetcher(self.gets, self.host, self.stats, self.config.prefetch_bytes, self.loop)
@@ -115,6 +123,7 @@ class AsyncKVClient:
             self._follower.stop()  # wakes its thread (a watch is cut), which then ends at once
         await self.prefetcher.close()
         await self.copier.close()
+        await self.reports.close()  # before the channels close
         await self.cluster.close()
         for shared in self.gets.shared_buffers:
             shared.close()

@@ -30,6 +30,9 @@ class ClientStats:
     copies_made: int = 0  # copies of hot blocks this client put on members that lacked them
     copy_reads: int = 0  # blocks read from a copy's holder (or a moved block's previous owner), not the owner
     handed_off: int = 0  # moved blocks this client found on their previous owner and copied to the new one
+    # Blocks whose bytes failed their checksums here, named to the daemon that sent them (Verify)
+    corrupt_reported: int = 0  # blocks reported (the reports the daemons answered)
+    corrupt_confirmed: int = 0  # of them, blocks the daemons found a corrupt copy of and dropped
     # Prefetches into the host tier (prefetch.py, AsyncKVClient.prefetch)
     prefetched: int = 0  # blocks a prefetch put in the host tier
     prefetch_used: int = 0  # of them, read (their first pin by a get or a load)

@@ -1,16 +1,24 @@
-"""Serving the bytes of a block the store found: from the DRAM tier, or verified from its segment file.
+"""Serving the bytes of a block the store found: from the DRAM tier, or from its segment file.
 
-Every byte served from a segment file is checked against its record header's checksums first (docs/design.md
-section 10): a header must name the indexed key and lengths, and payload bytes that fail their layer
-checksums drop the block's index entry and are a miss. A reader holds what it serves from until it closes
-the block: the segment (deleting it waits for its last reader) or the DRAM tier entry (eviction never
-recycles a buffer that is being sent).
+A header read from a segment file must name the indexed key and lengths (docs/design.md section 10). Payload
+bytes read from a segment file into the daemon's own memory (a send over TCP or gRPC, a DRAM tier fill,
+promotion) are checked against the header's layer checksums first: bytes that fail them drop the block's
+index entry and are a miss. Payload bytes read straight into a client's shared region are not: the client
+checks every layer it receives whatever the path, and a check here would be a second pass over the same
+bytes, in memory the client can write anyway. A client that finds them corrupt names the block (Verify),
+and `check_dram_copy` and `check_segment_copy` then check the daemon's own copies in private memory; the
+scrub (scrub.py) does the same for every block in turn.
+
+A reader holds what it serves from until it closes the block: the segment (deleting it waits for its last
+reader) or the DRAM tier entry (eviction never recycles a buffer that is being sent).
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Literal
 
 from kvstore.record import CorruptRecord, RecordBytes, RecordHeader, decode_header
 from kvstore.server.hot_tier import HotEntry, HotTier
@@ -19,6 +27,7 @@ from kvstore.server.outcomes import Miss, MissStatus
 from kvstore.server.segments import Segment, SegmentSet
 
 CHECK_CHUNK_BYTES = 256 * 1024  # read, then verify, this much at a time: it stays in the CPU's cache
+CopyCheck = Literal["good", "corrupt", "absent", "unreadable"]  # what a check of one copy of a block found
 
 
 @dataclass(slots=True)
@@ -79,12 +88,14 @@ class BlockReader:
 
     async def read_layers(self, block: OpenBlock, begin: int, end: int,
                           into: memoryview | None = None, keep: bool = True) -> RecordBytes:
-        """Payload bytes of layers [begin, end), verified; written into `into` when given.
+        """Payload bytes of layers [begin, end), written into `into` when given: verified, but for bytes
+        read from the segment file into `into`.
 
+        `into` is a client's shared region, which the client verifies itself (end to end) and can write
+        as well: the daemon's check there would cost a second pass over the bytes and prove nothing the
+        client's does not. A file that ends before the layers do is still found (and the block dropped).
         Raises CorruptRecord or OSError; ValueError for a range outside the block (a caller's bug, never
-        a reason to drop it). `into` may be memory the client can write (its shared region): bytes there
-        that fail their checksums are read again into the daemon's own memory, and the block is dropped
-        only if they fail there too. A whole block read from its segment is kept in the DRAM tier unless
+        a reason to drop it). A whole block read from its segment is kept in the DRAM tier unless
         `keep` is False (promotion puts it there itself); its buffer is one the tier can keep either way."""
         header = block.header
         if not 0 <= begin < end <= header.n_layers:
@@ -102,28 +113,18 @@ class BlockReader:
         data = into if into is not None else self._hot.buffer(nbytes) if whole else bytearray(nbytes)
         offset = block.entry.offset + header.layer_offset(begin)
         try:
-            # Checked on the I/O thread too: CRC32C (format 3) releases the GIL, so the event loop runs on.
-            await self._run_io(_read_checked, block.segment, offset, data, header, begin)
-        except CorruptRecord as exc:
-            if into is not None and exc.cause != "truncated":
-                await self._verify_privately(block, offset, nbytes, begin)
-                raise CorruptRecord("changed_in_client_memory",
-                                    "the bytes changed in the client's memory while the daemon checked them") from None
+            if into is not None:
+                await self._run_io(SegmentSet.read_into, block.segment, offset, into)
+            else:
+                # Checked on the I/O thread too: CRC32C (format 3) releases the GIL, so the event loop runs on.
+                await self._run_io(_read_checked, block.segment, offset, data, header, begin)
+        except CorruptRecord:
             await self._drop_corrupt(block.key, block.entry)
             raise
         if whole and keep:  # the DRAM tier keeps it; pinned for this reader, as if it had come from there
             self._hot.put(block.key, block.header_bytes, data)
             block.hot = self._hot.pin(block.key)
         return data
-
-    async def _verify_privately(self, block: OpenBlock, offset: int, nbytes: int, begin: int) -> None:
-        """Read the layers again into memory no client can write; drop the block if they are corrupt there."""
-        private = bytearray(nbytes)
-        try:
-            await self._run_io(_read_checked, block.segment, offset, private, block.header, begin)
-        except CorruptRecord:
-            await self._drop_corrupt(block.key, block.entry)
-            raise
 
     async def warm(self, block: OpenBlock) -> None:
         """Bring a block read from SSD into the DRAM tier (whole), so its layers are served from memory.
@@ -135,6 +136,54 @@ class BlockReader:
                 await self.read_layers(block, 0, block.header.n_layers)
             except (CorruptRecord, OSError):
                 pass
+
+    # -- checking the daemon's own copies again (Verify, the scrub) ---------------------------------
+
+    async def check_dram_copy(self, key: bytes) -> CopyCheck:
+        """Check the DRAM tier's copy of `key` against its header's checksums; a corrupt one is discarded
+        from the tier (the segment file's copy is the block's, and is checked apart)."""
+        cached = self._hot.pin(key)
+        if cached is None:
+            return "absent"
+        try:
+            await self._run_io(_check_payload, cached.header, cached.payload)
+        except CorruptRecord:
+            self._hot.discard(key, only=cached)
+            return "corrupt"
+        finally:
+            self._hot.unpin(cached)
+        return "good"
+
+    async def check_segment_copy(self, key: bytes, entry: Entry) -> CopyCheck:
+        """Read the record `entry` points at into private memory and check its header and every layer; a
+        corrupt one is dropped (as a Get drops it). "absent": its segment is gone (deleted since the entry
+        was read); "unreadable": an I/O error, which proves nothing about the bytes.
+
+        The segment is held only while the record is read, never between records."""
+        segment = self._segments.acquire(entry.segment)
+        if segment is None:
+            return "absent"
+        reading = asyncio.ensure_future(self._run_io(_check_record, segment, key, entry))
+        try:
+            # Shielded: a caller cancelled (shutdown) returns at once, and the segment is released once the
+            # I/O thread is done with it, not while it still reads.
+            await asyncio.shield(reading)
+        except CorruptRecord:
+            await self._drop_corrupt(key, entry)
+            return "corrupt"
+        except OSError:
+            return "unreadable"
+        finally:
+            if reading.done():
+                self._segments.release(segment)
+            else:
+                def release(done: asyncio.Future) -> None:
+                    if not done.cancelled():
+                        done.exception()  # nobody awaits it any more: taken, so it is not logged as lost
+                    self._segments.release(segment)
+
+                reading.add_done_callback(release)
+        return "good"
 
     def close(self, block: OpenBlock) -> None:
         if block.segment is not None:
@@ -154,3 +203,23 @@ def _read_checked(segment: Segment, offset: int, data, header: RecordHeader, beg
         chunk = view[start : start + step]
         SegmentSet.read_into(segment, offset + start, chunk)
         header.check_layers(chunk, begin + start // header.layer_bytes)
+
+
+def _check_payload(header_bytes: bytes, payload: RecordBytes) -> None:
+    """Verify a whole payload held in memory against its header (raises CorruptRecord)."""
+    decode_header(header_bytes).check_layers(memoryview(payload), 0)
+
+
+def _check_record(segment: Segment, key: bytes, entry: Entry) -> None:
+    """Read the record at `entry` and verify it (raises CorruptRecord): its header, which must name `key` and
+    the indexed lengths, and every layer, a chunk at a time through one buffer of about CHECK_CHUNK_BYTES."""
+    header = decode_header(SegmentSet.read(segment, entry.offset, entry.header_len))
+    if header.key != key or header.payload_len != entry.payload_len:
+        raise CorruptRecord("key_mismatch", "record at the indexed place belongs to another key")
+    layers_per_chunk = max(1, CHECK_CHUNK_BYTES // header.layer_bytes)
+    buffer = memoryview(bytearray(layers_per_chunk * header.layer_bytes))
+    offset = entry.offset + header.header_len
+    for begin in range(0, header.n_layers, layers_per_chunk):
+        chunk = buffer[: (min(begin + layers_per_chunk, header.n_layers) - begin) * header.layer_bytes]
+        SegmentSet.read_into(segment, offset + begin * header.layer_bytes, chunk)
+        header.check_layers(chunk, begin)

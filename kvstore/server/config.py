@@ -75,6 +75,10 @@ class ServerConfig:
     expiry_bucket_s: float = 3600.0  # segments are bucketed by expiry time at this granularity
     sweep_interval_s: float = 10.0
     access_flush_interval_s: float = 5.0
+    # The scrub (docs/operations.md, "Scrub"): every record the index points at is read back into the daemon's
+    # own memory and checked, at most this many bytes a second; a corrupt block is dropped (counted). 0: no scrub.
+    scrub_bytes_per_s: int = 32 * 2**20
+    scrub_pause_s: float = 60.0  # rest between scrub passes, and before the first (start-up's reads come first)
 
     durability: str = "os"  # "os": page cache, survives a process crash; "fsync": synced before ack
     # Records at least this large are appended with O_DIRECT, 4 KiB-aligned, through a reused buffer, so
@@ -213,6 +217,8 @@ class ServerConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.direct_io_min_bytes < 0:
             raise ValueError(f"direct_io_min_bytes must be >= 0 (0: no direct I/O), got {self.direct_io_min_bytes}")
+        if self.scrub_bytes_per_s < 0:
+            raise ValueError(f"scrub_bytes_per_s must be >= 0 (0 turns the scrub off), got {self.scrub_bytes_per_s}")
         if self.hot_tier_bytes < 0:
             raise ValueError(f"hot_tier_bytes must be >= 0 (0 disables the DRAM tier), got {self.hot_tier_bytes}")
         if self.promote_bytes is not None and self.promote_bytes < 0:
@@ -231,7 +237,7 @@ class ServerConfig:
         if self.max_data_connections_per_peer > self.max_data_connections:
             raise ValueError("max_data_connections_per_peer must be <= max_data_connections")
         for name in ("expiry_bucket_s", "sweep_interval_s", "access_flush_interval_s", "grace_s",
-                     "data_frame_timeout_s", "data_idle_timeout_s", "hot_window_s"):
+                     "data_frame_timeout_s", "data_idle_timeout_s", "hot_window_s", "scrub_pause_s"):
             if not 0 < getattr(self, name) < math.inf:
                 raise ValueError(f"{name} must be a positive number of seconds, got {getattr(self, name)}")
         self._check_caller_limits()

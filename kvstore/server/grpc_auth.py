@@ -26,7 +26,8 @@ from kvstore.server.auth import Authenticator, Principal, bearer
 log = logging.getLogger(__name__)
 
 # The verb each RPC needs; "" is any authenticated caller (Info: clients need the data port and limits).
-VERB_OF = {"Lookup": "read", "Get": "read", "Put": "write", "Touch": "write", "Advise": "write",
+# Verify is a reader's: a client reports what its Gets found, and only blocks proven corrupt are dropped.
+VERB_OF = {"Lookup": "read", "Get": "read", "Verify": "read", "Put": "write", "Touch": "write", "Advise": "write",
            "Delete": "delete", "Stats": "admin", "Info": ""}
 WARN_EVERY_S = 10
 OPEN_METHODS = ("/grpc.health.v1.Health/Check",)  # probes carry no token (Watch would hold a stream open)

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
+from kvstore import faults
 from kvstore.eviction import LRU, EvictionPolicy
 from kvstore.record import RecordBytes
 
@@ -106,6 +107,7 @@ class HotTier:
         old = self._entries.pop(key, None)
         if old is not None:
             self._drop(old)
+        payload = faults.damaged("hot_tier.put", payload)  # the tests' memory gone bad; off: a dictionary miss
         self._entries[key] = HotEntry(header, payload)
         self._policy.insert(key, size)
         # Unread prefetches are passed over: they were brought in (or held) for a read known to be coming,
@@ -203,9 +205,12 @@ class HotTier:
 
     # -- leaving the tier ---------------------------------------------------------------------------
 
-    def discard(self, key: bytes) -> None:
-        entry = self._entries.pop(key, None)
-        if entry is not None:
+    def discard(self, key: bytes, only: HotEntry | None = None) -> None:
+        """Take `key`'s entry out of the tier; with `only`, only while that entry is still the one it holds
+        (a put may have replaced it meanwhile)."""
+        entry = self._entries.get(key)
+        if entry is not None and (only is None or entry is only):
+            del self._entries[key]
             self._policy.remove(key)
             self._drop(entry)
 

@@ -232,6 +232,20 @@ class Index:
             for key, raw in txn.cursor():
                 yield key, Entry.unpack(raw)
 
+    def entries_from(self, start: bytes, limit: int) -> list[tuple[bytes, Entry]]:
+        """Up to `limit` entries in key order, from the first key at or after `start`: a walk of the whole
+        index a batch at a time (the scrub's), which holds no read transaction between batches."""
+        out: list[tuple[bytes, Entry]] = []
+        with self._read_lock, self._env.begin(db=self._blocks, buffers=False) as txn:
+            cursor = txn.cursor()
+            if not cursor.set_range(start):
+                return out
+            for key, raw in cursor:
+                out.append((key, Entry.unpack(raw)))
+                if len(out) >= limit:
+                    break
+        return out
+
     def classes(self) -> dict[str, int]:
         with self._read_lock, self._env.begin(db=self._meta) as txn:
             return {k[6:].decode(): int(v) for k, v in txn.cursor() if k.startswith(b"class:")}

@@ -22,6 +22,7 @@ from kvstore.server.index import IndexUnavailable
 from kvstore.server.limits import ByteBudget, CallLimiter
 from kvstore.server.metrics import Metrics
 from kvstore.server.registration import Registration
+from kvstore.server.scrub import Scrubber
 from kvstore.server.security import Security
 from kvstore.server.service import KVStoreService
 from kvstore.server.store import BlockStore, DataDirInUse
@@ -109,6 +110,7 @@ async def serve(config: ServerConfig, stop: asyncio.Event | None = None) -> None
         watch_stdin(lambda: loop.call_soon_threadsafe(stop.set))
     maintenance = asyncio.create_task(store.retention.run())
     promotion = asyncio.create_task(store.promoter.run())
+    scrub = asyncio.create_task(Scrubber(store, config, metrics).run())
     registration = None
     if config.register is not None:  # only once serving: a client that sees the entry can use it
         registration = Registration(config.register, config.advertised, config.register_ttl_s, config.etcd_access())
@@ -124,7 +126,7 @@ async def serve(config: ServerConfig, stop: asyncio.Event | None = None) -> None
                 await asyncio.sleep(config.leave_drain_s)
         await health_servicer.enter_graceful_shutdown()
         await asyncio.gather(server.stop(config.grace_s), data_plane.stop(config.grace_s))
-        for task in (maintenance, promotion):
+        for task in (maintenance, promotion, scrub):
             task.cancel()
             try:
                 await task

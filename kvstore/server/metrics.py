@@ -59,6 +59,17 @@ class Metrics:
                                            "tier not read yet (at most promote_bytes)", registry=r)
         self.gets_in_flight = Gauge("kvstore_gets_in_flight", "Gets being served, both transports (promotion "
                                     "waits for none)", registry=r)
+        # Checks of the daemon's own copies: a client's report (Verify) and the scrub (scrub.py)
+        self.verified_blocks = Counter("kvstore_verified_blocks", "Held blocks checked again because a client "
+                                       "found their bytes corrupt (Verify)", registry=r)
+        self.verify_corrupt = Counter("kvstore_verify_corrupt", "Corrupt copies Verify found and dropped, by copy: "
+                                      "dram (discarded from the DRAM tier) or ssd (the block removed)", ["copy"],
+                                      registry=r)
+        self.scrub_bytes = Counter("kvstore_scrub_bytes", "Record bytes the scrub read back and checked", registry=r)
+        self.scrub_corrupt = Counter("kvstore_scrub_corrupt", "Corrupt blocks the scrub found and removed",
+                                     registry=r)
+        self.scrub_passes = Counter("kvstore_scrub_passes", "Scrub passes over the whole index completed",
+                                    registry=r)
         self.expiries = Counter("kvstore_expiries", "Blocks dropped at the end of their TTL", registry=r)
         self.compactions = Counter("kvstore_compactions", "Segments compacted or expired", ["reason"], registry=r)
         self.copied_forward = Counter("kvstore_copied_forward_bytes", "Live bytes copied by compaction", registry=r)

@@ -90,6 +90,10 @@ class KVStoreService:
         check_keys(request.keys, self.config)
         return pb.CountResponse(count=self.store.advise(request.keys, request.continues, self.caller_scope()))
 
+    async def verify(self, request: pb.KeysRequest, context) -> pb.CountResponse:
+        check_keys(request.keys, self.config)
+        return pb.CountResponse(count=await self.store.verify(request.keys, self.caller_scope()))
+
     async def stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
         self.store.refresh_gauges()
         return self.metrics.stats_response()
@@ -229,6 +233,7 @@ class KVStoreService:
             "Touch": unary("Touch", pb.KeysRequest, self.touch),
             "Delete": unary("Delete", pb.KeysRequest, self.delete),
             "Advise": unary("Advise", pb.AdviseRequest, self.advise),
+            "Verify": unary("Verify", pb.KeysRequest, self.verify),
             "Stats": unary("Stats", pb.StatsRequest, self.stats),
             "Info": unary("Info", pb.InfoRequest, self.info),
         })

@@ -3,8 +3,10 @@
 Runs on the daemon's event loop; file I/O goes to a thread pool, index writes to the index's writer
 thread. Guarantees (docs/design.md section 10):
 * a record becomes visible only after its bytes are written (and synced, with durability "fsync");
-* every byte served from the segment files is verified against its header's checksums first
-  (block_reader.py);
+* every byte read from the segment files into the daemon's memory is verified against its header's
+  checksums first; bytes read straight into a client's shared region are verified by the client, which
+  names a block that fails (Verify) for the daemon to check in its own memory (block_reader.py); the scrub
+  checks every record in turn (scrub.py);
 * start-up cuts torn tails, drops index entries whose place holds no record of their key (and re-indexes
   the key's own record if one is found), and rebuilds a missing or damaged index from the segments
   (recovery.py).
@@ -37,7 +39,7 @@ from kvstore.record import CorruptRecord, RecordBytes, RecordHeader
 from kvstore.server.access_log import KEYS_PER_CALL, AccessLog
 from kvstore.server.access_times import AccessTimes
 from kvstore.server.accounting import Accounting
-from kvstore.server.block_reader import BlockReader, OpenBlock
+from kvstore.server.block_reader import BlockReader, CopyCheck, OpenBlock
 from kvstore.server.config import ServerConfig
 from kvstore.server.hot_keys import HotKeys
 from kvstore.server.hot_tier import HotTier
@@ -555,6 +557,42 @@ class BlockStore:
 
     def delete_segment(self, segment: Segment) -> None:
         self.segments.delete(segment)
+
+    # -- for Verify and the scrub (scrub.Scrubbed) --------------------------------------------------
+
+    async def verify(self, keys: Sequence[bytes], scope: Scope = None) -> int:
+        """Check again the copies of blocks a client found corrupt, in memory no client can write: the DRAM
+        tier's (a corrupt one is discarded from the tier) and the segment file's (a corrupt one drops the
+        block, as a Get's read does). Keys of tenants outside `scope`, and absent ones, are passed over.
+        How many of the blocks had a corrupt copy.
+
+        A client's report proves nothing by itself (its own memory may have changed, or it may lie): only
+        a check here drops anything, and a good block stays whatever the report said."""
+        found = 0
+        for key in self.in_scope(keys, scope):
+            entry = self.index.get(key)
+            if entry is None:
+                continue
+            self.metrics.verified_blocks.inc()
+            checks = {"dram": await self._reader.check_dram_copy(key),
+                      "ssd": await self._reader.check_segment_copy(key, entry)}
+            for copy, outcome in checks.items():
+                if outcome == "corrupt":
+                    self.metrics.verify_corrupt.labels(copy=copy).inc()
+            found += "corrupt" in checks.values()
+        return found
+
+    async def index_batch(self, start: bytes, limit: int) -> list[tuple[bytes, Entry]]:
+        """Up to `limit` index entries in key order from the first key at or after `start` (on an I/O thread)."""
+        return await self.run_io(self.index.entries_from, start, limit)
+
+    async def check_stored(self, key: bytes, entry: Entry) -> CopyCheck:
+        """Check the record `entry` points at, if the index still points there ("absent" if not): read into
+        private memory, its header and every layer; a corrupt block is dropped, as a Get drops it."""
+        now = self.index.get(key)
+        if now is None or (now.segment, now.offset) != (entry.segment, entry.offset):
+            return "absent"
+        return await self._reader.check_segment_copy(key, now)
 
     # -- observability ----------------------------------------------------------------------------
 

@@ -45,6 +45,20 @@ def test_bad_values_say_what_to_change(argv, message):
         load_config(argv, environ={})
 
 
+def test_the_scrub_is_on_by_default_and_its_settings_are_checked(tmp_path):
+    assert ServerConfig().scrub_bytes_per_s == 32 * 2**20 and ServerConfig().scrub_pause_s == 60
+    config = load_config(["--scrub-bytes-per-s", "1GiB", "--scrub-pause-s", "10m"], environ={})
+    assert (config.scrub_bytes_per_s, config.scrub_pause_s) == (2**30, 600)
+    assert load_config([], environ={"KVSTORE_SCRUB_BYTES_PER_S": "0"}).scrub_bytes_per_s == 0  # off
+    with pytest.raises(ValueError, match="scrub_bytes_per_s"):
+        ServerConfig(data_dir=tmp_path, scrub_bytes_per_s=-1)
+    for pause in (0, -1, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="scrub_pause_s"):
+            ServerConfig(data_dir=tmp_path, scrub_pause_s=pause)
+    with pytest.raises(ValueError, match="size"):
+        load_config(["--scrub-bytes-per-s", "fast"], environ={})
+
+
 @pytest.mark.parametrize("field", ["leave_drain_s", "register_ttl_s"])
 def test_registration_times_are_checked_without_register(tmp_path, field):
     # Found by tests/property/test_config.py: NaN passed because these were checked only with --register.
