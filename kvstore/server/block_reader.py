@@ -197,12 +197,9 @@ class BlockReader:
 def _read_checked(segment: Segment, offset: int, data, header: RecordHeader, begin: int) -> None:
     """Read layers from `begin` into `data` and verify them (raises CorruptRecord): a few layers at a time,
     each checked while its bytes are still in the CPU's cache, not in a second pass over memory."""
-    view = memoryview(data)
     step = header.layer_bytes * max(1, CHECK_CHUNK_BYTES // header.layer_bytes)
-    for start in range(0, len(view), step):
-        chunk = view[start : start + step]
-        SegmentSet.read_into(segment, offset + start, chunk)
-        header.check_layers(chunk, begin + start // header.layer_bytes)
+    SegmentSet.read_into(segment, offset, memoryview(data),
+                         lambda start, piece: header.check_layers(piece, begin + start // header.layer_bytes), step)
 
 
 def _check_payload(header_bytes: bytes, payload: RecordBytes) -> None:

@@ -402,9 +402,11 @@ class SegmentSet:
 
     @staticmethod
     def read_into(segment: Segment, offset: int, view: memoryview,
-                  verify: Callable[[int, memoryview], None] | None = None) -> None:
+                  verify: Callable[[int, memoryview], None] | None = None,
+                  piece_bytes: int = VERIFY_PIECE_BYTES) -> None:
         """Fill `view` from `offset`; a file that ends first holds a truncated record. `verify(start, piece)`
-        sees each piece of up to VERIFY_PIECE_BYTES just after it lands, while it is in the CPU's cache.
+        sees each piece of `piece_bytes` (the last may be shorter) just after it lands, while it is still
+        in the CPU's cache.
 
         What the page cache holds is copied from it. A large read of what it does not hold goes to the
         device with O_DIRECT (where the segment allows it): a buffered read would first take fresh
@@ -419,17 +421,17 @@ class SegmentSet:
                 if done >= resident:
                     resident = done + _resident_bytes(segment.fd, offset + done, length - done)
                     if resident == done:  # not in the page cache: the rest from the device, in one request
-                        _read_direct(segment, offset + done, view[done:], verify, done)
+                        _read_direct(segment, offset + done, view[done:], verify, done, piece_bytes)
                         return
                 end = resident
-            if verify is not None:
-                end = min(end, done + VERIFY_PIECE_BYTES)
+            if verify is not None:  # whole pieces: a piece partly cached is read through the page cache
+                end = min(length, done + piece_bytes)
             piece = view[done:end]
             received = os.preadv(segment.fd, [piece], offset + done)
             if received == 0:
                 raise CorruptRecord("truncated", f"segment {segment.id} ends before offset {offset + done}")
             if verify is not None:
-                if received < len(piece):  # verify once the piece is whole
+                if received < len(piece):
                     _fill(segment, offset + done + received, piece[received:])
                     received = len(piece)
                 verify(done, piece)
@@ -539,7 +541,7 @@ def _fill(segment: Segment, offset: int, view: memoryview) -> None:
 
 
 def _read_direct(segment: Segment, offset: int, view: memoryview,
-                 verify: Callable[[int, memoryview], None] | None, verified_from: int) -> None:
+                 verify: Callable[[int, memoryview], None] | None, verified_from: int, piece_bytes: int) -> None:
     """Fill `view` from `offset` with O_DIRECT: straight into `view` where its memory lines up with the
     file's 4 KiB pages, else through the thread's aligned bounce buffer, whose pieces are copied out (and
     verified) while in the CPU's cache. A file system that refuses turns direct reads off for the segment."""
@@ -554,24 +556,26 @@ def _read_direct(segment: Segment, offset: int, view: memoryview,
                 segment.read_direct_fd = direct_fd
     if direct_fd is None:
         _fill(segment, offset, view)
-        _verify_all(view, verify, verified_from)
+        _verify_all(view, verify, verified_from, piece_bytes)
         return
     begin, end = offset - offset % ALIGN, align_up(offset + len(view))
     lead = offset - begin
     try:
         if lead == 0 and _address(view) % ALIGN == 0 and len(view) % ALIGN == 0:
             _read_aligned(segment, direct_fd, view, begin, len(view))
-            _verify_all(view, verify, verified_from)
+            _verify_all(view, verify, verified_from, piece_bytes)
             return
-        bounce = _bounce_buffer(min(end - begin, 2 * STAGING_BYTES))
+        bounce = _bounce_buffer(min(end - begin, max(2 * STAGING_BYTES, piece_bytes + ALIGN)))
         done = 0
         while done < len(view):
             at = begin + (lead + done) // ALIGN * ALIGN  # the page holding the next byte wanted
             skip = offset + done - at
             take = min(len(view) - done, len(bounce) - skip)
+            if take < len(view) - done:  # whole pieces, so that each one verified is whole
+                take -= take % piece_bytes
             _read_aligned(segment, direct_fd, memoryview(bounce)[: align_up(skip + take)], at, skip + take)
-            for start in range(0, take, VERIFY_PIECE_BYTES):
-                piece = view[done + start : done + min(take, start + VERIFY_PIECE_BYTES)]
+            for start in range(0, take, piece_bytes):
+                piece = view[done + start : done + min(take, start + piece_bytes)]
                 piece[:] = memoryview(bounce)[skip + start : skip + start + len(piece)]
                 if verify is not None:
                     verify(verified_from + done + start, piece)
@@ -583,7 +587,7 @@ def _read_direct(segment: Segment, offset: int, view: memoryview,
                     segment.path.parent, exc)
         segment.direct_reads = False
         _fill(segment, offset, view)
-        _verify_all(view, verify, verified_from)
+        _verify_all(view, verify, verified_from, piece_bytes)
 
 
 def _read_aligned(segment: Segment, direct_fd: int, view: memoryview, offset: int, needed: int) -> None:
@@ -600,10 +604,11 @@ def _read_aligned(segment: Segment, direct_fd: int, view: memoryview, offset: in
             return
 
 
-def _verify_all(view: memoryview, verify: Callable[[int, memoryview], None] | None, verified_from: int) -> None:
+def _verify_all(view: memoryview, verify: Callable[[int, memoryview], None] | None, verified_from: int,
+                piece_bytes: int) -> None:
     if verify is not None:
-        for start in range(0, len(view), VERIFY_PIECE_BYTES):
-            verify(verified_from + start, view[start : start + VERIFY_PIECE_BYTES])
+        for start in range(0, len(view), piece_bytes):
+            verify(verified_from + start, view[start : start + piece_bytes])
 
 
 def _bounce_buffer(nbytes: int) -> mmap.mmap:

@@ -64,7 +64,7 @@ def test_a_read_of_cached_bytes_comes_from_the_page_cache_and_a_partly_cached_on
     assert view == data
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(8))
 def test_reads_of_any_range_verify_every_byte_once_in_order(segment, seed):
     seg, data = segment
     rng = random.Random(seed)
@@ -72,13 +72,14 @@ def test_reads_of_any_range_verify_every_byte_once_in_order(segment, seed):
     length = rng.randrange(1, SIZE - offset + 1)
     if seed % 2:  # half of them with some of the bytes in the page cache
         os.pread(seg.fd, rng.randrange(1, SIZE), rng.randrange(SIZE))
+    piece_bytes = rng.choice([VERIFY_PIECE_BYTES, 3 * 131_072, 5 * 77_777])  # whole layers of any size
     seen: list[tuple[int, bytes]] = []
     view = memoryview(bytearray(length))
-    SegmentSet.read_into(seg, offset, view, verify=lambda start, piece: seen.append((start, bytes(piece))))
+    SegmentSet.read_into(seg, offset, view, lambda start, piece: seen.append((start, bytes(piece))), piece_bytes)
     assert view == data[offset : offset + length]
     assert b"".join(piece for _, piece in seen) == data[offset : offset + length]
-    assert [start for start, _ in seen] == [sum(len(p) for _, p in seen[:i]) for i in range(len(seen))]
-    assert all(len(piece) <= VERIFY_PIECE_BYTES for _, piece in seen)
+    assert [start for start, _ in seen] == [i * piece_bytes for i in range(len(seen))], \
+        "each piece verified is whole: a checksum covers whole layers"
 
 
 @pytest.mark.parametrize("warm", [False, True])
