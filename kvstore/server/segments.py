@@ -45,6 +45,7 @@ STAGING_BYTES = 8 * 2**20  # each I/O thread's direct-append buffer: a record go
 DIRECT_READ_MIN_BYTES = 64 * 1024
 VERIFY_PIECE_BYTES = 256 * 1024  # verified while still in the CPU's cache
 _direct_open_lock = threading.Lock()
+_RESIDENCY_MAP_BYTES = 256 * 2**20  # the least a segment's residency mapping covers (a segment's usual size)
 _bounce = threading.local()  # .buffer: the I/O thread's aligned buffer for direct reads it cannot place
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,7 @@ class Segment:
     direct_fd: int | None = None  # the same file opened with O_DIRECT, while it is appended to
     direct_reads: bool = False  # large reads of what the page cache lacks go to the device with O_DIRECT
     read_direct_fd: int | None = None  # opened on the first such read; closed with `fd`
+    residency_map: tuple[int, int] | None = None  # (address, length): mapped to ask the page cache what it holds
     readers: int = 0
     writers: int = 0  # records placed in it (`place`) whose bytes are still being written
     deleted: bool = False
@@ -419,7 +421,7 @@ class SegmentSet:
             end = length
             if segment.direct_reads and length - done >= DIRECT_READ_MIN_BYTES:
                 if done >= resident:
-                    resident = done + _resident_bytes(segment.fd, offset + done, length - done)
+                    resident = done + _resident_bytes(segment, offset + done, length - done)
                     if resident == done:  # not in the page cache: the rest from the device, in one request
                         _read_direct(segment, offset + done, view[done:], verify, done, piece_bytes)
                         return
@@ -479,6 +481,9 @@ def _close_files(segment: Segment) -> None:
         if segment.read_direct_fd is not None:
             os.close(segment.read_direct_fd)
             segment.read_direct_fd = None
+        if segment.residency_map is not None:
+            _libc.munmap(*segment.residency_map)
+            segment.residency_map = None
         segment.direct_reads = False
 
 
@@ -503,24 +508,37 @@ def _write_all(fd: int, parts: Sequence[RecordBytes], offset: int) -> None:
             views[0] = views[0][written:]
 
 
-def _resident_bytes(fd: int, offset: int, length: int) -> int:
+def _resident_bytes(segment: Segment, offset: int, length: int) -> int:
     """How many of the `length` bytes from `offset` the page cache holds in one run from the start.
 
-    Asked with mincore over a mapping of the range, which reads nothing: a read that may not wait
-    (RWF_NOWAIT) would answer too, but it starts readahead into fresh pages when it misses."""
+    Asked with mincore over a mapping of the segment file, which reads nothing: a read that may not wait
+    (RWF_NOWAIT) would answer too, but it starts readahead into fresh pages when it misses. The mapping is
+    made once per segment (address space only) and covers what the segment may grow to."""
     begin = offset - offset % ALIGN
     span = align_up(offset + length) - begin
-    address = _libc.mmap(None, span, mmap.PROT_READ, mmap.MAP_SHARED, fd, begin)
-    if address in (None, _MAP_FAILED):
+    mapped = _residency_map(segment, begin + span)
+    if mapped is None:
         return length  # cannot tell: read through the page cache, as before
-    try:
-        pages = ctypes.create_string_buffer(span // ALIGN)
-        if _libc.mincore(address, span, pages) != 0:
-            return length
-    finally:
-        _libc.munmap(address, span)
+    pages = ctypes.create_string_buffer(span // ALIGN)
+    if _libc.mincore(mapped + begin, span, pages) != 0:
+        return length
     run = next((page for page, held in enumerate(pages.raw) if not held & 1), span // ALIGN)
     return max(0, min(length, begin + run * ALIGN - offset))
+
+
+def _residency_map(segment: Segment, needed: int) -> int | None:
+    """The address of a read-only mapping of at least `needed` bytes of the segment file, or None."""
+    with _direct_open_lock:
+        if segment.residency_map is not None and segment.residency_map[1] >= needed:
+            return segment.residency_map[0]
+        length = align_up(max(needed, segment.size, _RESIDENCY_MAP_BYTES))
+        address = _libc.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, segment.fd, 0)
+        if address in (None, _MAP_FAILED):
+            return None
+        if segment.residency_map is not None:  # a record past the mapping's end: a larger one replaces it
+            _libc.munmap(*segment.residency_map)
+        segment.residency_map = (address, length)
+        return address
 
 
 _libc = ctypes.CDLL(None, use_errno=True)

@@ -31,7 +31,7 @@ def segment(tmp_path):
 
 def cached(segment, offset: int, length: int) -> bool:
     """Whether the page cache holds the first page of the bytes (mincore, which reads nothing)."""
-    return _resident_bytes(segment.fd, offset, length) > 0
+    return _resident_bytes(segment, offset, length) > 0
 
 
 def test_a_cold_read_returns_the_bytes_and_leaves_the_page_cache_empty(segment):
