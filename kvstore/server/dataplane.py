@@ -304,7 +304,7 @@ class DataPlaneServer:
                 if nbytes > room:
                     return None  # does not fit what the client set aside: this part travels over the socket
                 return region.view[offset : offset + nbytes]
-        heads: list[bytes] = []  # heads of parts already in the client's memory, sent a layer at a time
+        heads: list[bytes] = []  # heads of layer-major parts already in the client's memory, sent a layer at a time
         layer = request.layer_begin
         with self.store.gets_in_flight:  # promotion waits while any Get is served
             async for head, payload in get_parts(self.store, request, target, scope):
@@ -320,6 +320,8 @@ class DataPlaneServer:
                     head.region_offset = self._place(request, region, head.index, head.layer_begin,
                                                      head.payload_bytes)[0]
                     heads.append(wire.frame(wire.PART, head.SerializeToString()))
+                    if request.order != pb.LAYER_MAJOR:  # a whole block: checked by the client as later ones are read
+                        await connection.send(heads.pop())
                     continue
                 await connection.send(wire.frame(wire.PART, head.SerializeToString()))
                 if payload is not None:
