@@ -22,7 +22,8 @@ from kvstore.server.store import BlockStore, PlacedPut
 
 log = logging.getLogger(__name__)
 
-WRITE_STEP = 512 * 1024  # verified bytes gathered before a write starts: fewer, larger requests to the device
+WRITE_STEP = 1024 * 1024  # verified bytes gathered before a write starts: fewer, larger requests to the device
+WRITES_IN_FLIGHT = 2  # the device takes a second request while the first is served
 
 
 class ArrivingRecord:
@@ -30,7 +31,7 @@ class ArrivingRecord:
         self.store, self.placed, self.header, self.payload = store, placed, header, payload  # payload: (payload_len,)
         self.verified = 0  # payload bytes whose layers passed their checksums
         self.written = 0  # payload bytes handed to writes: a multiple of ALIGN until the last
-        self._writing: asyncio.Future | None = None
+        self._writing: list[asyncio.Future] = []  # writes started and not yet seen to end
         self._failed = False  # a write failed: the record goes the ordinary way
         self._given_up = False
 
@@ -53,8 +54,10 @@ class ArrivingRecord:
         failed (the record is then appended whole by the put)."""
         assert self.verified == len(self.payload), "finish once the whole payload is verified"
         try:
-            await self._wait()
-            self._write(final=True)
+            while self.written < len(self.payload) and not self._failed:
+                if len(self._writing) >= WRITES_IN_FLIGHT:
+                    await asyncio.wait(self._writing, return_when=asyncio.FIRST_COMPLETED)
+                self._write(final=True)
             await self._wait()
             if not self._failed:
                 await self.store.write_placed_header(self.placed, header_bytes)
@@ -72,21 +75,23 @@ class ArrivingRecord:
         self._given_up = True
         task = asyncio.ensure_future(self._give_up(self._writing, self.written))
         self.store.background(task)
-        self._writing = None
+        self._writing = []
 
-    async def _give_up(self, writing: asyncio.Future | None, written: int) -> None:
-        if writing is not None:
-            await asyncio.wait([writing])
+    async def _give_up(self, writing: list[asyncio.Future], written: int) -> None:
+        if writing:
+            await asyncio.wait(writing)
         await self.store.give_up(self.placed, written, self._failed)
 
     def _write(self, final: bool) -> None:
-        if self._failed or (self._writing is not None and not self._writing.done()):
+        self._writing = [writing for writing in self._writing if not writing.done()]
+        if self._failed or len(self._writing) >= WRITES_IN_FLIGHT:
             return
         end = self.verified if final else self.verified - self.verified % ALIGN
         if end > self.written and (final or end - self.written >= WRITE_STEP):
-            self._writing = asyncio.ensure_future(
+            writing = asyncio.ensure_future(
                 self.store.write_placed(self.placed, self.written, self.payload[self.written : end], final))
-            self._writing.add_done_callback(self._written)
+            writing.add_done_callback(self._written)
+            self._writing.append(writing)
             self.written = end
 
     def _written(self, writing: asyncio.Future) -> None:
@@ -94,8 +99,9 @@ class ArrivingRecord:
             self._note_failure(writing.exception())
 
     async def _wait(self) -> None:
-        if self._writing is not None:
-            await asyncio.wait([self._writing])
+        if self._writing:
+            await asyncio.wait(self._writing)
+            self._writing = []
 
     def _note_failure(self, exc: BaseException | None) -> None:
         if not self._failed:

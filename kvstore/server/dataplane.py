@@ -72,7 +72,7 @@ class Unauthenticated(RequestError):
 
 
 MAX_REGIONS_PER_CONNECTION = 4
-RECEIVE_STEP = 256 * 1024  # a record written as it arrives is verified (and written) this often at most
+RECEIVE_STEP = 1024 * 1024  # a record written as it arrives is verified (and written) this often at most
 MAX_AUTH_HEAD_BYTES = 4096  # a DataAuth: what a client that has not shown a token can make the daemon hold
 REFUSED_LINGER_S = 1.0  # a refused connection stays open this long, so its ERROR frame is not lost to a reset
 MAX_LINGERING = 64
@@ -404,14 +404,12 @@ class DataPlaneServer:
                     await connection.read_into(view[start : start + step], charge=not charged_whole)
                     if arriving is not None:
                         arriving.arrived(min(start + step, len(view)))
-                if arriving is not None:
-                    placed = await arriving.finish(header_bytes)
             except BaseException:
                 if arriving is not None:
                     arriving.give_up()
                 raise
             connection.release()  # arrived whole: from here the put budget accounts for it
-            return Arrived(header, header_bytes, [payload], placed)
+            return Arrived(header, header_bytes, [payload], arriving)
 
         put_head: pb.PutHead | None = first
         try:

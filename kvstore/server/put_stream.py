@@ -19,12 +19,13 @@ from dataclasses import dataclass
 from kvstore.eviction import ReuseHint
 from kvstore.proto import pb
 from kvstore.record import RecordBytes, RecordHeader
+from kvstore.server.arriving import ArrivingRecord
 from kvstore.server.config import ServerConfig
 from kvstore.server.limits import ByteBudget, TimedOut
 from kvstore.server.outcomes import PutResult
 from kvstore.server.protocol_map import put_response
 from kvstore.server.requests import check_payload, check_put_head, check_tenant, parse_record_header, reuse_hint
-from kvstore.server.store import BlockStore, PlacedPut
+from kvstore.server.store import BlockStore
 
 Payload = Sequence[RecordBytes]  # a record's payload, in the pieces it arrived in
 VerifyHeader = Callable[[bytes], RecordHeader]  # a record's header bytes -> the header, verified
@@ -35,7 +36,7 @@ class Arrived:
     header: RecordHeader
     header_bytes: bytes
     payload: Payload
-    placed: PlacedPut | None = None  # verified and written already, as it arrived (arriving.py)
+    arriving: ArrivingRecord | None = None  # verified as it arrived, and being written to its place
 
 
 # How a transport reads one record of `declared` bytes: it hands the header's bytes to `verify` as soon as
@@ -59,7 +60,7 @@ class PutStream:
         try:
             async with asyncio.timeout(self.config.put_record_timeout_s):
                 arrived = await arrive(declared, lambda raw: self._header(raw, declared))
-            if arrived.placed is None:  # else each layer was verified before it was written
+            if arrived.arriving is None:  # else each layer was verified before it was written
                 check_payload(arrived.header, arrived.payload)
         except TimeoutError:
             await self.budget.release(declared, self.who)
@@ -85,8 +86,11 @@ class PutStream:
         return header
 
     async def _store(self, arrived: Arrived, declared: int, hint: ReuseHint | None) -> PutResult:
+        """Store a record, while later ones arrive: one written as it arrived is finished first (its last
+        bytes, then its header), or appended whole if writing there failed."""
         try:
-            return await self.store.put(arrived.header, arrived.header_bytes, arrived.payload, hint, arrived.placed)
+            placed = await arrived.arriving.finish(arrived.header_bytes) if arrived.arriving is not None else None
+            return await self.store.put(arrived.header, arrived.header_bytes, arrived.payload, hint, placed)
         finally:
             await self.budget.release(declared, self.who)
 
