@@ -55,6 +55,12 @@ class Contender:
         """Destination memory of its own (shared with its server), or None for ordinary memory."""
         return None
     def put(self, name: int, data: bytes) -> None: raise NotImplementedError
+    def put_many(self, names: list[int], data: bytes) -> None:
+        for name in names:
+            self.put(name, data)
+    def cpu_seconds(self) -> float | None:
+        """CPU time so far of its client (this process) and its servers, where it can tell."""
+        return None
     def get(self, name: int, buf: memoryview) -> None: raise NotImplementedError
     def get_many(self, names: list[int], bufs: list[memoryview]) -> None:
         for name, buf in zip(names, bufs):
@@ -254,6 +260,15 @@ class KVStoreDaemon(Contender):
     def put(self, name: int, data: bytes) -> None:
         summary = self.client.put([(self.blocks[name], data)], self.namespace.num_layers)
         assert summary.stored == 1, summary
+
+    def put_many(self, names: list[int], data: bytes) -> None:  # one call, as an engine puts a prompt's blocks
+        summary = self.client.put([(self.blocks[n], data) for n in names], self.namespace.num_layers)
+        assert summary.stored == len(names), summary
+
+    def cpu_seconds(self) -> float:
+        with open(f"/proc/{self.daemon.proc.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return time.process_time() + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def get(self, name: int, buf: memoryview) -> None:
         assert len(self.client.get([self.blocks[name]], into=[buf])) == 1
