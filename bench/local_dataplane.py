@@ -9,8 +9,8 @@ of exactly the same payload ranges from the same segment files into the same buf
 checks), and a memcpy of the same bytes from memory. Also the same Get over the loopback socket.
 
 Cold: the same Get with the segment files dropped from the page cache before each repeat (fsync, then
-POSIX_FADV_DONTNEED), beside an O_DIRECT read of the same payload ranges (each rounded out to 4 KiB, into
-one reused aligned buffer): `cold_get_vs_odirect`, the device's own limit. The daemon reads what the page
+POSIX_FADV_DONTNEED), beside an O_DIRECT read of the same payload ranges in the same order (each rounded out
+to 4 KiB, into one reused aligned buffer): `cold_get_vs_odirect`, the device's own limit. The daemon reads what the page
 cache lacks with O_DIRECT too (kvstore/server/segments.py).
 """
 
@@ -37,20 +37,21 @@ from kvstore.server.segments import SegmentSet  # noqa: E402
 ALIGN = 4096  # O_DIRECT's alignment of offsets, lengths and memory
 
 
-def record_ranges(data_dir: Path, keys: set[bytes]) -> list[tuple[Path, int, int]]:
-    """(segment file, payload offset, payload length) of each stored block, read from the segments."""
+def record_ranges(data_dir: Path, keys: list[bytes]) -> list[tuple[Path, int, int]]:
+    """(segment file, payload offset, payload length) of each stored block, read from the segments, in the
+    order of `keys`: the order the Gets read them in (a client puts a prompt's blocks leaf first, so in the
+    files they lie back to front)."""
     segments = SegmentSet(data_dir / "segments", 1 << 40, fsync=False)
     segments.open_existing()
-    ranges = []
+    found: dict[bytes, tuple[Path, int, int]] = {}
     try:
         for segment in segments.segments.values():
             for offset, header in segments.scan(segment):
-                if header.key in keys:
-                    ranges.append((segment.path, offset + header.header_len, header.payload_len))
+                found[header.key] = (segment.path, offset + header.header_len, header.payload_len)
     finally:
         for segment in segments.segments.values():
             os.close(segment.fd)
-    return ranges
+    return [found[key] for key in keys]
 
 
 def main() -> None:
@@ -82,7 +83,7 @@ def main() -> None:
             # it can write into them (for the others it is ordinary memory).
             shared = shm_client.shared_buffer(len(blocks) * size)
             buffers = [shared[i * size : (i + 1) * size] for i in range(len(blocks))]
-            ranges = record_ranges(daemon.data_dir, {b.key for b in blocks})
+            ranges = record_ranges(daemon.data_dir, [b.key for b in blocks])
             files = {path: os.open(path, os.O_RDONLY) for path, _, _ in ranges}
             total = len(blocks) * size
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kvstore.record import CorruptRecord, RecordBytes, RecordHeader, decode_header
+from kvstore.server.header_cache import HeaderCache
 from kvstore.server.hot_tier import HotEntry, HotTier
 from kvstore.server.index import Entry
 from kvstore.server.outcomes import Miss, MissStatus
@@ -49,9 +50,10 @@ class OpenBlock:
 
 class BlockReader:
     def __init__(self, segments: SegmentSet, hot: HotTier, run_io: Callable[..., Awaitable],
-                 drop_corrupt: Callable[[bytes, Entry], Awaitable[None]]) -> None:
+                 drop_corrupt: Callable[[bytes, Entry], Awaitable[None]], headers: HeaderCache | None = None) -> None:
         self._segments = segments
         self._hot = hot
+        self.headers = headers or HeaderCache(0)
         self._run_io = run_io  # on the store's I/O threads
         self._drop_corrupt = drop_corrupt  # removes a block whose bytes failed verification from the index
 
@@ -70,11 +72,16 @@ class BlockReader:
         if segment is None:
             return Miss(MissStatus.UNAVAILABLE, "segment_gone")
         try:
-            header_bytes = await self._run_io(SegmentSet.read, segment, entry.offset, entry.header_len)
+            place = (entry.segment, entry.offset)
+            header_bytes = self.headers.get(key, place)
+            if header_bytes is None:
+                header_bytes = await self._run_io(SegmentSet.read, segment, entry.offset, entry.header_len)
             header = decode_header(header_bytes)
             if header.key != key or header.payload_len != entry.payload_len:
                 raise CorruptRecord("key_mismatch", "record at the indexed place belongs to another key")
+            self.headers.put(key, place, header_bytes)
         except CorruptRecord as exc:
+            self.headers.discard(key)
             self._segments.release(segment)
             await self._drop_corrupt(key, entry)
             return Miss(MissStatus.CORRUPT, exc.cause)

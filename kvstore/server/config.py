@@ -53,6 +53,7 @@ class ServerConfig:
     segment_bytes: int = 256 * 2**20
     compaction_min_garbage: float = 0.5  # compact a sealed segment once this share of it is dead
     hot_tier_bytes: int = 256 * 2**20
+    header_cache_bytes: int = 64 * 2**20  # record headers kept in memory, so a cold read is one device request; 0: off
     # Promotion (docs/design.md section 5): blocks engines will read soon (Advise continues=true, Lookup with
     # promote) are copied from SSD into the DRAM tier while no Get is served. The most bytes of promoted blocks
     # not yet read the tier holds at once; "off" (unset): a quarter of hot_tier_bytes; 0: no promotion.
@@ -219,6 +220,9 @@ class ServerConfig:
             raise ValueError(f"direct_io_min_bytes must be >= 0 (0: no direct I/O), got {self.direct_io_min_bytes}")
         if self.scrub_bytes_per_s < 0:
             raise ValueError(f"scrub_bytes_per_s must be >= 0 (0 turns the scrub off), got {self.scrub_bytes_per_s}")
+        if self.header_cache_bytes < 0:
+            raise ValueError(f"header_cache_bytes must be >= 0 (0: headers are read from the files), "
+                             f"got {self.header_cache_bytes}")
         if self.hot_tier_bytes < 0:
             raise ValueError(f"hot_tier_bytes must be >= 0 (0 disables the DRAM tier), got {self.hot_tier_bytes}")
         if self.promote_bytes is not None and self.promote_bytes < 0:

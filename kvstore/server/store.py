@@ -41,6 +41,7 @@ from kvstore.server.access_times import AccessTimes
 from kvstore.server.accounting import Accounting
 from kvstore.server.block_reader import BlockReader, CopyCheck, OpenBlock
 from kvstore.server.config import ServerConfig
+from kvstore.server.header_cache import HeaderCache
 from kvstore.server.hot_keys import HotKeys
 from kvstore.server.hot_tier import HotTier
 from kvstore.server.index import Entry, Index, IndexDamaged, IndexNoSpace
@@ -125,7 +126,8 @@ class BlockStore:
         self.segments = SegmentSet(data_dir / "segments", self.config.segment_bytes, fsync,
                                    self.config.direct_io_min_bytes)
         self.accounting = Accounting(self.segments, self.config.tenant_max_share)
-        self._reader = BlockReader(self.segments, self.hot, self.run_io, self.drop_corrupt)
+        self._reader = BlockReader(self.segments, self.hot, self.run_io, self.drop_corrupt,
+                                   HeaderCache(self.config.header_cache_bytes))
         self.names.load(self.index)
         await asyncio.get_running_loop().run_in_executor(self._executor, self._recover, rebuild_reason)
         self.refresh_gauges()
@@ -398,6 +400,7 @@ class BlockStore:
         self.accounting.added(key, new)
         self.policy.insert(key, new.record_len, new.parent or None, hint)
         self.hot.put(key, header_bytes, payload)
+        self._reader.headers.put(key, (segment.id, new.offset), header_bytes)
         self.metrics.puts.labels(result="stored").inc()
         if self.access_log is not None:
             self.access_log.write(new.access_ms, "put", key, self.names.class_name(new.class_id), "stored", "",
