@@ -98,11 +98,15 @@ class HotTier:
         free = self._free.get(nbytes)
         return free.pop() if free else None
 
-    def put(self, key: bytes, header: bytes, payload: RecordBytes) -> None:
+    def put(self, key: bytes, header: bytes, payload: RecordBytes, done_with: bool = False) -> None:
+        """Keep a record. `done_with`: the caller has finished with `payload` (a put, stored), so a buffer
+        the tier cannot keep is recycled for the next one, which then lands in memory already faulted in."""
         size = len(header) + len(payload)
         if size > self.capacity_bytes:
-            # Not recycled: the caller still sends from it (a read of a block too big for the tier), and a
-            # recycled buffer is refilled by the next read while this one is being sent.
+            # Else not recycled: the caller still sends from it (a read of a block too big for the tier), and
+            # a recycled buffer is refilled by the next read while this one is being sent.
+            if done_with:
+                self._recycle(payload)
             return
         old = self._entries.pop(key, None)
         if old is not None:

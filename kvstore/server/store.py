@@ -399,7 +399,7 @@ class BlockStore:
             self.accounting.removed(key, old)
         self.accounting.added(key, new)
         self.policy.insert(key, new.record_len, new.parent or None, hint)
-        self.hot.put(key, header_bytes, payload)
+        self.hot.put(key, header_bytes, payload, done_with=True)
         self._reader.headers.put(key, (segment.id, new.offset), header_bytes)
         self.metrics.puts.labels(result="stored").inc()
         if self.access_log is not None:

@@ -27,6 +27,17 @@ def test_evicted_buffers_are_recycled_for_the_next_put():
     assert tier.buffer(50) is not first
 
 
+@pytest.mark.parametrize("capacity", [0, 50])
+def test_a_put_buffer_the_tier_cannot_keep_is_recycled_only_when_the_caller_is_done_with_it(capacity):
+    tier = HotTier(capacity_bytes=capacity)
+    sent = tier.buffer(100)
+    tier.put(b"read", b"", sent)  # a read too big for the tier: the caller still sends from it
+    assert tier.buffer(100) is not sent
+    stored = tier.buffer(100)
+    tier.put(b"put", b"", stored, done_with=True)  # a put, stored: its receive buffer serves the next put
+    assert tier.pin(b"put") is None and tier.buffer(100) is stored
+
+
 def test_a_pinned_buffer_is_never_handed_out_while_read():
     tier = HotTier(capacity_bytes=100)
     buffer = tier.buffer(100)
