@@ -60,10 +60,17 @@ class ArrivingRecord:
                 self._write(final=True)
             await self._wait()
             if not self._failed:
-                await self.store.write_placed_header(self.placed, header_bytes)
+                header = asyncio.ensure_future(self.store.write_placed_header(self.placed, header_bytes))
+                self._writing.append(header)  # so that a give-up waits for it too
+                await asyncio.shield(header)  # cancelled, it still ends before anything is erased
+                self._writing.clear()
                 return self.placed
         except OSError as exc:
             self._note_failure(exc)
+        except BaseException:  # cancelled (the daemon stops): the place is given up, once its writes end
+            self._failed = True
+            self.give_up()
+            raise
         self.give_up()
         return None
 
@@ -80,7 +87,7 @@ class ArrivingRecord:
     async def _give_up(self, writing: list[asyncio.Future], written: int) -> None:
         if writing:
             await asyncio.wait(writing)
-        await self.store.give_up(self.placed, written, self._failed)
+        self.store.give_up(self.placed, written, self._failed)
 
     def _write(self, final: bool) -> None:
         self._writing = [writing for writing in self._writing if not writing.done()]
@@ -95,8 +102,8 @@ class ArrivingRecord:
             self.written = end
 
     def _written(self, writing: asyncio.Future) -> None:
-        if not writing.cancelled() and writing.exception() is not None:
-            self._note_failure(writing.exception())
+        if writing.cancelled() or writing.exception() is not None:  # a write not known to be done is not done
+            self._note_failure(None if writing.cancelled() else writing.exception())
 
     async def _wait(self) -> None:
         if self._writing:

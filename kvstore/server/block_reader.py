@@ -121,7 +121,16 @@ class BlockReader:
         offset = block.entry.offset + header.layer_offset(begin)
         try:
             if into is not None:
-                await self._run_io(SegmentSet.read_into, block.segment, offset, into)
+                # Shielded: a Get that stops (a miss ahead, the client gone) must not send DONE, nor let the
+                # segment's descriptors close, while an I/O thread still writes into the client's memory.
+                reading = asyncio.ensure_future(self._run_io(SegmentSet.read_into, block.segment, offset, into))
+                try:
+                    await asyncio.shield(reading)
+                except asyncio.CancelledError:
+                    await asyncio.wait([reading])
+                    if not reading.cancelled():
+                        reading.exception()  # taken: nobody reads what the stopped Get would have sent
+                    raise
             else:
                 # Checked on the I/O thread too: CRC32C (format 3) releases the GIL, so the event loop runs on.
                 await self._run_io(_read_checked, block.segment, offset, data, header, begin)

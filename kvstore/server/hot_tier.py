@@ -28,6 +28,7 @@ from kvstore.eviction import LRU, EvictionPolicy
 from kvstore.record import RecordBytes
 
 FREE_BUFFERS_PER_SIZE = 8
+FREE_BYTES_FLOOR = 64 * 2**20  # free buffers kept at most: this, or a quarter of the tier if that is more
 Recyclable = bytearray | mmap.mmap  # a payload buffer the tier hands to the next put or read of its size
 PrefetchEnd = Literal["used", "wasted"]
 # Why put_prefetched did not keep a record: the key is held already, the prefetch budget is spent, or no
@@ -62,6 +63,8 @@ class HotTier:
         self._policy = policy or LRU()
         self._entries: dict[bytes, HotEntry] = {}
         self._free: dict[int, list[Recyclable]] = {}  # size -> buffers nobody references
+        self._free_bytes = 0
+        self._free_limit = max(FREE_BYTES_FLOOR, capacity_bytes // 4)
         self.prefetched_bytes = 0  # bytes of entries put by put_prefetched and not read yet
         self._held_bytes = 0  # bytes of the entries in the tier that are `held`
 
@@ -96,7 +99,10 @@ class HotTier:
     def reuse(self, nbytes: int) -> Recyclable | None:
         """A free buffer of exactly `nbytes` (memory the process holds already), or None."""
         free = self._free.get(nbytes)
-        return free.pop() if free else None
+        if not free:
+            return None
+        self._free_bytes -= nbytes
+        return free.pop()
 
     def put(self, key: bytes, header: bytes, payload: RecordBytes, done_with: bool = False) -> None:
         """Keep a record. `done_with`: the caller has finished with `payload` (a put, stored), so a buffer
@@ -231,8 +237,9 @@ class HotTier:
     def _recycle(self, payload: RecordBytes) -> None:
         if isinstance(payload, (bytearray, mmap.mmap)):  # mmap: a large payload from the data channel
             free = self._free.setdefault(len(payload), [])
-            if len(free) < FREE_BUFFERS_PER_SIZE:
+            if len(free) < FREE_BUFFERS_PER_SIZE and self._free_bytes + len(payload) <= self._free_limit:
                 free.append(payload)
+                self._free_bytes += len(payload)
 
     @property
     def bytes(self) -> int:

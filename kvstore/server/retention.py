@@ -292,6 +292,8 @@ class Retention:
         if segment is None or segment.deleted or segment.writers:  # records still being written into it
             return
         await store.seal_segment(segment)
+        if segment.writers:  # placed just before the seal: no more can be, so the next pass may delete it
+            return
         if places is None:
             places = {record.key: record.place for record in await store.segment_records(segment)}
         log.warning("no room on %s to commit even an eviction: deleting segment %d (%d bytes) before its index "

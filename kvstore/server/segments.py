@@ -68,6 +68,7 @@ class Segment:
     direct_reads: bool = False  # large reads of what the page cache lacks go to the device with O_DIRECT
     read_direct_fd: int | None = None  # opened on the first such read; closed with `fd`
     residency_map: tuple[int, int] | None = None  # (address, length): mapped to ask the page cache what it holds
+    replaced_maps: list[tuple[int, int]] = field(default_factory=list)  # smaller ones, unmapped at close
     readers: int = 0
     writers: int = 0  # records placed in it (`place`) whose bytes are still being written
     deleted: bool = False
@@ -247,9 +248,13 @@ class SegmentSet:
                 placement = Placement(segment, payload_offset - header_len, payload_offset,
                                       payload_offset + payload_pages)
                 segment.size = placement.end
-                segment.writers += 1
+                segment.writers += 1  # first: sealing keeps the direct descriptor open for it
                 if segment.size >= self.segment_bytes:
-                    self._seal_locked(segment, sync=self.fsync)
+                    try:
+                        self._seal_locked(segment, sync=self.fsync)
+                    except BaseException:
+                        segment.writers -= 1
+                        raise
                 return placement
 
     def write_payload(self, placement: Placement, start: int, view: memoryview, last: bool) -> None:
@@ -286,13 +291,14 @@ class SegmentSet:
                 _close_direct(segment)
 
     def erase(self, placement: Placement, written: int) -> None:
-        """Overwrite the first `written` payload bytes of a record given up with zeros, so that no scan of
-        the hole finds records inside a payload that never became one. Best effort."""
-        zeros = bytes(min(align_up(written), STAGING_BYTES))
+        """Overwrite with zeros the header pages and the first `written` payload bytes of a record that is
+        not to be one (given up, or not indexed: a second copy of a key), so that no scan finds a record
+        there, nor one inside a payload that never became one. Best effort."""
+        end = placement.payload_offset + align_up(written)
+        zeros = bytes(min(end - placement.header_pages, STAGING_BYTES))
         try:
-            for start in range(0, align_up(written), len(zeros)):
-                self._write_direct(placement.segment.direct_fd, [zeros[: align_up(written) - start]],
-                                   placement.payload_offset + start, refuse=True)
+            for start in range(placement.header_pages, end, len(zeros)):
+                self._write_direct(placement.segment.direct_fd, [zeros[: end - start]], start, refuse=True)
         except OSError as exc:
             log.warning("could not erase a record given up in segment %d: %s", placement.segment.id, exc)
 
@@ -481,9 +487,10 @@ def _close_files(segment: Segment) -> None:
         if segment.read_direct_fd is not None:
             os.close(segment.read_direct_fd)
             segment.read_direct_fd = None
-        if segment.residency_map is not None:
-            _libc.munmap(*segment.residency_map)
-            segment.residency_map = None
+        for mapped in [*segment.replaced_maps, *([segment.residency_map] if segment.residency_map else [])]:
+            _libc.munmap(*mapped)
+        segment.residency_map = None
+        segment.replaced_maps.clear()
         segment.direct_reads = False
 
 
@@ -535,8 +542,8 @@ def _residency_map(segment: Segment, needed: int) -> int | None:
         address = _libc.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, segment.fd, 0)
         if address in (None, _MAP_FAILED):
             return None
-        if segment.residency_map is not None:  # a record past the mapping's end: a larger one replaces it
-            _libc.munmap(*segment.residency_map)
+        if segment.residency_map is not None:  # a record past its end: a larger one replaces it, and the old
+            segment.replaced_maps.append(segment.residency_map)  # stays until the segment closes (in use)
         segment.residency_map = (address, length)
         return address
 

@@ -294,13 +294,35 @@ class BlockStore:
         if entry is not None and self.access.expiry(key, entry) > now_ms:
             return None
         expires_ms = now_ms + self.names.ttl_ms(self.names.class_id(header.traffic_class))
+        placing = asyncio.ensure_future(self.run_io(self.segments.place, self.bucket_end(expires_ms),
+                                                    header.header_len, header.payload_len))
         try:
             with self.retention.appending():
-                placement = await self.run_io(self.segments.place, self.bucket_end(expires_ms), header.header_len,
-                                              header.payload_len)
+                placement = await asyncio.shield(placing)
         except OSError:  # no room for a new segment file: the append says so, once the record is in
             return None
+        except asyncio.CancelledError:  # the record timed out, or the daemon stops: the place is let go
+            placing.add_done_callback(self._let_go_unused)
+            raise
         return None if placement is None else PlacedPut(placement, expires_ms)
+
+    def _let_go_unused(self, placing: asyncio.Future) -> None:
+        if not placing.cancelled() and placing.exception() is None and placing.result() is not None:
+            self._let_go(placing.result(), written=0, failed=False, erase=True)
+
+    def _let_go(self, placement: Placement, written: int, failed: bool, erase: bool) -> None:
+        """Let a placed record's place go, on an I/O thread (the segment's lock may be held by an append): the
+        record is indexed, or it is erased first (`erase`: its header pages and `written` payload bytes)."""
+        def let_go() -> None:
+            try:
+                if erase:
+                    self.segments.erase(placement, written)
+            finally:
+                self.segments.finish(placement, failed)
+        try:
+            self._executor.submit(let_go)
+        except RuntimeError:  # the store has closed its I/O threads: finish here
+            let_go()
 
     async def write_placed(self, placed: PlacedPut, start: int, payload: memoryview, last: bool) -> None:
         """Write verified payload bytes from `start` (SegmentSet.write_payload)."""
@@ -311,15 +333,10 @@ class BlockStore:
         with self.retention.appending():
             await self.run_io(self.segments.write_header, placed.placement, header_bytes)
 
-    async def give_up(self, placed: PlacedPut, written: int, failed: bool) -> None:
+    def give_up(self, placed: PlacedPut, written: int, failed: bool) -> None:
         """A placed record will not be put there (its client went away, or a write failed: `failed`, and
-        the segment takes no more records): erase the `written` payload bytes, and let the place go."""
-        def erase_and_finish() -> None:
-            try:
-                self.segments.erase(placed.placement, written)
-            finally:
-                self.segments.finish(placed.placement, failed)
-        await self.run_io(erase_and_finish)
+        the segment takes no more records): erase it (`written` payload bytes), and let the place go."""
+        self._let_go(placed.placement, written, failed, erase=True)
 
     async def put(self, header: RecordHeader, header_bytes: bytes, chunks: Sequence[RecordBytes],
                   hint: ReuseHint | None = None, placed: PlacedPut | None = None) -> PutResult:
@@ -330,8 +347,11 @@ class BlockStore:
         try:
             return await self._put(header, header_bytes, chunks, hint, placed)
         finally:
-            if placed is not None:  # on an I/O thread, where the segment's lock is taken without stalling the loop
-                self._executor.submit(self.segments.finish, placed.placement)
+            if placed is not None:  # a whole record that is not indexed there (EXISTS, a failure) is erased
+                entry = self.index.get(header.key)
+                indexed = entry is not None and (entry.segment, entry.offset) == (placed.placement.segment.id,
+                                                                                   placed.placement.offset)
+                self._let_go(placed.placement, header.payload_len, failed=False, erase=not indexed)
 
     async def _put(self, header: RecordHeader, header_bytes: bytes, chunks: Sequence[RecordBytes],
                    hint: ReuseHint | None, placed: PlacedPut | None) -> PutResult:

@@ -54,8 +54,8 @@ def put_whole(daemon, seeds: range) -> dict[bytes, bytes]:
 
 
 def segment_contents(data_dir) -> tuple[dict[bytes, tuple[int, int]], list[bytes]]:
-    """Each record the segments hold (key -> (offset, header_len)), and the bytes of every segment file
-    outside the pages its records occupy."""
+    """Each record the segments hold (key -> (offset, header_len); a key found twice fails), and the bytes
+    of every segment file outside the pages its records occupy."""
     segments = SegmentSet(data_dir / "segments", 1 << 40, fsync=False)
     segments.open_existing()
     found: dict[bytes, tuple[int, int]] = {}
@@ -65,6 +65,7 @@ def segment_contents(data_dir) -> tuple[dict[bytes, tuple[int, int]], list[bytes
             data = SegmentSet.read(segment, 0, segment.size)
             at = 0
             for offset, header in segments.scan(segment):
+                assert header.key not in found, "a key's record is held twice"
                 found[header.key] = (offset, header.header_len)
                 outside.append(data[at : offset])
                 at = offset + header.record_len
@@ -91,7 +92,7 @@ def test_a_large_put_has_its_payload_on_a_page_boundary_and_reads_back_after_a_r
         assert [bytes(g.payload) for g in client.get(blocks)] == [stored[b.key] for b in blocks]
 
 
-@pytest.mark.parametrize("how", ["cut off", "corrupt layer"])
+@pytest.mark.parametrize("how", ["cut off", "corrupt layer 0", "corrupt layer 2"])
 def test_a_record_that_fails_as_it_arrives_leaves_only_zeros_and_the_daemon_serves_on(daemons, how):
     daemon, = daemons(1, *DIRECT)
     key, header, payload = record(50)
@@ -99,7 +100,8 @@ def test_a_record_that_fails_as_it_arrives_leaves_only_zeros_and_the_daemon_serv
         send_raw(daemon, put_frame(header, len(payload)) + payload[: 3 * NS.layer_bytes]).close()
     else:
         flipped = bytearray(payload)
-        flipped[2 * NS.layer_bytes + 5] ^= 1  # layer 2: layers 0 and 1 are verified and written first
+        layer = int(how[-1])  # layer 2: layers 0 and 1 are verified and written first; layer 0: nothing is
+        flipped[layer * NS.layer_bytes + 5] ^= 1
         with send_raw(daemon, put_frame(header, len(payload)) + bytes(flipped)) as sock:
             kind, _ = wire.parse_prefix(sock.recv(wire.PREFIX.size))
             assert kind == wire.ERROR, "a layer that fails its checksum fails the put as soon as it is in"
@@ -142,3 +144,34 @@ def test_a_failed_write_appends_the_record_whole_instead(daemons):
     found, outside = segment_contents(daemon.data_dir)
     assert set(found) == set(stored)
     assert all(not any(gap) for gap in outside)
+
+
+def test_two_puts_of_one_key_at_once_leave_one_record_and_zeros(daemons):
+    """Both placed as their headers arrive, before either is stored: the one answered EXISTS is erased."""
+    daemon, = daemons(1, *DIRECT)
+    key, header, payload = record(40)
+    frame = put_frame(header, len(payload))
+    end = wire.frame(wire.PUT_END)
+    first, second = send_raw(daemon, frame), send_raw(daemon, frame)  # both headers in before any payload
+    with first, second:
+        for sock in (first, second):
+            sock.sendall(payload + end)
+        results = []
+        for sock in (first, second):
+            kind, head_len = wire.parse_prefix(recv_exact(sock, wire.PREFIX.size))
+            assert kind == wire.PUT_RESULT
+            results += list(pb.PutResponse.FromString(recv_exact(sock, head_len)).results)
+    assert sorted(results) == sorted([pb.STORED, pb.EXISTS])
+    assert daemon.stop() == 0
+    found, outside = segment_contents(daemon.data_dir)
+    assert list(found) == [key]
+    assert all(not any(gap) for gap in outside), "the second copy's place holds only zeros"
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        assert chunk, "the daemon closed the connection"
+        data += chunk
+    return data
