@@ -98,8 +98,9 @@ class ExpertParallelMoE:
         weights = self.slots[layer]
         for slot in torch.unique(local_slot).tolist():
             rows = torch.where(local_slot == slot)[0]
-            computed[rows] = expert_forward(received[rows], *(weights[name][slot] for name in EXPERT_TENSORS),
-                                            self.config)
+            computed[rows] = expert_forward(received[rows], weights["gate_up_proj"][slot],
+                                            weights["gate_up_proj_bias"][slot], weights["down_proj"][slot],
+                                            weights["down_proj_bias"][slot], self.config)
         returned = x.new_empty(len(token), x.shape[1])  # (pairs, hidden) in send order
         dist.all_to_all_single(returned, computed, send_split, recv_split, group=self.group)
         out = torch.zeros_like(x)
