@@ -40,6 +40,12 @@ lint: install
 test: install
 	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=15 tests
 
+# expert parallelism across spawned gloo ranks on loopback: MoE layers and greedy decoding equal one process's at
+# 2 and 4 ranks, weights moved by rebalancing (~1 min)
+.PHONY: test-experts
+test-experts: install
+	$(BIN)/python -m pytest -q -m experts tests/engine/experts
+
 # whole processes on the real model: kvstore-api's signals, process counts, two instances on one daemon, and
 # `make demo` end to end, shortened (~5 min)
 test-processes: install

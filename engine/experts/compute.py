@@ -1,0 +1,25 @@
+"""One gpt-oss expert applied to rows: the arithmetic of `Decoder._moe`'s loop body, for one expert's weights.
+
+(`engine.model.decoder.Decoder._moe` has the same lines inline over all experts; the two are checked equal by
+`tests/engine/experts/test_equality.py`.)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.model.config import ModelConfig
+
+# an expert's tensors as the checkpoint names them under `layers.{l}.mlp.experts.`, in `expert_forward`'s order
+EXPERT_TENSORS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+
+
+def expert_forward(x: torch.Tensor, gate_up: torch.Tensor, gate_up_bias: torch.Tensor, down: torch.Tensor,
+                   down_bias: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """x (n, hidden) -> (n, hidden): gpt-oss's clamped SwiGLU with (up + 1). gate_up (hidden, 2 * inter) with gate
+    and up interleaved, gate_up_bias (2 * inter,), down (inter, hidden), down_bias (hidden,)."""
+    both = x @ gate_up + gate_up_bias  # (n, 2 * intermediate)
+    gate = both[:, ::2].clamp(max=config.swiglu_limit)
+    up = both[:, 1::2].clamp(-config.swiglu_limit, config.swiglu_limit)
+    hidden = (up + 1) * gate * torch.sigmoid(gate * config.swiglu_alpha)  # (n, intermediate)
+    return hidden @ down + down_bias
