@@ -15,13 +15,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from engine.experts.compute import EXPERT_TENSORS
 from engine.experts.dispatch import ExpertParallelMoE, MoveReport
 from engine.experts.planner import Plan, plan
 from engine.experts.stats import LoadStats
 from engine.model.config import ModelConfig
 from engine.model.decoder import Decoder
 from engine.model.dtype import AUTO, resolve
+from engine.model.moe import EXPERT_TENSORS
 from engine.model.weights import load_weights
 
 

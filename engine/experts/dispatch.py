@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from engine.experts.compute import EXPERT_TENSORS, expert_forward
 from engine.experts.planner import Plan
 from engine.model.config import ModelConfig
+from engine.model.moe import EXPERT_TENSORS, expert_forward
 
 
 @dataclass(frozen=True)

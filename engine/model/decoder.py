@@ -26,6 +26,7 @@ from engine.model.decode_attention import DecodeBatch, VerifyBatch
 from engine.model.dtype import AUTO, resolve
 from engine.model.kv import RequestKV
 from engine.model.linear import Linear, fused, linear
+from engine.model.moe import expert_forward
 from engine.model.rope import Rope, apply_rope
 from engine.model.weights import load_weights
 
@@ -211,11 +212,9 @@ class Decoder:
         out = torch.zeros_like(x)  # (T, hidden)
         for expert in torch.unique(chosen).tolist():
             token, slot = torch.where(chosen == expert)
-            both = x[token] @ gate_up[expert] + gate_up_bias[expert]  # (n, 2 * intermediate), interleaved
-            gate = both[:, ::2].clamp(max=c.swiglu_limit)
-            up = both[:, 1::2].clamp(-c.swiglu_limit, c.swiglu_limit)
-            hidden = (up + 1) * gate * torch.sigmoid(gate * c.swiglu_alpha)  # (n, intermediate)
-            out.index_add_(0, token, (hidden @ down[expert] + down_bias[expert]) * weights[token, slot, None])
+            computed = expert_forward(x[token], gate_up[expert], gate_up_bias[expert], down[expert],
+                                      down_bias[expert], c)  # (n, hidden)
+            out.index_add_(0, token, computed * weights[token, slot, None])
         return out
 
 

@@ -1,8 +1,5 @@
-"""One gpt-oss expert applied to rows: the arithmetic of `Decoder._moe`'s loop body, for one expert's weights.
-
-(`engine.model.decoder.Decoder._moe` has the same lines inline over all experts; the two are checked equal by
-`tests/engine/experts/test_equality.py`.)
-"""
+"""One gpt-oss expert applied to rows: what `Decoder._moe` runs per chosen expert, and what an expert-parallel
+rank runs for the experts it holds (engine/experts/dispatch.py)."""
 
 from __future__ import annotations
 
