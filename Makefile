@@ -58,7 +58,8 @@ test-processes: install
 test-speculative: install
 	$(BIN)/python -m pytest -q -n 2 -m 'speculative or real_model' tests/engine/decode/test_speculative_real.py \
 		tests/engine/decode/test_real_model.py tests/engine/checkpoints/test_gguf_convert.py \
-		tests/engine/checkpoints/test_real_model_bf16.py tests/engine/window/test_quality.py
+		tests/engine/checkpoints/test_real_model.py tests/engine/checkpoints/test_real_model_bf16.py \
+		tests/engine/window/test_quality.py
 
 # many hosts: membership against a real etcd and dnsmasq, copies of hot blocks between daemons; then three daemon
 # hosts and two engine hosts in network namespaces joined by a bridge: the real model's prefill and decode across

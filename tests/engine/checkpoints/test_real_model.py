@@ -112,7 +112,7 @@ def _kv(model: Decoder, tokens: int) -> RequestKV:
     return kv
 
 
-@pytest.mark.unit
+@pytest.mark.real_model  # the model alone against transformers: make test-speculative (make test keeps the store's)
 @pytest.mark.parametrize("length", LENGTHS)
 def test_whole_prompt_logits_match_transformers(real, length):
     tokens = real.long[:length]
@@ -207,7 +207,7 @@ CHATS = {
 }
 
 
-@pytest.mark.unit
+@pytest.mark.real_model  # the model alone against transformers: make test-speculative
 @pytest.mark.parametrize("chat", sorted(CHATS))
 def test_greedy_reply_is_transformers_generate_token_for_token(real, chat):
     prompt = _chat(real, CHATS[chat]())
