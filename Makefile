@@ -41,7 +41,7 @@ test: install
 	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=15 tests
 
 # expert parallelism across spawned gloo ranks on loopback: MoE layers and greedy decoding equal one process's at
-# 2 and 4 ranks, weights moved by rebalancing (~1 min)
+# 2 and 4 ranks, weights moved by rebalancing; a decode engine serving with follower ranks (~1 min)
 .PHONY: test-experts
 test-experts: install
 	$(BIN)/python -m pytest -q -m experts tests/engine/experts

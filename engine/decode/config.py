@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from engine.experts.decoder import ExpertParallelConfig
 from engine.prefill.config import BLOCK_TOKENS, KV_PAGES
 from engine.speculative.calibration import Calibration
 
@@ -36,9 +37,15 @@ class DecodeConfig:
     calibration: Calibration | None = None  # per-position temperatures of the confidences; None: raw ones
     fixed_drafts: int | None = None  # verify min(this, proposed) drafts every step instead of the schedule
     #                                  (a baseline to compare DSpark with)
+    # expert parallelism (a MoE model only): its experts spread over this many gloo ranks on this host, this
+    # process rank 0 and the others spawned followers (engine/experts/serving.py); 1: one process, as any model
+    expert_ranks: int = 1
+    # with expert_ranks > 1: redundant slots, the load window and rebalance_every (steps between rebalances,
+    # run after a step's forward; 0: never); None: ExpertParallelConfig's defaults
+    experts: ExpertParallelConfig | None = None
 
     def __post_init__(self) -> None:
-        for name in ("max_running", "prefill_tokens_per_step", "kv_pages", "block_tokens"):
+        for name in ("max_running", "prefill_tokens_per_step", "kv_pages", "block_tokens", "expert_ranks"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"DecodeConfig: {name} must be an integer >= 1, got {value!r}")
@@ -51,6 +58,11 @@ class DecodeConfig:
             raise ValueError(f"DecodeConfig: sps must be a callable (B -> steps/s) or None, got {self.sps!r}")
         if self.calibration is not None and not isinstance(self.calibration, Calibration):
             raise ValueError(f"DecodeConfig: calibration must be a Calibration or None, got {self.calibration!r}")
+        if self.experts is not None and not isinstance(self.experts, ExpertParallelConfig):
+            raise ValueError(f"DecodeConfig: experts must be an ExpertParallelConfig or None, got {self.experts!r}")
+        if self.experts is not None and self.expert_ranks == 1:
+            raise ValueError("DecodeConfig: experts configures expert parallelism, which needs expert_ranks > 1 "
+                             "(1 runs the model in one process)")
         for name in ("preempt_to_store", "overlap", "speculative"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"DecodeConfig: {name} must be True or False, got {getattr(self, name)!r}")

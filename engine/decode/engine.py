@@ -49,6 +49,14 @@ the rejected positions (`RequestKV.rollback`: full layers by length, the window 
 the drafts overwrote). Greedy replies are the same tokens as without speculation, and so are seeded
 sampled ones: each token costs one draw, whatever was drafted, verified, cut for lack of pages or preempted
 (up to floating point: a verifying forward batches positions differently from a plain step).
+
+Expert parallelism (`DecodeConfig.expert_ranks` > 1, a MoE model; `engine.experts.serving`): the engine builds
+an `ExpertParallelDecoder` from the model it is given, this process rank 0 of a gloo group whose other ranks are
+spawned followers holding the rest of the experts. Each step that runs a forward tells the followers first
+(`ExpertGroup.begin_step`), and after the forward and the step's sampling ends the step on every rank
+(`end_step`): load statistics, and every `ExpertParallelConfig.rebalance_every` steps the rebalance, between
+steps. A forward that raises leaves the ranks out of step: the next step raises, and the engine must be closed.
+`close` ends the followers.
 """
 
 from __future__ import annotations
@@ -68,6 +76,8 @@ from engine.decode.request import CANCELLED, ERROR, DecodeError, DecodeRequest, 
 from engine.decode.sampling import make_generator, sample
 from engine.decode.saving import ReplySaver
 from engine.decode.sequence import DecodeSequence
+from engine.experts.decoder import ExpertParallelConfig, check_layout
+from engine.experts.serving import ExpertGroup
 from engine.model.decoder import Chunk, Decoder, argmax_ids
 from engine.model.kv import KVCapacityError, PagePool, RequestKV, RingCheckpoint
 from engine.prefill.engine import PrefillEngine, PrefillStep
@@ -119,6 +129,15 @@ class DecodeEngine:
         if pool.dtype != model.dtype:
             raise ValueError(f"DecodeEngine: the KV pool holds {pool.dtype}, the model computes in {model.dtype}; "
                              "build both in one dtype")
+        if config.expert_ranks > 1:
+            if not model.config.num_experts:
+                raise ValueError(f"DecodeEngine: expert_ranks={config.expert_ranks} spreads a MoE model's experts "
+                                 "over ranks; this model has a dense MLP (use expert_ranks=1)")
+            check_layout(model.config, config.experts or ExpertParallelConfig(), config.expert_ranks)
+            if isinstance(kv_source, PrefillEngine):
+                # its own forwards (PrefillEngine.step, prefill) would run without the followers: not built yet
+                raise ValueError("DecodeEngine: expert_ranks > 1 is built for an engine without a prefill engine "
+                                 "(kv_source a PagePool or None)")
         self.model, self.pool, self.config = model, pool, config
         self._prefill = kv_source if isinstance(kv_source, PrefillEngine) else None
         self._saver = ReplySaver(self._prefill) if self._prefill is not None else None
@@ -139,6 +158,12 @@ class DecodeEngine:
             self._sps = ObservedSps(load_or_measure(model)[0])
         self._calibration = config.calibration if config.calibration is not None else Calibration(())
         self.draft_records: deque[Record] = deque(maxlen=DRAFT_RECORDS)  # per verifying request step
+        # expert parallelism: started last, so nothing above that raises leaves follower processes behind. The
+        # SPS profile above was measured on the one-process model: the timed forwards correct it (ObservedSps).
+        self.experts: ExpertGroup | None = None
+        if config.expert_ranks > 1:
+            self.experts = ExpertGroup(model, config.expert_ranks, config.experts or ExpertParallelConfig())
+            self.model = self.experts.model
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -197,14 +222,20 @@ class DecodeEngine:
         batch = self._prepare(sum(len(chunk.tokens) for chunk in prompts.chunks) if prompts is not None else 0)
         finished, self._done = finished + self._done, []  # sequences whose drafting failed in the preparation
         if batch.chunks or prompts is not None:
+            if self.experts is not None:
+                self.experts.begin_step()  # the followers answer this forward's MoE collectives
             logits = self._timed_execute(batch, prompts)
-            finished += self._complete(batch, logits[:len(batch.chunks)])
-            if prefill is not None and prompts is not None:
-                # each prompt's last token's (vocab,), or (1, vocab) where the forward scored drafts
-                last = [row if row.dim() == 1 else row[-1] for row in logits[len(batch.chunks):]]
-                self._continue_prompts(prefill.finish_step(prompts, last))
-                prefill_moved = True
-                finished, self._done = finished + self._done, []
+            try:
+                finished += self._complete(batch, logits[:len(batch.chunks)])
+                if prefill is not None and prompts is not None:
+                    # each prompt's last token's (vocab,), or (1, vocab) where the forward scored drafts
+                    last = [row if row.dim() == 1 else row[-1] for row in logits[len(batch.chunks):]]
+                    self._continue_prompts(prefill.finish_step(prompts, last))
+                    prefill_moved = True
+                    finished, self._done = finished + self._done, []
+            finally:  # the forward ran on every rank: the step ends on every rank, whatever raised here since
+                if self.experts is not None:
+                    self.experts.end_step()  # between steps: load statistics, the rebalance when due
         else:
             self._forward_ended = None  # idle: no gap to count until work comes
             if prefill is not None and prefill.waiting_on_store:
@@ -228,7 +259,10 @@ class DecodeEngine:
         return results
 
     def close(self) -> None:
-        """Stop the overlap's worker thread and the drafts thread (the engine can still step, without overlap)."""
+        """Stop the overlap's worker thread and the drafts thread (the engine can still step, without overlap),
+        and the expert-parallel followers (with expert_ranks > 1 it cannot step after)."""
+        if self.experts is not None:
+            self.experts.stop()
         if self._worker is not None:
             self._worker.shutdown()
             self._worker = None

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from engine.decode import DecodeConfig, DecodeEngine, DecodeRequest, SamplingParams
 from engine.experts.decoder import ExpertParallelConfig, ExpertParallelDecoder
 from engine.model.config import ModelConfig
 from engine.model.decoder import Chunk, Decoder
@@ -62,3 +65,16 @@ def greedy(rank: int, ranks: int, path: Path, prompts: list[list[int]], n_tokens
         reply.append(int(logits.argmax()))
     kv.release()
     return {"reply": reply, "changed": [r.moved.slots_changed for r in parallel.rebalances]}
+
+
+def serve_then_wait(path: Path, pids: Any) -> None:
+    """Rank 0 of a serving engine with one follower: serve one greedy request, put the follower's pid on `pids`,
+    then wait to be killed (the test kills this process; its follower must end with it)."""
+    torch.set_num_threads(1)
+    engine = DecodeEngine(Decoder.from_pretrained(path, torch.float32), None,
+                          DecodeConfig(block_tokens=16, kv_pages=16, speculative=False, expert_ranks=2))
+    engine.submit(DecodeRequest([5, 17, 300], SamplingParams(max_tokens=4)))
+    engine.run()
+    assert engine.experts is not None
+    pids.put(engine.experts.followers)
+    time.sleep(600)
