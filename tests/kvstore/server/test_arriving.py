@@ -16,6 +16,7 @@ from kvstore.proto import pb
 from kvstore.record import build_record
 from kvstore.server.fsck import check
 from kvstore.server.segments import ALIGN, SegmentSet
+from tests.faults.conftest import read_frame
 
 pytestmark = pytest.mark.integration
 
@@ -103,7 +104,7 @@ def test_a_record_that_fails_as_it_arrives_leaves_only_zeros_and_the_daemon_serv
         layer = int(how[-1])  # layer 2: layers 0 and 1 are verified and written first; layer 0: nothing is
         flipped[layer * NS.layer_bytes + 5] ^= 1
         with send_raw(daemon, put_frame(header, len(payload)) + bytes(flipped)) as sock:
-            kind, _ = wire.parse_prefix(sock.recv(wire.PREFIX.size))
+            kind, _ = read_frame(sock)
             assert kind == wire.ERROR, "a layer that fails its checksum fails the put as soon as it is in"
     stored = put_whole(daemon, range(60, 63))
     assert daemon.stop() == 0  # the record given up is erased before the daemon ends
@@ -158,20 +159,12 @@ def test_two_puts_of_one_key_at_once_leave_one_record_and_zeros(daemons):
             sock.sendall(payload + end)
         results = []
         for sock in (first, second):
-            kind, head_len = wire.parse_prefix(recv_exact(sock, wire.PREFIX.size))
+            kind, head = read_frame(sock)
             assert kind == wire.PUT_RESULT
-            results += list(pb.PutResponse.FromString(recv_exact(sock, head_len)).results)
+            results += list(pb.PutResponse.FromString(head).results)
     assert sorted(results) == sorted([pb.STORED, pb.EXISTS])
     assert daemon.stop() == 0
     found, outside = segment_contents(daemon.data_dir)
     assert list(found) == [key]
     assert all(not any(gap) for gap in outside), "the second copy's place holds only zeros"
 
-
-def recv_exact(sock: socket.socket, n: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        chunk = sock.recv(n - len(data))
-        assert chunk, "the daemon closed the connection"
-        data += chunk
-    return data
