@@ -7,6 +7,10 @@ A block key is a pure function of the namespace and the token ids up to and incl
 with H = 128-bit xxh3 and token ids encoded as little-endian uint32. Nothing depends on process state
 (PYTHONHASHSEED, dict order), so two engines on two machines compute the same keys; golden vectors in
 the tests pin the encoding.
+
+An image enters a prompt as a run of placeholder tokens. For identity, each placeholder is replaced by an id
+drawn from the image's content digest (`identity_tokens`), so that a block's key covers every image whose
+placeholders fall in or before it; the ids lie in [2**31, 2**32), where no vocabulary's ids do.
 """
 
 from __future__ import annotations
@@ -23,6 +27,11 @@ from kvstore.codec import RAW, BlockCodec, LayerGeometry, check_codec, codec_nam
 KEY_BYTES = 16
 NO_TENANT = bytes(16)  # the tenant of a record written before records named one (format 1)
 MAX_TOKEN_ID = 2**32 - 1
+IMAGE_ID_BASE = 1 << 31  # an image placeholder's identity id: 31 bits of its image's digest, above every vocabulary
+# Placeholders that carry an image's whole identity: 5 x 31 = 155 bits, more than a key's 128. A hit that ends in
+# a block holding fewer of an image's first placeholders than this is cut back to before that block
+# (`image_safe_prefix`), so an image's identity in a key is never weaker than the key itself.
+IMAGE_SURE_PLACEHOLDERS = 5
 
 
 class NamespaceMismatch(ValueError):
@@ -46,6 +55,54 @@ def encode_tokens(tokens: Sequence[int] | np.ndarray) -> bytes:
     if array.size and (array.min() < 0 or array.max() > MAX_TOKEN_ID):
         raise ValueError(f"token ids must lie in [0, {MAX_TOKEN_ID}]")
     return array.astype("<u4").tobytes()
+
+
+@dataclass(frozen=True, slots=True)
+class ImageSpan:
+    """An image in a prompt: its placeholders are tokens [start, start + length), its content hash `digest`."""
+
+    start: int
+    length: int
+    digest: bytes  # (16,) e.g. blake2b-128 of its decoded pixels and their shape (engine/vision/images.py)
+
+    def __post_init__(self) -> None:
+        if self.start < 0 or self.length < IMAGE_SURE_PLACEHOLDERS:
+            raise ValueError(f"an image needs start >= 0 and at least {IMAGE_SURE_PLACEHOLDERS} placeholders "
+                             f"(its identity is 31 bits a placeholder), got start={self.start} length={self.length}")
+        if len(self.digest) != 16:
+            raise ValueError(f"an image's digest is 16 bytes, got {len(self.digest)}")
+
+
+def image_identity_ids(digest: bytes, length: int) -> list[int]:
+    """The identity ids of an image's `length` placeholders: 31 bits each of xxh3_64(digest ‖ index), high bit set."""
+    return [IMAGE_ID_BASE | (xxhash.xxh3_64_intdigest(digest + j.to_bytes(4, "little")) & (IMAGE_ID_BASE - 1))
+            for j in range(length)]
+
+
+def identity_tokens(tokens: Sequence[int] | np.ndarray, images: Sequence[ImageSpan] = ()) -> list[int]:
+    """The ids a prompt's blocks are keyed by: its tokens, with each image's placeholders replaced by ids drawn
+    from the image's digest. Two prompts alike but for one image share exactly the blocks before it. `tokens`
+    may be a leading part of the prompt (an image past its end is cut); ValueError for images that overlap."""
+    ids = [int(t) for t in tokens]
+    end = 0
+    for image in images:
+        if image.start < end:
+            raise ValueError(f"image at {image.start} overlaps the one before it (placeholders up to {end})")
+        end = image.start + image.length
+        if image.start < len(ids):
+            ids[image.start : end] = image_identity_ids(image.digest, image.length)[: len(ids) - image.start]
+    return ids
+
+
+def image_safe_prefix(blocks: int, images: Sequence[ImageSpan], block_tokens: int) -> int:
+    """`blocks` leading blocks found, cut back so that no hit ends in a block that holds fewer than
+    IMAGE_SURE_PLACEHOLDERS of an image's first placeholders (those would carry under 128 bits of it)."""
+    for image in images:
+        first = image.start // block_tokens
+        sure = (image.start + IMAGE_SURE_PLACEHOLDERS - 1) // block_tokens
+        if first < blocks <= sure:
+            return first
+    return blocks
 
 
 def tenant_of(salt: bytes | str) -> bytes:

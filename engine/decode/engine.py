@@ -81,7 +81,7 @@ from engine.experts.serving import ExpertGroup
 from engine.model.decoder import Chunk, Decoder, argmax_ids
 from engine.model.kv import KVCapacityError, PagePool, RequestKV, RingCheckpoint
 from engine.prefill.engine import PrefillEngine, PrefillStep
-from engine.prefill.request import HANDED_OVER, PrefillError, PrefillRequest, PrefillResult
+from engine.prefill.request import HANDED_OVER, PrefillError, PrefillRequest, PrefillResult, chunk_embeds
 from engine.speculative.calibration import Calibration, Record
 from engine.speculative.drafter import DraftToken, NGramDrafter
 from engine.speculative.profile import ObservedSps, load_or_measure
@@ -395,7 +395,8 @@ class DecodeEngine:
                 continue  # preempted for an older sequence in this step
             start = sequence.computed
             batch.sequences.append(sequence)
-            batch.chunks.append(Chunk(sequence.kv, torch.tensor(sequence.tokens[start : start + n]), start))
+            batch.chunks.append(Chunk(sequence.kv, torch.tensor(sequence.tokens[start : start + n]), start,
+                                      chunk_embeds(sequence.request.images, start, n)))
             batch.samples.append(start + n == len(sequence.tokens))
             batch.drafts.append([])
             batch.checkpoints.append(None)

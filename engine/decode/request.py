@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from engine.decode.errors import DecodeError
 from engine.decode.sampling import SamplingParams
-from engine.prefill.request import PrefillRequest, PrefillResult
+from engine.prefill.request import PrefillRequest, PrefillResult, PromptImage
 
 __all__ = ["CANCELLED", "CONTEXT", "ERROR", "DecodeError", "DecodeRequest", "DecodeResult", "FINISH_REASONS",
            "MAX_TOKENS", "STOP_STRING", "STOP_TOKEN"]
@@ -38,6 +38,15 @@ class DecodeRequest:
     detokenize: Callable[[Sequence[int]], str] | None = None  # token ids -> text for stop strings; None: the config's
     on_token: Callable[[int], None] | None = None  # called with each token as it is sampled (streaming), on the
     #                                               engine's thread: it must not block
+
+    @property
+    def images(self) -> tuple[PromptImage, ...]:
+        """The prompt's images: what a recompute of its KV (after a preemption) feeds at their placeholders."""
+        if isinstance(self.prompt, PrefillRequest):
+            return self.prompt.images
+        if isinstance(self.prompt, PrefillResult):
+            return self.prompt.request.images
+        return ()
 
 
 @dataclass

@@ -27,7 +27,7 @@ from engine.model.kv import RequestKV, WindowState
 from engine.prefill import handoff
 from engine.prefill.engine import PrefillEngine
 from engine.prefill.request import PrefillRequest, PrefillResult
-from kvstore.block import Namespace
+from kvstore.block import Namespace, identity_tokens
 from kvstore.eviction import ReuseHint
 
 
@@ -40,6 +40,11 @@ class ReplyChain:
     exact: bool
     saved: int  # leading full blocks already in the store or queued for it
     window: WindowState | None = None  # the sliding window at the latest block boundary passed
+
+    def identity(self, tokens: list[int]) -> list[int]:
+        """The ids the chain keys `tokens` (prompt and reply, or a leading part) by: the prompt's images'
+        placeholders drawn from their digests."""
+        return identity_tokens(tokens, [image.span for image in self.result.request.images])
 
 
 class ReplySaver:
@@ -69,7 +74,7 @@ class ReplySaver:
         kv.captured = {}
         full = computed // self.block_tokens
         if full > chain.saved:
-            blocks = chain.namespace.blocks(tokens[: full * self.block_tokens])[chain.saved:]
+            blocks = chain.namespace.blocks(chain.identity(tokens[: full * self.block_tokens]))[chain.saved:]
             result = chain.result
             hint = ReuseHint(result.stored_tokens // self.block_tokens, full, result.request.turn)
             self.prefill.save_blocks(blocks, kv.block_table[chain.saved : full], result.request, hint)
@@ -79,7 +84,7 @@ class ReplySaver:
         """Save the state of a sequence about to give up its KV, which holds every token but the last (its
         blocks are saved already); the prefill request that resumes it, or None where it could not be queued."""
         client = self.prefill.client  # present: a chain exists only where there is a store
-        found = handoff.continuation(chain.namespace, tokens)
+        found = handoff.continuation(chain.namespace, chain.identity(tokens))
         if client is None or kv.length != found.position or chain.saved < len(found.blocks):
             return None
         window = WindowState(found.position, kv.rings, kv.window_from) if kv.rings is not None else None
@@ -88,7 +93,8 @@ class ReplySaver:
             return None
         request = chain.result.request
         return PrefillRequest(list(tokens), request.salt, request.traffic_class, request.session_id,
-                              request.namespace, request.turn, exact=chain.exact, from_handoff=True)
+                              request.namespace, request.turn, exact=chain.exact, from_handoff=True,
+                              images=request.images)
 
     def resumed(self, chain: ReplyChain, result: PrefillResult) -> None:
         """The prefill that resumed a preempted sequence saved its blocks in the chain its KV came from."""
@@ -107,5 +113,5 @@ class ReplySaver:
         """The sequence ends: keep its latest window for the next turn."""
         state, chain.window = chain.window, None
         if state is not None:
-            block = chain.namespace.blocks(tokens[: state.position])[-1]
+            block = chain.namespace.blocks(chain.identity(tokens[: state.position]))[-1]
             self.prefill.keep_window(block, state, chain.result.request, chain.namespace)

@@ -38,6 +38,9 @@ class Chunk:
     kv: RequestKV
     tokens: torch.Tensor  # (x,) int64
     start: int
+    # rows fed in place of some tokens' embeddings, an image's encoder outputs at its placeholders:
+    # (offset in the chunk, (n, hidden) float) each
+    embeds: tuple[tuple[int, torch.Tensor], ...] = ()
 
 
 @dataclass
@@ -124,6 +127,11 @@ class Decoder:
         h = self.w["embed_tokens.weight"][tokens]  # (T, hidden)
         if c.embedding_scale != 1.0:
             h = h * self.embedding_scale
+        base = 0
+        for chunk, n in zip(chunks, sizes):
+            for offset, rows in chunk.embeds:  # as Gemma 3 does: the projector's outputs, not scaled
+                h[base + offset : base + offset + len(rows)] = rows.to(self.device, self.dtype)
+            base += n
         for layer in range(c.num_layers):
             if before_layer is not None:
                 before_layer(layer)

@@ -54,13 +54,15 @@ from engine.prefill.request import (
     PrefillError,
     PrefillRequest,
     PrefillResult,
+    PromptImage,
+    chunk_embeds,
 )
 from engine.prefill.scheduler import Waiting, plan_step
 from engine.text.token_ids import checked_token_ids
 from engine.window.keeper import REPLAY, WindowKeeper, WindowPlan
 from engine.window.replay import REPLAYED_SUFFIX, replayed_namespace
 from engine.window.tier import WindowTier
-from kvstore.block import Block, KVLayout, Namespace
+from kvstore.block import Block, KVLayout, Namespace, identity_tokens, image_safe_prefix
 from kvstore.client import StoreClient
 from kvstore.client.assembly import Buffer
 from kvstore.client.loading import LoadCancelled, LoadHandle
@@ -74,6 +76,7 @@ class _Active:
     id: int
     request: PrefillRequest
     tokens: torch.Tensor  # (n,) int64
+    identity: list[int]  # what its chains are keyed by: the tokens, images' placeholders drawn from their digests
     namespace: Namespace
     blocks: list[Block]  # the chain the prompt's blocks are looked up, loaded and saved in
     submitted: float
@@ -272,12 +275,30 @@ class PrefillEngine:
         for flag in ("exact", "hand_off", "from_handoff"):
             if not isinstance(getattr(request, flag), bool):
                 raise PrefillError(f"{flag} must be True or False, got {getattr(request, flag)!r}")
-        active = _Active(next(self._ids), request, torch.tensor(tokens, dtype=torch.long), namespace,
-                         namespace.blocks(tokens), time.perf_counter())
+        identity = self._identity(request, tokens)
+        active = _Active(next(self._ids), request, torch.tensor(tokens, dtype=torch.long), identity, namespace,
+                         namespace.blocks(identity), time.perf_counter())
         if request.from_handoff and self.client is not None:
             active.handoff_mark = self.client.write_behind.mark()
         self._queue.append(active)
         return active.id
+
+    def _identity(self, request: PrefillRequest, tokens: list[int]) -> list[int]:
+        """The ids `request`'s chains are keyed by; PrefillError for images that do not fit its prompt."""
+        for image in request.images:
+            if not isinstance(image, PromptImage):
+                raise PrefillError(f"images must be PromptImage, got {type(image).__name__}")
+            if tuple(image.embeds.shape) != (image.span.length, self.model.config.hidden_size):
+                raise PrefillError(f"an image's embeds must be ({image.span.length}, "
+                                   f"{self.model.config.hidden_size}), got {tuple(image.embeds.shape)}")
+            if image.span.start + image.span.length > len(tokens):
+                end = image.span.start + image.span.length
+                raise PrefillError(f"an image's placeholders [{image.span.start}, {end}) run past the prompt's "
+                                   f"{len(tokens)} tokens")
+        try:
+            return identity_tokens(tokens, [image.span for image in request.images])
+        except ValueError as exc:
+            raise PrefillError(str(exc)) from None
 
     def cancel(self, request_id: int) -> bool:
         """Drop a request now: a queued one leaves the queue; an admitted one stops its load (no byte lands
@@ -374,7 +395,8 @@ class PrefillEngine:
         waiting = [Waiting(a.id, a.start, len(a.tokens) - a.start) for a in ready]
         plan = plan_step(waiting, self.cost, self.config.step_budget_s, self.block_tokens)
         chosen = [(self._active[rid], x) for rid, x in plan]
-        chunks = [Chunk(a.kv, a.tokens[a.start : a.start + x], a.start) for a, x in chosen]
+        chunks = [Chunk(a.kv, a.tokens[a.start : a.start + x], a.start, chunk_embeds(a.request.images, a.start, x))
+                  for a, x in chosen]
         return PrefillStep(chosen, chunks, self._layer_waits([a.load for a, _ in chosen if a.load is not None]))
 
     def _layer_waits(self, loads: list[LoadHandle]) -> Callable[[int], None] | None:
@@ -431,7 +453,7 @@ class PrefillEngine:
             return
         if self._lookups is None:
             self._lookups = ThreadPoolExecutor(1, thread_name_prefix="prefill-lookups")
-        a.looking = self._lookups.submit(self._find, self.client, a, a.tokens.tolist(), a.kv.rings,
+        a.looking = self._lookups.submit(self._find, self.client, a, a.identity, a.kv.rings,
                                          self._accepts_approximate(a))
 
     def _find(self, client: StoreClient, a: _Active, tokens: list[int], rings: torch.Tensor | None,
@@ -452,7 +474,8 @@ class PrefillEngine:
                     return _Found(_HandedOver(tried, space, exact, found, records[0].payload))
         if not a.blocks:
             return _Found()
-        stored = client.lookup(a.blocks)
+        # a hit never ends where it holds too little of an image to tell it from another (kvstore.block)
+        stored = image_safe_prefix(client.lookup(a.blocks), [i.span for i in a.request.images], self.block_tokens)
         if self.windows is None or rings is None:
             return _Found(None, stored, WindowPlan.without_window(a.blocks, stored, len(tokens), self.block_tokens))
         return _Found(None, stored, self.windows.plan(client, a.namespace, tokens, a.blocks, stored, rings,
@@ -527,7 +550,7 @@ class PrefillEngine:
             self._look_up(a)
             return
         full = len(handed.found.blocks)
-        a.blocks, a.exact = handed.space.blocks(a.tokens.tolist()), handed.exact
+        a.blocks, a.exact = handed.space.blocks(a.identity), handed.exact
         a.stored = a.save_from = a.loaded = full
         a.start, a.path = handed.found.position, HANDED_OVER
         if full:
@@ -537,7 +560,7 @@ class PrefillEngine:
         return not a.request.exact and a.namespace.tenant.hex() not in self.config.exact_tenants
 
     def _replayed_chain(self, a: _Active) -> list[Block]:
-        return self.chain_namespace(a.request, exact=False, namespace=a.namespace).blocks(a.tokens.tolist())
+        return self.chain_namespace(a.request, exact=False, namespace=a.namespace).blocks(a.identity)
 
     def _load_held(self, a: _Active, load: LoadHandle) -> bool:
         """After a request's first chunk: did the whole planned load (`load`, a's) arrive? If not, restart from
@@ -556,7 +579,7 @@ class PrefillEngine:
             a.kv.window_from = a.kv.keep_full_before = a.replayed = 0
             a.kv.captured.clear()  # states the first chunk captured under the replay: recaptured exactly
             if not a.exact:  # recomputed from scratch, the KV is exact again: back to the exact chain
-                a.blocks, a.exact = a.namespace.blocks(a.tokens.tolist()), True
+                a.blocks, a.exact = a.namespace.blocks(a.identity), True
         a.loaded = final
         a.start = final * self.block_tokens
         a.save_from = min(a.save_from, final)  # re-store what failed to load (it may have been corrupt)
@@ -588,7 +611,7 @@ class PrefillEngine:
         """Queue the continuation record of a `hand_off` request (its blocks are queued already)."""
         if self.client is None:
             return False
-        found = handoff.continuation(self.chain_namespace(a.request, a.exact, a.namespace), a.tokens.tolist())
+        found = handoff.continuation(self.chain_namespace(a.request, a.exact, a.namespace), a.identity)
         window = a.kv.captured.get(found.position) if self.windows is not None else None
         if self.windows is not None and window is None:
             return False

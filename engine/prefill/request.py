@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.model.kv import RequestKV
-from kvstore.block import Block, Namespace
+from kvstore.block import Block, ImageSpan, Namespace, identity_tokens
 
 # How a request's prefix was obtained.
 COLD = "cold"  # the store held nothing of it
@@ -28,6 +28,25 @@ class PrefillError(ValueError):
     """A request the engine cannot serve; raised at submit, nothing else is disturbed."""
 
 
+@dataclass(frozen=True)
+class PromptImage:
+    """An image in a prompt: where its placeholder tokens are, its content hash (both in `span`: the prompt's
+    blocks are keyed by it, kvstore.block.identity_tokens), and what the model reads at the placeholders."""
+
+    span: ImageSpan
+    embeds: torch.Tensor  # (span.length, hidden) the vision encoder's outputs (engine/vision)
+
+
+def chunk_embeds(images: Sequence[PromptImage], start: int, n: int) -> tuple[tuple[int, torch.Tensor], ...]:
+    """The image rows that fall in tokens [start, start + n), as a `Chunk`'s embeds: (offset in it, rows)."""
+    rows = []
+    for image in images:
+        first, end = max(image.span.start, start), min(image.span.start + image.span.length, start + n)
+        if first < end:
+            rows.append((first - start, image.embeds[first - image.span.start : end - image.span.start]))
+    return tuple(rows)
+
+
 @dataclass
 class PrefillRequest:
     tokens: Sequence[int]
@@ -42,6 +61,11 @@ class PrefillRequest:
     # and continues from that (or, where it is gone, from whatever the store holds: `PrefillResult.path`).
     hand_off: bool = False
     from_handoff: bool = False
+    images: tuple[PromptImage, ...] = ()  # in prompt order; their placeholders are ordinary token ids in `tokens`
+
+    def identity(self) -> list[int]:
+        """The ids the prompt's chain is keyed by: its tokens, each image's placeholders drawn from its digest."""
+        return identity_tokens(self.tokens, [image.span for image in self.images])
 
 
 @dataclass
