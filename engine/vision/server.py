@@ -1,0 +1,202 @@
+"""The vision encoder as a process of its own: proto/decode.proto's VisionEncoder service.
+
+    python -m engine.vision.server --text-hidden 640 [--port 0] [--servers HOST:PORT,...] [--auth-tokens FILE]
+                                   [--tls-cert PEM --tls-key PEM [--tls-client-ca PEM]] [--exit-on-stdin-eof]
+
+It makes the tower (`engine.vision.tower`, seeded random weights: `--vision-seed`, `--vision-preset`), listens,
+and once it serves prints exactly one line, `READY <port>`, on stdout. Each Encode runs the tower on the
+pixels a prefill engine sends, queues the outputs for the store as the image's encoder record
+(engine.vision.stage) in the caller's tenant, and returns them. Tokens and TLS are the decode instance's
+(engine/serving): Encode needs the "write" verb and, from a token scoped to tenants, a salt of theirs.
+Shut down by SIGTERM, SIGINT or, with --exit-on-stdin-eof, the end of stdin; records queued are flushed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import torch
+
+from engine.serving.proto import pb
+from engine.vision.stage import ENCODER_CLASS, encoder_namespace, encoder_record
+from engine.vision.tower import VisionConfig, VisionTower
+from kvstore.block import tenant_of
+from kvstore.client.config import ClientConfig
+from kvstore.server.auth import AuthConfigError, Authenticator
+from kvstore.server.grpc_auth import TokenInterceptor, current_principal, method_verbs, server_credentials
+from kvstore.settings import Command
+from kvstore.stdin_watch import watch_stdin
+
+log = logging.getLogger("engine.vision.server")
+
+SERVICE = "kvstore.decode.v1.VisionEncoder"
+verb_of = method_verbs(SERVICE, {"Encode": "write"})
+# Named towers (random weights: what matters is that every process makes the same one): "small" is the default
+# VisionConfig (224 px, 196 patches of 384 wide, 6 layers, 49 tokens an image); "tiny" is for tests
+VISION_PRESETS: Mapping[str, Mapping[str, Any]] = {
+    "small": {},
+    "tiny": {"image_size": 48, "patch_size": 8, "hidden": 32, "layers": 1, "heads": 2, "intermediate": 64,
+             "tokens_per_image": 9},
+}
+
+
+def vision_config(preset: str, text_hidden: int, seed: int = 0) -> VisionConfig:
+    """The tower of a named preset, projecting into a text model `text_hidden` wide."""
+    if preset not in VISION_PRESETS:
+        raise ValueError(f"unknown vision preset {preset!r}; choose one of {sorted(VISION_PRESETS)}")
+    return VisionConfig(**VISION_PRESETS[preset], text_hidden=text_hidden, seed=seed)
+
+
+@dataclass(frozen=True)
+class EncoderConfig:
+    text_hidden: int  # the hidden size of the text model the encoder's outputs feed (640 for Gemma 3 270M)
+    vision_preset: str = "small"  # the tower's shape: small (224 px, 49 tokens an image) or tiny (tests)
+    vision_seed: int = 0  # the seed of its random weights: the prefill engines must use the same
+    host: str = "127.0.0.1"  # the address to listen on
+    port: int = 0  # the port to listen on; 0: a free one, printed on the READY line
+    threads: int = 1  # torch threads
+    max_message_bytes: int = 16 * 2**20  # largest request received (a 224 px image is 0.6 MB of float32)
+    exit_on_stdin_eof: bool = False  # shut down when stdin ends (a parent holding the pipe died)
+    # The store's daemons (host:port,... or a target): outputs are saved as encoder records; none: not saved
+    servers: tuple[str, ...] = ()
+    auth_tokens: Path | None = None  # TOML token file, as the daemon's: Encode needs the write verb
+    tls_cert: Path | None = None  # PEM certificate chain: the port speaks TLS only (with tls_key)
+    tls_key: Path | None = None  # the PEM private key of tls_cert
+    tls_client_ca: Path | None = None  # PEM CA bundle: clients must present a certificate it signed (mutual TLS)
+    # the store client's bearer token, for secured daemons; $KVSTORE_TOKEN by default, which `ps` does not show
+    store_token: str | None = field(default=None, repr=False)
+    store_tls_ca: str | None = None  # PEM CA bundle that signed the daemons' certificates; $KVSTORE_TLS_CA by default
+
+    def __post_init__(self) -> None:
+        vision_config(self.vision_preset, self.text_hidden, self.vision_seed)  # a bad preset or size: ValueError
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("EncoderConfig: tls_cert and tls_key go together")
+
+
+COMMAND = Command(EncoderConfig, "python -m engine.vision.server",
+                  "The vision encoder stage: images' pixels in, encoder outputs out and into the store. Prints "
+                  "`READY <port>` once serving.", "KVSTORE_ENCODER_")
+
+
+class EncoderService:
+    def __init__(self, tower: VisionTower, client) -> None:
+        self.tower, self.client = tower, client
+        self._lock = threading.Lock()  # one encode at a time: torch's own threads do the parallel work
+
+    def encode(self, raw: bytes) -> bytes:
+        """One Encode call, off the event loop; EncodeRefused for a request it refuses."""
+        try:
+            request = pb.EncodeRequest.FromString(raw)
+        except Exception:
+            raise EncodeRefused(grpc.StatusCode.INVALID_ARGUMENT, "not an EncodeRequest") from None
+        s = self.tower.config.image_size
+        if tuple(request.shape) != (3, s, s) or len(request.pixels) != 3 * s * s * 4 or len(request.digest) != 16:
+            raise EncodeRefused(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"expected a 16-byte digest and (3, {s}, {s}) float32 pixels, got shape "
+                                f"{tuple(request.shape)}, {len(request.pixels)} bytes, a {len(request.digest)}-byte "
+                                "digest")
+        principal = current_principal()
+        if principal is not None and principal.tenants is not None and tenant_of(request.salt) not in principal.tenants:
+            raise EncodeRefused(grpc.StatusCode.PERMISSION_DENIED,
+                                f"token {principal.name!r} may not reach this tenant")
+        pixels = torch.from_numpy(np.frombuffer(request.pixels, dtype="<f4").copy()).view(1, 3, s, s)
+        with self._lock:
+            rows = self.tower.encode(pixels)[0].cpu()  # (tokens_per_image, text_hidden)
+        data = rows.numpy().astype("<f4").tobytes()
+        stored = False
+        if self.client is not None:
+            record = encoder_record(encoder_namespace(self.tower, request.salt), bytes(request.digest))
+            stored = self.client.save([(record, data)], 1, ENCODER_CLASS)
+        return pb.EncodeReply(encoder=self.tower.identity, shape=list(rows.shape), embeds=data,
+                              stored=stored).SerializeToString()
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        return grpc.method_handlers_generic_handler(SERVICE, {
+            "Encode": grpc.unary_unary_rpc_method_handler(self._encode_async, None, None)})
+
+    async def _encode_async(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        try:
+            return await asyncio.to_thread(self.encode, raw)  # the call's context (its principal) goes along
+        except EncodeRefused as exc:
+            await context.abort(exc.code, str(exc))
+            raise  # abort raises; for the type checker
+
+
+class EncodeRefused(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def serve(config: EncoderConfig) -> int:
+    try:
+        authenticator = Authenticator.from_file(config.auth_tokens) if config.auth_tokens else None
+        credentials = (server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
+                       if config.tls_cert is not None and config.tls_key is not None else None)
+    except (AuthConfigError, OSError) as exc:
+        print(f"vision encoder: {exc}", file=sys.stderr, flush=True)
+        return 2
+    torch.set_num_threads(config.threads)
+    tower = VisionTower.random(vision_config(config.vision_preset, config.text_hidden, config.vision_seed))
+    client = None
+    if config.servers:
+        from kvstore.client import KVClient
+
+        client = KVClient(ClientConfig(config.servers, token=config.store_token, tls_ca=config.store_tls_ca))
+    interceptors = [TokenInterceptor(authenticator, verb_of)] if authenticator else []
+    try:
+        return asyncio.run(_serve(config, EncoderService(tower, client), interceptors, credentials))
+    finally:
+        if client is not None:
+            client.write_behind.flush(5.0)
+            client.close()
+
+
+async def _serve(config: EncoderConfig, service: EncoderService, interceptors: list,
+                 credentials: grpc.ServerCredentials | None) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", config.max_message_bytes),
+                                      ("grpc.so_reuseport", 0)], interceptors=interceptors)
+    server.add_generic_rpc_handlers([service.handler()])
+    address = f"{config.host}:{config.port}"
+    try:
+        port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    except RuntimeError:
+        port = 0
+    if port == 0:
+        print(f"vision encoder: cannot listen on {address}: is the port taken? Choose another with --port",
+              file=sys.stderr, flush=True)
+        return 2
+    await server.start()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    if config.exit_on_stdin_eof:
+        watch_stdin(lambda: loop.call_soon_threadsafe(stop.set))
+    print(f"READY {port}", flush=True)
+    await stop.wait()
+    await server.stop(2.0)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    client = {name: os.environ[variable] for name in ("store_token", "store_tls_ca")
+              if os.environ.get(variable := "KVSTORE_" + name.removeprefix("store_").upper())}
+    config = COMMAND.parse(argv, os.environ, fallback=client)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return serve(config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

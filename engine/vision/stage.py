@@ -1,0 +1,141 @@
+"""The vision stage a prefill engine calls: an image's encoder outputs from the store, else from the encoder
+process, else encoded here. Never an error: a missing record is an encode, and a dead encoder one done here.
+
+An encoder output is a record of the store of its own kind (`encoder_record`): a one-layer block of
+`tokens_per_image` rows of the text model's width in float32, in a namespace named by the encoder's identity
+(`VisionTower.identity` + ENCODER_SUFFIX) and the tenant's salt, keyed by the image's placeholder identity ids
+(kvstore.block.image_identity_ids) and kept in the `encoder` traffic class (its own TTL, a day by default).
+So one image encoded once, by any prefill engine or by the encoder process, is read by every other engine of
+the tenant, and a new encoder (other weights) never reads an old one's outputs.
+
+    stage = VisionStage(tower, client, remote=EncoderClient("127.0.0.1:7100"))
+    rows = stage.embeds([decoded], salt="tenant-a")      # [(tokens_per_image, text_hidden) float32]
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from engine.vision.images import DecodedImage
+from engine.vision.tower import VisionTower
+from kvstore.block import Block, KVLayout, Namespace, image_identity_ids
+from kvstore.client import StoreClient
+
+log = logging.getLogger("engine.vision.stage")
+
+ENCODER_SUFFIX = "#encoder"
+ENCODER_CLASS = "encoder"  # the store's traffic class of encoder records (kvstore/server/config.py)
+
+
+def encoder_namespace(tower: VisionTower, salt: str) -> Namespace:
+    """The namespace of `tower`'s outputs in the tenant of `salt`: one layer of (tokens_per_image, text_hidden)
+    float32 a block."""
+    c = tower.config
+    layout = KVLayout(num_layers=1, kv_heads=1, head_dim=c.text_hidden, dtype="float32", kv_per_layer=1)
+    return Namespace(tower.identity + ENCODER_SUFFIX, layout, c.tokens_per_image, salt)
+
+
+def encoder_record(space: Namespace, digest: bytes) -> Block:
+    """The record of one image's encoder outputs: keyed by the image's digest in the encoder's namespace."""
+    (block,) = space.blocks(image_identity_ids(digest, space.block_tokens))
+    return block
+
+
+class RemoteEncoder(Protocol):
+    """An encoder process (engine.vision.client.EncoderClient): encodes and queues the record for the store."""
+
+    def encode(self, digest: bytes, salt: str, pixels: torch.Tensor) -> torch.Tensor:
+        """(tokens_per_image, text_hidden) float32 of (3, S, S) `pixels`; raises on any failure."""
+        ...
+
+
+class VisionStage:
+    def __init__(self, tower: VisionTower, client: StoreClient | None, remote: RemoteEncoder | None = None,
+                 remote_retry_s: float = 5.0) -> None:
+        """`client`: the store the records are read from and written to (None: encode every time); `remote`:
+        the encoder process (None: encode here). After a failed call the remote is skipped for
+        `remote_retry_s`, so that a dead encoder costs one failed call, not one per image."""
+        self.tower, self.client, self.remote = tower, client, remote
+        self.remote_retry_s = remote_retry_s
+        # images by how their outputs came: "store", "encoder" (the process), "inline" (here); and
+        # "encoder_failed": calls to the process that failed (each then encoded here)
+        self.counts: Counter[str] = Counter()
+        self.encode_seconds = 0.0  # spent encoding here (the process's own time is its)
+        self._remote_down_until = 0.0
+        self._lock = threading.Lock()  # the counters: the API encodes on several threads
+        self._tower_lock = threading.Lock()  # one encode at a time here: torch runs its own threads
+
+    @property
+    def tokens_per_image(self) -> int:
+        return self.tower.config.tokens_per_image
+
+    def embeds(self, images: Sequence[DecodedImage], salt: str) -> list[torch.Tensor]:
+        """Each image's encoder outputs, (tokens_per_image, text_hidden) float32: the store's record, else the
+        encoder process's, else encoded here (and saved for the next time). After a failed call to the process,
+        the rest of the images, and the calls of the next `remote_retry_s`, are encoded here."""
+        space = encoder_namespace(self.tower, salt)
+        out: list[torch.Tensor | None] = [self._stored(space, image.digest) for image in images]
+        missing = [i for i, rows in enumerate(out) if rows is None]
+        self._count("store", len(images) - len(missing))
+        remote = self.remote if time.monotonic() >= self._remote_down_until else None
+        if missing:
+            pixels = self.tower.pixel_values([images[i] for i in missing])  # (m, 3, S, S)
+            for i, image_pixels in zip(missing, pixels, strict=True):
+                rows = self._remote(remote, images[i].digest, salt, image_pixels) if remote is not None else None
+                if rows is None:
+                    remote = None
+                    rows = self._inline(space, images[i].digest, image_pixels)
+                out[i] = rows
+        return [rows for rows in out if rows is not None]
+
+    def _stored(self, space: Namespace, digest: bytes) -> torch.Tensor | None:
+        if self.client is None:
+            return None
+        try:
+            found = self.client.get([encoder_record(space, digest)])
+        except Exception as exc:  # a store that fails is a miss: the image is encoded
+            log.debug("encoder record read failed: %s", exc)
+            return None
+        if not found:
+            return None
+        c = self.tower.config
+        rows = np.frombuffer(found[0].payload, dtype="<f4")
+        if rows.size != c.tokens_per_image * c.text_hidden:
+            return None
+        return torch.from_numpy(rows.copy()).view(c.tokens_per_image, c.text_hidden)
+
+    def _remote(self, remote: RemoteEncoder, digest: bytes, salt: str, pixels: torch.Tensor) -> torch.Tensor | None:
+        try:
+            rows = remote.encode(digest, salt, pixels)
+        except Exception as exc:
+            self._remote_down_until = time.monotonic() + self.remote_retry_s
+            self._count("encoder_failed")
+            log.warning("the vision encoder failed (%s): encoding here", exc)
+            return None
+        self._count("encoder")
+        return rows
+
+    def _inline(self, space: Namespace, digest: bytes, pixels: torch.Tensor) -> torch.Tensor:
+        started = time.perf_counter()
+        with self._tower_lock:
+            rows = self.tower.encode(pixels[None])[0].cpu()  # (tokens_per_image, text_hidden)
+        with self._lock:
+            self.encode_seconds += time.perf_counter() - started
+        self._count("inline")
+        if self.client is not None:
+            self.client.save([(encoder_record(space, digest), rows.numpy().astype("<f4").tobytes())], 1,
+                             ENCODER_CLASS)
+        return rows
+
+    def _count(self, what: str, n: int = 1) -> None:
+        if n:
+            with self._lock:
+                self.counts[what] += n
