@@ -2,8 +2,9 @@
 to its server-sent events.
 
 Every field the API defines is honoured or refused with a 400 naming it; none is ignored, and unknown fields
-are refused too. A null field counts as absent. Text, tools, tool calls and tool results only: images,
-documents, thinking, server tools and forced tool choices are refused. `cache_control` is accepted wherever the
+are refused too. A null field counts as absent. Text, images in user messages (base64 sources; a url
+source is refused, since this server fetches nothing), tools, tool calls and tool results only: documents,
+thinking, server tools and forced tool choices are refused. `cache_control` is accepted wherever the
 API allows it and has no effect: this server caches every prompt's prefix on its own, with no breakpoints.
 """
 
@@ -14,14 +15,26 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from engine.api.conversation import LENGTH, STOP, TOOL_CALLS, Message, Prompt, Reply, Tool, ToolCall
+from engine.api.conversation import (
+    LENGTH,
+    STOP,
+    TOOL_CALLS,
+    ImagePart,
+    Message,
+    Prompt,
+    Reply,
+    Tool,
+    ToolCall,
+    plain_text,
+)
 from engine.api.errors import ApiError
 from engine.decode import DecodeError, SamplingParams
+from engine.text.chat_prompt import IMAGE_MARK
 
 FIELDS = {"model", "max_tokens", "messages", "system", "stop_sequences", "temperature", "top_p", "top_k", "stream",
           "metadata", "tools", "tool_choice", "cache_control"}
 TEXT = {"text": {"text"}}  # block type: its fields
-BLOCKS = {"user": {**TEXT, "tool_result": {"tool_use_id", "content", "is_error"}},
+BLOCKS = {"user": {**TEXT, "image": {"source"}, "tool_result": {"tool_use_id", "content", "is_error"}},
           "assistant": {**TEXT, "tool_use": {"id", "name", "input"}}}
 STOP_REASONS = {STOP: "end_turn", LENGTH: "max_tokens", TOOL_CALLS: "tool_use"}
 ERROR_KINDS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -115,12 +128,23 @@ def _message(message: Any, where: str) -> list[Message]:
         return [Message(role, content)]
     if not isinstance(content, list):
         raise ApiError(400, f"{where}.content: must be a string or a list of blocks", f"{where}.content")
-    texts, calls, results = [], [], []
+    texts, calls, results, images = [], [], [], []
     for j, block in enumerate(content):
         at = f"{where}.content.{j}"
         block = _block(block, at, BLOCKS[role])
         if block["type"] == "text":
-            texts.append(_string(block, "text", at, empty=True))
+            texts.append(plain_text(_string(block, "text", at, empty=True)))
+        elif block["type"] == "image":
+            source = _object(block.get("source"), f"{at}.source")
+            if source.get("type") == "url":
+                raise ApiError(400, f"{at}.source: remote image URLs are not fetched by this server: send the "
+                                    "image as a base64 source", f"{at}.source")
+            _fields(source, {"type", "media_type", "data"}, f"{at}.source")
+            if source.get("type") != "base64":
+                raise ApiError(400, f"{at}.source.type: must be 'base64'", f"{at}.source.type")
+            images.append(ImagePart(_string(source, "data", f"{at}.source"),
+                                    _string(source, "media_type", f"{at}.source")))
+            texts.append(IMAGE_MARK)
         elif block["type"] == "tool_use":
             if not isinstance(block.get("input"), dict):
                 raise ApiError(400, f"{at}.input: an object is required", f"{at}.input")
@@ -136,7 +160,7 @@ def _message(message: Any, where: str) -> list[Message]:
     if role == "assistant":
         return [Message("assistant", text, tool_calls=tuple(calls))]
     # tool results answer the previous turn's calls, so they come before the user's own text (as the API requires)
-    return results + [Message("user", text)] * bool(texts or not results)
+    return results + [Message("user", text, images=tuple(images))] * bool(texts or not results)
 
 
 def _tools(tools: Any) -> list[Tool]:

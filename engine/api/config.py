@@ -82,6 +82,18 @@ class ApiConfig:
     max_connections_per_client: int = 256  # from one client address
     header_timeout_s: float = 10.0  # a request head must arrive whole within this
     write_timeout_s: float = 30.0  # a response its client does not take for this long ends its connection
+    # A vision encoder for image parts (engine/vision): the tower's preset, small (224 px, 49 tokens an image) or
+    # tiny. Its weights are random, since no trained vision weights ship here: replies about an image mean
+    # nothing, while the images' identity in the store, their encoder records and the encoder stage are real.
+    # none: a request with an image is refused (400)
+    vision: str | None = None
+    vision_seed: int = 0  # the seed of the tower's random weights: every process sharing its records uses the same
+    # The vision encoder process (python -m engine.vision.server), host:port, with the store's token and CA
+    # (KVSTORE_TOKEN, KVSTORE_TLS_CA); none, or while it fails: images the store lacks are encoded here
+    vision_encoder: str | None = None
+    max_images: int = 8  # image parts in one request; past it, 400
+    max_image_bytes: int = 3 << 20  # one image's encoded bytes (max_body_bytes bounds the whole body too); past it, 400
+    max_image_pixels: int = 16_777_216  # one image's width x height, read before its pixels are; past it, 400
 
     @property
     def reserve(self) -> int:
@@ -124,6 +136,14 @@ class ApiConfig:
             raise ValueError("ApiConfig: header_timeout_s and write_timeout_s must be > 0")
         if not self.sweep_interval_s > 0:
             raise ValueError("ApiConfig: sweep_interval_s must be > 0")
+        if self.vision is not None:
+            from engine.vision.presets import VISION_PRESETS
+
+            if self.vision not in VISION_PRESETS:
+                raise ValueError(f"ApiConfig: vision must be one of {sorted(VISION_PRESETS)} or none, "
+                                 f"got {self.vision!r}")
+        if min(self.max_images, self.max_image_bytes, self.max_image_pixels) < 1:
+            raise ValueError("ApiConfig: max_images, max_image_bytes and max_image_pixels must be >= 1")
         object.__setattr__(self, "servers", tuple(self.servers))
 
 
@@ -131,7 +151,8 @@ COMMAND = Command(ApiConfig, "kvstore-api", "The HTTP API server: OpenAI Chat Co
                   "Messages, over the engines.", "KVSTORE_API_",
                   aliases={"api_keys": "api_key", "metrics_keys": "metrics_key"},
                   metavars={"model": "DIR", "servers": "HOST:PORT,...", "api_keys": "KEY=TENANT",
-                            "metrics_keys": "KEY", "chunk_cost": "A,B,C", "idle_s": "CLASS=DURATION,..."})
+                            "metrics_keys": "KEY", "chunk_cost": "A,B,C", "idle_s": "CLASS=DURATION,...",
+                            "vision": "PRESET", "vision_encoder": "HOST:PORT"})
 
 
 def parse_args(argv: Sequence[str] | None = None, prog: str = "kvstore-api",

@@ -33,6 +33,7 @@ import xxhash
 
 from engine.api import body
 from engine.decode import SamplingParams
+from engine.text.chat_prompt import IMAGE_MARK
 
 CALL_FENCE = "```tool_call\n"
 OUTPUT_FENCE = "```tool_output\n"
@@ -61,11 +62,26 @@ class Tool:
 
 
 @dataclass(frozen=True)
+class ImagePart:
+    """An image as a request sent it, decoded later off the event loop (engine.vision.images)."""
+
+    data: str  # a data: URL (OpenAI), or base64 (Anthropic, with media_type)
+    media_type: str | None = None
+    caller_id: str | None = None  # the client's own id for the image (vLLM's multi_modal_uuids): its identity
+
+
+@dataclass(frozen=True)
 class Message:
     role: str  # system, user, assistant, tool
-    content: str = ""
+    content: str = ""  # with IMAGE_MARK (engine.text.chat_prompt) where each of `images` goes
     tool_calls: tuple[ToolCall, ...] = ()  # assistant: the calls it made
     tool_call_id: str | None = None  # tool: the call this is the result of
+    images: tuple[ImagePart, ...] = ()  # user: in the order of the content's marks
+
+
+def plain_text(text: str) -> str:
+    """A client's text, with no image mark in it: only an image part puts one in a message."""
+    return text.replace(IMAGE_MARK, "\ufffd")
 
 
 @dataclass
@@ -98,11 +114,13 @@ class Reply:
 def conversation_id(prompt: Prompt) -> str:
     """A name for the conversation a prompt continues, the same on every turn: a digest of its messages up to
     and including the first user message, which later turns repeat. The engines keep one window record per
-    conversation by it (an older one is deleted once superseded). Two conversations that open alike share it,
+    conversation by it (an older one is deleted once superseded). Two conversations that open alike (the same
+    text and the same images' bytes) share it,
     and then only the latest of them keeps its record; the other resumes by replay or recompute, exactly."""
     opening = []
     for message in prompt.messages:
-        opening.append([message.role, message.content])
+        images = [xxhash.xxh3_64_hexdigest(image.data.encode()) for image in message.images]  # as sent: not decoded
+        opening.append([message.role, message.content] + [images] * bool(images))
         if message.role == "user":
             break
     return "conversation-" + xxhash.xxh3_128_hexdigest(json.dumps(opening).encode())
@@ -120,7 +138,8 @@ def chat_messages(prompt: Prompt) -> list[dict[str, Any]]:
             messages.insert(0, Message("system", described))
     turns: list[tuple[str, list[str]]] = []  # role, its contents: joined once, so merging is linear
     for message in messages:
-        role, content = message.role, message.content
+        # a client's text never places an image: only the image parts an API put in a message's content do
+        role, content = message.role, message.content if message.images else plain_text(message.content)
         if message.role == "assistant" and message.tool_calls:
             content = "\n".join([content] * bool(content) + [_call_text(call) for call in message.tool_calls])
         elif message.role == "tool":

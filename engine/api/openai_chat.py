@@ -1,8 +1,9 @@
 """OpenAI Chat Completions: a request body to a `Prompt`, a `Reply` to the API's objects and stream chunks.
 
 Every field the API defines is either honoured or refused with a 400 naming it; none is ignored, and
-unknown fields are refused too. Text content only (no images or audio); function tools and tool calls
-travel as `engine.api.conversation` describes.
+unknown fields are refused too. Text and, in user messages, image parts (`image_url` with a data: URL, and
+an optional `uuid` naming the image as vLLM's multi_modal_uuids do; no audio or files); function tools and
+tool calls travel as `engine.api.conversation` describes.
 """
 
 from __future__ import annotations
@@ -14,9 +15,20 @@ from collections.abc import Sequence
 from typing import Any
 
 from engine.api import body
-from engine.api.conversation import CALL_MAX_DEPTH, CALL_MAX_ITEMS, Message, Prompt, Reply, Tool, ToolCall
+from engine.api.conversation import (
+    CALL_MAX_DEPTH,
+    CALL_MAX_ITEMS,
+    ImagePart,
+    Message,
+    Prompt,
+    Reply,
+    Tool,
+    ToolCall,
+    plain_text,
+)
 from engine.api.errors import ApiError
 from engine.decode import DecodeError, SamplingParams
+from engine.text.chat_prompt import IMAGE_MARK
 
 HONOURED = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stream",
             "stream_options", "stop", "seed", "user", "tools", "tool_choice", "parallel_tool_calls"}
@@ -74,11 +86,15 @@ def _messages(messages: Any) -> list[Message]:
         if set(message) - allowed:
             raise ApiError(400, f"messages[{i}] has unsupported fields {sorted(set(message) - allowed)}", "messages")
         calls = tuple(_call(call, i) for call in message.get("tool_calls") or ())
-        content = "" if message.get("content") is None and (calls or role == "assistant") else \
-            _text(message.get("content"), i)
+        images: tuple[ImagePart, ...] = ()
+        if role == "user" and isinstance(message.get("content"), list):
+            content, images = _user_parts(message["content"], i)
+        else:
+            content = "" if message.get("content") is None and (calls or role == "assistant") else \
+                _text(message.get("content"), i)
         if role == "tool" and not isinstance(message.get("tool_call_id"), str):
             raise ApiError(400, f"messages[{i}]: a tool message needs its tool_call_id", "messages")
-        out.append(Message(role, content, calls, message.get("tool_call_id")))
+        out.append(Message(role, content, calls, message.get("tool_call_id"), images))
     return out
 
 
@@ -102,6 +118,30 @@ def _text(content: Any, i: int) -> str:
                                          and isinstance(p.get("text"), str) for p in content):
         return "".join(p["text"] for p in content)
     raise ApiError(400, f"messages[{i}].content must be a string or text parts", "messages")
+
+
+def _user_parts(content: list, i: int) -> tuple[str, tuple[ImagePart, ...]]:
+    """A user message's text and image parts: the text with an image mark where each image goes."""
+    texts, images = [], []
+    for j, part in enumerate(content):
+        at = f"messages[{i}].content[{j}]"
+        if not isinstance(part, dict) or part.get("type") not in ("text", "image_url"):
+            raise ApiError(400, f"{at} must be a text or image_url part", "messages")
+        if part["type"] == "text":
+            if set(part) - {"type", "text"} or not isinstance(part.get("text"), str):
+                raise ApiError(400, f"{at}: a text part is {{type, text}} with text a string", "messages")
+            texts.append(plain_text(part["text"]))
+            continue
+        image, caller_id = part.get("image_url"), part.get("uuid")
+        if set(part) - {"type", "image_url", "uuid"} or not isinstance(image, dict) or set(image) - {"url", "detail"} \
+                or not isinstance(image.get("url"), str) or not isinstance(caller_id, (str, type(None))):
+            raise ApiError(400, f"{at}: an image_url part is {{type, image_url: {{url, detail}}, uuid}} with url a "
+                                "string (a data: URL)", "messages")
+        if image.get("detail", "auto") not in ("auto", "low", "high"):
+            raise ApiError(400, f"{at}.image_url.detail must be auto, low or high", "messages")
+        texts.append(IMAGE_MARK)
+        images.append(ImagePart(image["url"], caller_id=caller_id))
+    return "".join(texts), tuple(images)
 
 
 def _tools(tools: Any) -> list[Tool]:

@@ -40,9 +40,12 @@ from engine.api.errors import ApiError
 from engine.api.fair import FairGate
 from engine.api.metrics import TENANT
 from engine.api.service import Service
+from engine.vision.images import ImageLimits
+from engine.vision.stage import VisionStage
 
 if TYPE_CHECKING:
     from kvstore.block import Block
+    from kvstore.client import StoreClient
 
 DISCONNECT_POLL_S = 1.0  # how often a request not yet streaming checks that its client is still there
 T = TypeVar("T")
@@ -360,7 +363,26 @@ def build(config: ApiConfig) -> Service:
                                                               speculative=config.speculative))
     encoder = PromptEncoder(folder, config.tokenize_workers)
     return Service(runner, tokenizer, encoder, sorted(stop_token_ids(tokenizer)), advisor, config.max_in_flight,
-                   config.max_in_flight_per_tenant, FairGate(config.max_running, config.reserve))
+                   config.max_in_flight_per_tenant, FairGate(config.max_running, config.reserve),
+                   _vision_stage(config, model.config.hidden_size, client),
+                   ImageLimits(config.max_images, config.max_image_bytes, config.max_image_pixels))
+
+
+def _vision_stage(config: ApiConfig, text_hidden: int, client: StoreClient | None) -> VisionStage | None:
+    """The stage image parts go through (engine/vision), where config.vision names a tower."""
+    if config.vision is None:
+        return None
+    from engine.vision.client import EncoderClient
+    from engine.vision.presets import vision_config
+    from engine.vision.tower import VisionTower
+    from kvstore.client.config import security_from_environment
+
+    tower = VisionTower.random(vision_config(config.vision, text_hidden, config.vision_seed))
+    remote = None
+    if config.vision_encoder is not None:
+        security = security_from_environment()
+        remote = EncoderClient(config.vision_encoder, token=security.get("token"), tls_ca=security.get("tls_ca"))
+    return VisionStage(tower, client, remote)
 
 
 class _Stopped(Exception):

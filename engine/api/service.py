@@ -20,6 +20,7 @@ from engine.api.conversation import (
     LENGTH,
     STOP,
     TOOL_CALLS,
+    ImagePart,
     Prompt,
     Reply,
     chat_messages,
@@ -34,16 +35,22 @@ from engine.api.tokenize import PromptEncoder
 from engine.decode import DecodeError, DecodeRequest, DecodeResult
 from engine.decode.request import CONTEXT, MAX_TOKENS
 from engine.prefill import PrefillRequest
+from engine.prefill.request import PromptImage
 from engine.serving.loop import ServingBusy, ServingClosed, ServingLoop
-from engine.text.chat_prompt import ChatPromptError
-from kvstore.block import Block
+from engine.text.chat_prompt import ChatPromptError, split_images
+from engine.vision.images import DecodedImage, ImageError, ImageLimits, decode_data_url
+from engine.vision.stage import VisionStage
+from kvstore.block import Block, ImageSpan
 
 
 class Service:
     def __init__(self, runner: ServingLoop, tokenizer: Any, encoder: PromptEncoder, stop_token_ids: Sequence[int],
                  advisor: Advisor | None = None, max_in_flight: int = 128, max_in_flight_per_tenant: int = 64,
-                 gate: FairGate | None = None) -> None:
+                 gate: FairGate | None = None, vision: VisionStage | None = None,
+                 image_limits: ImageLimits = ImageLimits()) -> None:
+        """`vision`: the stage image parts go through (None: a request with an image is refused, 400)."""
         self.runner, self.tokenizer, self.encoder, self.advisor = runner, tokenizer, encoder, advisor
+        self.vision, self.image_limits = vision, image_limits
         # requests in the engines at once, shared fairly between tenants (engine/api/fair.py)
         self.gate = gate or FairGate(runner.engine.config.max_running, 0)
         self.stop_token_ids = tuple(stop_token_ids)
@@ -75,16 +82,16 @@ class Service:
                            kind="overloaded_error" if overloaded == 529 else "rate_limit_error")
         self.in_flight[tenant] += 1
         try:
-            ids = await self._encode(prompt)
+            ids, images = await self._encode(prompt, tenant)
             yield ids
             async with self.gate.slot(tenant):  # waits while the tenant holds its share of the engines
-                async for item in self._generated(prompt, ids, tenant, traffic_class, overloaded):
+                async for item in self._generated(prompt, ids, images, tenant, traffic_class, overloaded):
                     yield item
         finally:
             self.in_flight[tenant] -= 1
 
-    async def _generated(self, prompt: Prompt, ids: list[int], tenant: str, traffic_class: str, overloaded: int
-                         ) -> AsyncIterator[str | Reply]:
+    async def _generated(self, prompt: Prompt, ids: list[int], images: tuple[PromptImage, ...], tenant: str,
+                         traffic_class: str, overloaded: int) -> AsyncIterator[str | Reply]:
         """The text, then the Reply, of a prompt in the engines; cancels the generation if left early."""
         ticket = None
         try:
@@ -98,7 +105,8 @@ class Service:
                 loop.call_soon_threadsafe(events.put_nowait, ("done", (result, error)))
 
             # the tenant's salt comes from its API key, never from the request body
-            prefill = PrefillRequest(ids, salt=tenant, traffic_class=traffic_class, session_id=conversation_id(prompt))
+            prefill = PrefillRequest(ids, salt=tenant, traffic_class=traffic_class, session_id=conversation_id(prompt),
+                                     images=images)
             request = DecodeRequest(prefill, prompt.sampling, on_token=on_token)
             text = ReplyText(self.tokenizer.decode, self.stop_token_ids, prompt.sampling.stop, bool(prompt.tools))
             try:
@@ -140,7 +148,7 @@ class Service:
                 self.metrics.prefill_paths.labels(result.prefill_path or "none", result.window_source or "none").inc()
                 self.metrics.drafts.labels("accepted").inc(result.accepted_drafts)
                 self.metrics.drafts.labels("rejected").inc(result.drafted - result.accepted_drafts)
-                self._advise(tenant, traffic_class, ids + result.tokens, goes_on=bool(calls))
+                self._advise(tenant, traffic_class, prefill.identity() + result.tokens, goes_on=bool(calls))
                 yield reply
                 return
         finally:
@@ -148,14 +156,41 @@ class Service:
                 self.runner.cancel(ticket)
                 self.metrics.cancelled.inc()
 
-    async def _encode(self, prompt: Prompt) -> list[int]:
+    async def _encode(self, prompt: Prompt, tenant: str) -> tuple[list[int], tuple[PromptImage, ...]]:
+        """The prompt's ids, and its images with their encoder outputs (`engine.vision.stage`)."""
         started = time.monotonic()
+        parts = [part for message in prompt.messages for part in message.images]
+        if parts and self.vision is None:
+            raise ApiError(400, "this server takes no images: start kvstore-api with --vision to enable them",
+                           "messages")
+        if len(parts) > self.image_limits.max_images:
+            raise ApiError(400, f"{len(parts)} images is more than the limit of {self.image_limits.max_images} a "
+                                "request", "messages")
+        decoded = await asyncio.to_thread(self._decode_images, parts) if parts else []
+        image_tokens = self.vision.tokens_per_image if self.vision is not None and parts else 0
         try:
-            ids = await self.encoder.encode(chat_messages(prompt))
+            marked = await self.encoder.encode(chat_messages(prompt), image_tokens=image_tokens)
         except ChatPromptError as exc:
             raise ApiError(400, str(exc), "messages") from None
+        ids, starts = split_images(marked, image_tokens) if parts else (marked, [])
         self.metrics.encode.observe(time.monotonic() - started)
-        return ids
+        if not parts:
+            return ids, ()
+        assert self.vision is not None and len(starts) == len(decoded), "each image part left one mark"
+        rows = await asyncio.to_thread(self.vision.embeds, decoded, tenant)
+        return ids, tuple(PromptImage(ImageSpan(start, image_tokens, image.digest), embeds)
+                          for start, image, embeds in zip(starts, decoded, rows, strict=True))
+
+    def _decode_images(self, parts: Sequence[ImagePart]) -> list[DecodedImage]:
+        """Off the event loop: each part's pixels, or ApiError(400) naming the first bad one."""
+        out = []
+        for i, part in enumerate(parts):
+            url = part.data if part.media_type is None else f"data:{part.media_type};base64,{part.data}"
+            try:
+                out.append(decode_data_url(url, self.image_limits, part.caller_id))
+            except ImageError as exc:
+                raise ApiError(400, f"image {i}: {exc}", "messages") from None
+        return out
 
     def blocks(self, tenant: str, tokens: Sequence[int]) -> list[Block]:
         """The full blocks of `tokens` in the tenant's namespace: what the store holds of them."""

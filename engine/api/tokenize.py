@@ -56,9 +56,11 @@ class PromptEncoder:
             future.result()  # each worker has loaded the tokenizer: the first request does not wait for it
         return pool
 
-    async def encode(self, messages: Sequence[Mapping[str, Any]], tenant: str | None = None) -> list[int]:
+    async def encode(self, messages: Sequence[Mapping[str, Any]], tenant: str | None = None,
+                     image_tokens: int = 0) -> list[int]:
         """The prompt's ids; ChatPromptError for messages the template refuses or too long to fit the context.
-        `tenant` (default: the request's, engine.api.metrics.TENANT) waits its fair turn for a worker."""
+        `tenant` (default: the request's, engine.api.metrics.TENANT) waits its fair turn for a worker. With
+        `image_tokens`, each image mark is an image's placeholders (engine.text.chat_prompt)."""
         from engine.api.metrics import TENANT
         from engine.text.chat_prompt import ChatPromptError
 
@@ -68,7 +70,7 @@ class PromptEncoder:
                                   f"{self.context} tokens can hold (at most {self.max_chars} characters)")
         await self.queue.acquire(TENANT.get() if tenant is None else tenant, chars + 1)
         self.jobs += 1
-        job = asyncio.ensure_future(self._encode(messages))
+        job = asyncio.ensure_future(self._encode(messages, image_tokens))
         job.add_done_callback(self._done)  # a worker is free when its job ends, not when its client leaves
         return await asyncio.shield(job)
 
@@ -77,20 +79,20 @@ class PromptEncoder:
         if not job.cancelled():
             job.exception()  # a job whose client left: its error is nobody's to raise
 
-    async def _encode(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    async def _encode(self, messages: Sequence[Mapping[str, Any]], image_tokens: int = 0) -> list[int]:
         """A worker that died (the OOM killer, a crash) breaks the whole pool: it is started again once, and
         the request retried."""
         loop = asyncio.get_running_loop()
         pool = self.pool
         try:
-            return await loop.run_in_executor(pool, _encode, list(messages))
+            return await loop.run_in_executor(pool, _encode, list(messages), image_tokens)
         except BrokenProcessPool:
             async with self._restarting:
                 if self.pool is pool:  # the first request to see it restarts it; the others retry on the new one
                     pool.shutdown(wait=False, cancel_futures=True)
                     self.pool = await loop.run_in_executor(None, self._start)
                     self.restarts += 1
-            return await loop.run_in_executor(self.pool, _encode, list(messages))
+            return await loop.run_in_executor(self.pool, _encode, list(messages), image_tokens)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)  # the workers have exited when this returns
@@ -175,7 +177,7 @@ def _ready() -> bool:
     return _tokenizer is not None
 
 
-def _encode(messages: list[Mapping[str, Any]]) -> list[int]:
+def _encode(messages: list[Mapping[str, Any]], image_tokens: int = 0) -> list[int]:
     from engine.text.chat_prompt import encode_chat
 
-    return encode_chat(_tokenizer, messages)
+    return encode_chat(_tokenizer, messages, image_tokens=image_tokens)

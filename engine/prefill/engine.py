@@ -557,7 +557,10 @@ class PrefillEngine:
             self._start_load(a, client, handed.found.blocks)
 
     def _accepts_approximate(self, a: _Active) -> bool:
-        return not a.request.exact and a.namespace.tenant.hex() not in self.config.exact_tenants
+        # A prompt with images is never replayed: the replayed chain's hit is not cut back where it holds too
+        # little of an image (image_safe_prefix), so it could not tell two images apart as the exact chain does
+        return not a.request.exact and a.namespace.tenant.hex() not in self.config.exact_tenants \
+            and not a.request.images
 
     def _replayed_chain(self, a: _Active) -> list[Block]:
         return self.chain_namespace(a.request, exact=False, namespace=a.namespace).blocks(a.identity)

@@ -14,6 +14,11 @@ model's tokenizer). The copy of the tokenizer that content is encoded with is ma
 262k vocabulary): `encode_chat` once at start-up keeps that off the first request.
 
     ids = encode_chat(tokenizer, [{"role": "system", "content": ...}, {"role": "user", "content": ...}])
+
+An image goes into a message's content as IMAGE_MARK, which an API puts there for each image part (and takes out
+of clients' text). With `image_tokens`, each mark becomes `<start_of_image>`, `image_tokens` placeholders
+(IMAGE_PLACEHOLDER, never a token id: `split_images` gives where they are and puts an id in their place) and
+`<end_of_image>`, as Gemma 3's processor lays an image out.
 """
 
 from __future__ import annotations
@@ -26,17 +31,23 @@ from typing import Any
 _SENTINEL = "\ue000{}\ue001"  # Unicode private-use characters: no template writes them
 _SENTINELS = re.compile("\ue000(\\d+)\ue001")
 ROLES = ("system", "user", "assistant")
+IMAGE_MARK = "\ue002"  # an image's place in a message's content (private use: no client text holds it)
+IMAGE_PLACEHOLDER = -1  # in encode_chat's ids: a position an image's encoder rows fill (split_images)
+IMAGE_BOUNDS = ("<start_of_image>", "<end_of_image>")  # around an image's placeholders, where the vocabulary has them
 _TEXT_TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> its copy for content
+_IMAGE_BOUNDS_IDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> IMAGE_BOUNDS' ids
 
 
 class ChatPromptError(ValueError):
     """Messages the chat template cannot render: the caller answers with a 400."""
 
 
-def encode_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+def encode_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                image_tokens: int = 0) -> list[int]:
     """The prompt's token ids: the template's special tokens, every message's text as plain text. A last
     message `{"role": "assistant", "content": ..., "continue": True}` is a prefill: the reply continues it, so
-    its turn is left open (no generation prompt, nothing of the template after its content)."""
+    its turn is left open (no generation prompt, nothing of the template after its content). With
+    `image_tokens`, each IMAGE_MARK in a content is an image of that many IMAGE_PLACEHOLDERs (module docstring)."""
     contents = _checked(messages)
     prefill = messages[-1].get("continue") is True
     trims = _template_trims(tokenizer)
@@ -58,8 +69,36 @@ def encode_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]], add_gener
             ids += _encode(tokenizer, piece, split_special=False)  # the template's: its control tokens
         else:
             content = contents[int(piece)]
-            ids += _encode_text(tokenizer, content.strip() if trims[messages[int(piece)]["role"]] else content)
+            content = content.strip() if trims[messages[int(piece)]["role"]] else content
+            texts = content.split(IMAGE_MARK) if image_tokens else [content]
+            for j, text in enumerate(texts):
+                if j:
+                    ids += _image_run(tokenizer, image_tokens)
+                ids += _encode_text(tokenizer, text)
     return ids
+
+
+def _image_run(tokenizer: Any, image_tokens: int) -> list[int]:
+    if tokenizer not in _IMAGE_BOUNDS_IDS:  # the vocabulary is copied whole: looked up once
+        vocab = tokenizer.get_vocab()
+        _IMAGE_BOUNDS_IDS[tokenizer] = tuple([vocab[name]] if name in vocab else [] for name in IMAGE_BOUNDS)
+    start, end = _IMAGE_BOUNDS_IDS[tokenizer]
+    return start + [IMAGE_PLACEHOLDER] * image_tokens + end
+
+
+def split_images(ids: Sequence[int], image_tokens: int, placeholder_id: int = 0) -> tuple[list[int], list[int]]:
+    """encode_chat's ids with `placeholder_id` at each image's placeholders (the model reads the image's rows
+    there instead), and where each image's placeholders start, in order."""
+    out, starts = list(ids), []
+    i = 0
+    while i < len(out):
+        if out[i] == IMAGE_PLACEHOLDER:
+            starts.append(i)
+            out[i : i + image_tokens] = [placeholder_id] * image_tokens
+            i += image_tokens
+        else:
+            i += 1
+    return out, starts
 
 
 def _checked(messages: Sequence[Mapping[str, Any]]) -> list[str]:

@@ -38,8 +38,10 @@ class EncoderClient:
         TimeoutError on failure (the caller encodes it itself)."""
         request = pb.EncodeRequest(digest=digest, salt=salt, shape=list(pixels.shape),
                                    pixels=pixels.contiguous().numpy().astype("<f4").tobytes())
-        call = self._encode(request, timeout=self.timeout_s, metadata=self._metadata)
-        reply = asyncio.run_coroutine_threadsafe(_awaited(call), self._loop).result(self.timeout_s + 5)
+        async def call() -> Any:  # a call belongs to its channel's loop: made there
+            return await self._encode(request, timeout=self.timeout_s, metadata=self._metadata)
+
+        reply = asyncio.run_coroutine_threadsafe(call(), self._loop).result(self.timeout_s + 5)
         rows = np.frombuffer(reply.embeds, dtype="<f4")
         if len(reply.shape) != 2 or rows.size != reply.shape[0] * reply.shape[1]:
             raise ValueError(f"the encoder's reply has shape {tuple(reply.shape)} and {rows.size} values")
@@ -57,6 +59,3 @@ class EncoderClient:
     def __exit__(self, *_: Any) -> None:
         self.close()
 
-
-async def _awaited(call: Any) -> Any:
-    return await call

@@ -19,18 +19,18 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import grpc
 import numpy as np
 import torch
 
 from engine.serving.proto import pb
+from engine.vision.presets import vision_config
 from engine.vision.stage import ENCODER_CLASS, encoder_namespace, encoder_record
-from engine.vision.tower import VisionConfig, VisionTower
+from engine.vision.tower import VisionTower
 from kvstore.block import tenant_of
 from kvstore.client.config import ClientConfig
 from kvstore.server.auth import AuthConfigError, Authenticator
@@ -42,26 +42,10 @@ log = logging.getLogger("engine.vision.server")
 
 SERVICE = "kvstore.decode.v1.VisionEncoder"
 verb_of = method_verbs(SERVICE, {"Encode": "write"})
-# Named towers (random weights: what matters is that every process makes the same one): "small" is the default
-# VisionConfig (224 px, 196 patches of 384 wide, 6 layers, 49 tokens an image); "tiny" is for tests
-VISION_PRESETS: Mapping[str, Mapping[str, Any]] = {
-    "small": {},
-    "tiny": {"image_size": 48, "patch_size": 8, "hidden": 32, "layers": 1, "heads": 2, "intermediate": 64,
-             "tokens_per_image": 9},
-}
-
-
-def vision_config(preset: str, text_hidden: int, seed: int = 0) -> VisionConfig:
-    """The tower of a named preset, projecting into a text model `text_hidden` wide."""
-    if preset not in VISION_PRESETS:
-        raise ValueError(f"unknown vision preset {preset!r}; choose one of {sorted(VISION_PRESETS)}")
-    return VisionConfig(**VISION_PRESETS[preset], text_hidden=text_hidden, seed=seed)
-
-
 @dataclass(frozen=True)
 class EncoderConfig:
     text_hidden: int  # the hidden size of the text model the encoder's outputs feed (640 for Gemma 3 270M)
-    vision_preset: str = "small"  # the tower's shape: small (224 px, 49 tokens an image) or tiny (tests)
+    vision_preset: str = "small"  # the tower (engine/vision/presets.py): small (224 px, 49 tokens an image) or tiny
     vision_seed: int = 0  # the seed of its random weights: the prefill engines must use the same
     host: str = "127.0.0.1"  # the address to listen on
     port: int = 0  # the port to listen on; 0: a free one, printed on the READY line

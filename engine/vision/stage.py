@@ -68,7 +68,8 @@ class VisionStage:
         # images by how their outputs came: "store", "encoder" (the process), "inline" (here); and
         # "encoder_failed": calls to the process that failed (each then encoded here)
         self.counts: Counter[str] = Counter()
-        self.encode_seconds = 0.0  # spent encoding here (the process's own time is its)
+        self.encode_seconds = 0.0  # spent encoding here
+        self.remote_seconds = 0.0  # spent in calls to the encoder process
         self._remote_down_until = 0.0
         self._lock = threading.Lock()  # the counters: the API encodes on several threads
         self._tower_lock = threading.Lock()  # one encode at a time here: torch runs its own threads
@@ -113,6 +114,7 @@ class VisionStage:
         return torch.from_numpy(rows.copy()).view(c.tokens_per_image, c.text_hidden)
 
     def _remote(self, remote: RemoteEncoder, digest: bytes, salt: str, pixels: torch.Tensor) -> torch.Tensor | None:
+        started = time.perf_counter()
         try:
             rows = remote.encode(digest, salt, pixels)
         except Exception as exc:
@@ -120,6 +122,8 @@ class VisionStage:
             self._count("encoder_failed")
             log.warning("the vision encoder failed (%s): encoding here", exc)
             return None
+        with self._lock:
+            self.remote_seconds += time.perf_counter() - started
         self._count("encoder")
         return rows
 

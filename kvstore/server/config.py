@@ -27,7 +27,8 @@ if TYPE_CHECKING:
 UNIX_PATH_MAX = 107  # sun_path is 108 bytes, NUL included
 
 # "handoff": the records a prefill process hands a decode process (engine/prefill/handoff.py), read within seconds;
-# "window": a session's latest sliding-window state (engine/window/record.py), worth keeping while it is active
+# "window": a session's latest sliding-window state (engine/window/record.py), worth keeping while it is active;
+# "encoder": an image's vision encoder outputs (engine/vision/stage.py), reused while the image is
 DEFAULT_CLASSES = {"agent": 3 * 86400.0, "chat": 7 * 86400.0, "handoff": 600.0, "window": 3600.0, "encoder": 86400.0}
 
 

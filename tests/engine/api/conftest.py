@@ -59,7 +59,8 @@ def served(tmp_path_factory):
                        chunk_cost=(8e-8, 2e-3, 0.0),  # as fitted on 2 cores: no start-up forwards to time
                        # float32: tests here hold greedy replies equal across paths (speculative and plain, cached
                        # and cold), which bf16 keeps only up to near-ties (docs/engines.md "The dtype")
-                       dtype="float32")
+                       dtype="float32",
+                       vision="tiny", max_images=3, max_image_pixels=1 << 20)  # image parts: test_images.py
     service = build(config)
     http = uvicorn.Server(uvicorn.Config(create_app(service, config), host="127.0.0.1", port=port,
                                          log_level="warning"))

@@ -122,7 +122,12 @@ def test_bad_values_are_refused_by_name(changes, param):
     ("hi", "messages.0"), ({"role": "system", "content": "x"}, "messages.0.role"),
     ({"role": "user", "content": 3}, "messages.0.content"),
     ({"role": "user", "content": "x", "name": "bob"}, "messages.0.name"),
-    ({"role": "user", "content": [{"type": "image", "source": {"type": "base64"}}]}, "messages.0.content.0.type"),
+    ({"role": "user", "content": [{"type": "image", "source": {"type": "base64"}}]},
+     "messages.0.content.0.source.data"),
+    ({"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "https://x"}}]},
+     "messages.0.content.0.source"),
+    ({"role": "assistant", "content": [{"type": "image", "source": {"type": "base64"}}]},
+     "messages.0.content.0.type"),
     ({"role": "user", "content": [{"type": "document", "source": {}}]}, "messages.0.content.0.type"),
     ({"role": "assistant", "content": [{"type": "thinking", "thinking": "", "signature": ""}]},
      "messages.0.content.0.type"),
@@ -142,7 +147,7 @@ def test_bad_messages_and_blocks_are_refused_by_name(message, param):
     assert _refused(_with(messages=[message]), param).message.startswith(param + ":")
 
 
-@pytest.mark.parametrize("kind", ["image", "document", "search_result", "server_tool_use", "redacted_thinking"])
+@pytest.mark.parametrize("kind", ["document", "search_result", "server_tool_use", "redacted_thinking"])
 def test_refused_blocks_are_named(kind):
     message = {"role": "user", "content": [{"type": "text", "text": "look"}, {"type": kind}]}
     assert repr(kind) in _refused(_with(messages=[message]), "messages.0.content.1.type").message

@@ -14,7 +14,7 @@ import torch
 
 from engine.vision.client import EncoderClient
 from engine.vision.images import DecodedImage, content_digest
-from engine.vision.server import vision_config
+from engine.vision.presets import vision_config
 from engine.vision.stage import VisionStage
 from engine.vision.tower import VisionTower
 from kvstore.block import tenant_of

@@ -7,7 +7,8 @@ pytestmark = pytest.mark.unit
 
 def test_defaults_follow_the_design():
     config = ServerConfig()
-    assert config.classes == {"agent": 3 * 86400.0, "chat": 7 * 86400.0, "handoff": 600.0, "window": 3600.0, "encoder": 86400.0}
+    assert config.classes == {"agent": 3 * 86400.0, "chat": 7 * 86400.0, "handoff": 600.0, "window": 3600.0,
+                              "encoder": 86400.0}
     assert config.default_class == "chat"
 
 
@@ -87,7 +88,8 @@ def test_the_shipped_example_config_is_valid():
     from pathlib import Path
     example = Path(__file__).resolve().parents[3] / "deploy" / "kvstore.toml"
     config = load_config(["--config", str(example)], environ={})
-    assert config.classes == {"agent": 3 * 86400.0, "chat": 7 * 86400.0, "handoff": 600.0, "window": 3600.0, "encoder": 86400.0}
+    assert config.classes == {"agent": 3 * 86400.0, "chat": 7 * 86400.0, "handoff": 600.0, "window": 3600.0,
+                              "encoder": 86400.0}
     assert config.data_port == 50052
 
 
