@@ -33,6 +33,8 @@ import sys
 import tempfile
 import textwrap
 import time
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -107,9 +109,11 @@ class Figures:
     blocks_after_image: int = 0
     blocks_after_image_loaded: int = 0
     requests: list[float] = field(default_factory=list)
+    paths: Counter[str] = field(default_factory=Counter)  # the prefill's path of each request (cold, cached, ...)
 
 
-def serve(requests: list[Request], engine: PrefillEngine, stage: VisionStage, tokenizer, salt: str) -> Figures:
+def serve(requests: list[Request], engine: PrefillEngine, stage: VisionStage, tokenizer, salt: str,
+          served: Callable[[], None]) -> Figures:
     figures = Figures()
     n = stage.tokens_per_image
     for request in requests:
@@ -126,6 +130,8 @@ def serve(requests: list[Request], engine: PrefillEngine, stage: VisionStage, to
         if engine.client is not None:
             engine.client.write_behind.flush()  # the next turn finds this one's blocks, as it would seconds later
         ttft = vision_s + result.ttft_s
+        figures.paths[result.path] += 1
+        served()
         figures.requests.append(ttft)
         figures.ttft_s += ttft
         figures.encoder_s += stage.encode_seconds + stage.remote_seconds - encoding_s
@@ -173,17 +179,21 @@ def main(argv: list[str] | None = None) -> int:
                 engines = {"inline": PrefillEngine(model, None, PrefillConfig(kv_pages=256, cost=stored.cost),
                                                    model_identity(folder)), "stage": stored}
                 results: dict[str, dict[str, list[Figures]]] = {w: {m: [] for m in MODES} for w in workloads}
-                bar = progress("encoder bench", args.repeats * len(workloads) * len(MODES))
+                bar = progress("encoder bench", args.repeats * len(MODES) * sum(map(len, workloads.values())))
                 done = 0
+
+                def served() -> None:
+                    nonlocal done
+                    done += 1
+                    bar(done)
+
                 for repeat in range(args.repeats):
                     for name, requests in workloads.items():
                         for mode in MODES:  # interleaved: both see the same machine state
                             stage = VisionStage(tower, client if mode == "stage" else None,
                                                 remote if mode == "stage" else None)
                             results[name][mode].append(serve(requests, engines[mode], stage, tokenizer,
-                                                             f"{name}-{mode}-{repeat}-{time.time_ns()}"))
-                            done += 1
-                            bar(done)
+                                                             f"{name}-{mode}-{repeat}-{time.time_ns()}", served))
             remote.close()
         finally:
             if encoder.stdin is not None:
@@ -214,6 +224,7 @@ def summarize(results: dict[str, dict[str, list[Figures]]]) -> dict:
                 "encoder_record_hit_rate": _stat([r.records_hit / r.records_looked for r in runs]),
                 "block_hit_rate_after_image": _stat([r.blocks_after_image_loaded / r.blocks_after_image
                                                      for r in runs]),
+                "prefill_paths": dict(sum((r.paths for r in runs), Counter())),
             }
         for what in ("ttft_s", "encoder_s"):
             ratios = [getattr(s, what) / getattr(i, what) for s, i in zip(modes["stage"], modes["inline"])
@@ -229,7 +240,7 @@ def summarize(results: dict[str, dict[str, list[Figures]]]) -> dict:
                      f"{inline['encoder_s']['median']:.3f}: ratio {out['encoder_ratio']['median']:.2f}")
         lines.append(f"{name}: encoder records hit {stage['encoder_record_hit_rate']['median']:.0%}, blocks after "
                      f"an image loaded {stage['block_hit_rate_after_image']['median']:.0%} (inline: "
-                     f"{inline['block_hit_rate_after_image']['median']:.0%})")
+                     f"{inline['block_hit_rate_after_image']['median']:.0%}); prefill paths {stage['prefill_paths']}")
     return report
 
 

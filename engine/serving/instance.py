@@ -102,10 +102,7 @@ async def _serve(config: InstanceConfig, model: Decoder, prefill: PrefillEngine 
     reflection.enable_server_reflection(
         [SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server)
     address = f"{config.host}:{config.port}"
-    try:
-        port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
-    except RuntimeError:
-        port = 0
+    port = add_port(server, address, credentials)
     if port == 0:
         serving.close()
         raise StartupError(f"cannot listen on {address}")
@@ -127,6 +124,14 @@ async def _serve(config: InstanceConfig, model: Decoder, prefill: PrefillEngine 
         if prefill.client is not None:
             prefill.client.close()
     return status[0]
+
+
+def add_port(server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None) -> int:
+    """Listen on `address` (TLS with `credentials`); the port, or 0 where it cannot (taken, or not an address)."""
+    try:
+        return server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    except RuntimeError:
+        return 0
 
 
 def _warn_if_exposed(config: InstanceConfig, tokens: bool, tls: bool) -> None:

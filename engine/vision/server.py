@@ -27,6 +27,7 @@ import grpc
 import numpy as np
 import torch
 
+from engine.serving.instance import add_port
 from engine.serving.proto import pb
 from engine.vision.presets import vision_config
 from engine.vision.stage import ENCODER_CLASS, encoder_namespace, encoder_record
@@ -155,11 +156,7 @@ async def _serve(config: EncoderConfig, service: EncoderService, interceptors: l
                                       ("grpc.so_reuseport", 0)], interceptors=interceptors)
     server.add_generic_rpc_handlers([service.handler()])
     address = f"{config.host}:{config.port}"
-    try:
-        port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
-    except RuntimeError:
-        port = 0
-    if port == 0:
+    if (port := add_port(server, address, credentials)) == 0:
         print(f"vision encoder: cannot listen on {address}: is the port taken? Choose another with --port",
               file=sys.stderr, flush=True)
         return 2
