@@ -28,12 +28,13 @@ UNIX_PATH_MAX = 107  # sun_path is 108 bytes, NUL included
 
 # "handoff": the records a prefill process hands a decode process (engine/prefill/handoff.py), read within seconds;
 # "window": a session's latest sliding-window state (engine/window/record.py), worth keeping while it is active
+DEFAULT_DATA_DIR = Path("./data")  # relative: under the working directory; the daemon says so at start-up
 DEFAULT_CLASSES = {"agent": 3 * 86400.0, "chat": 7 * 86400.0, "handoff": 600.0, "window": 3600.0}
 
 
 @dataclass(slots=True)
 class ServerConfig:
-    data_dir: Path = Path("./data")
+    data_dir: Path = DEFAULT_DATA_DIR
     host: str = "127.0.0.1"
     port: int = 50051  # 0: the OS picks one; see port_file
     port_file: Path | None = None  # written with the bound port once serving
