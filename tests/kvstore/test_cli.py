@@ -73,3 +73,20 @@ def test_a_secured_cluster_from_the_command_line(daemons, tmp_path):
                            env={**os.environ, "KVSTORE_TOKEN": ops_token})
     assert {"name": "kvstore_blocks", "labels": {"traffic_class": "chat"}, "value": 11} \
         in json.loads(stats.stdout)[daemon.address]
+
+
+def test_every_command_says_why_a_daemon_failed_and_exits_non_zero(daemons, tmp_path):
+    """A daemon down and a token refused each give their own reason on stderr and exit 1, never a count of
+    misses with exit 0."""
+    tokens = tmp_path / "tokens.toml"
+    kvstore("token", "new", "--name", "ops", "--tenants", "*", "--verbs", "read,write,admin", "--append", str(tokens))
+    daemon, = daemons(1, "--auth-tokens", str(tokens))
+    down = ["--servers", "127.0.0.1:1", "--timeout", "0.5"]
+    bad_token = ["--servers", daemon.address, "--token", "not-a-token"]
+    for servers, reason in ((down, "127.0.0.1:1 did not answer"), (bad_token, "refused the call")):
+        for command in ("put", "lookup", "get"):
+            run = kvstore(command, *servers, "--text", PROMPT)
+            assert run.returncode == 1 and reason in run.stderr and "Traceback" not in run.stderr, (command, run)
+        stats = kvstore("stats", *servers)
+        assert stats.returncode == 1 and reason in stats.stderr
+        assert ("(refused the call)" if servers is bad_token else "(unreachable)") in stats.stdout
