@@ -90,7 +90,7 @@ def create_app(service: Service, config: ApiConfig) -> FastAPI:
         store = service.store
         body: dict[str, Any] = {"status": "ok", "store": store.state}
         if store.client is not None:
-            body["daemons"] = {name: why or "answered" for name, why in store.last.daemons.items()}
+            body["daemons"] = {name: why or "answered" for name, why in store.daemons.items()}
         return body
 
     @app.get("/metrics")

@@ -23,6 +23,7 @@ from kvstore.client import KVClient
 log = logging.getLogger("kvstore.api.store")
 
 REACHABLE, DEGRADED, UNREACHABLE, NONE = "reachable", "degraded", "unreachable", "none"
+UNKNOWN = "unknown"  # not probed yet
 # The prefill path a cold prompt is counted under while no daemon answers: the store was not asked, so the
 # miss says nothing about what it holds (kvstore_api_prefill_paths_total{path="store_unreachable"})
 STORE_UNREACHABLE = "store_unreachable"
@@ -52,7 +53,7 @@ class Probe:
 class StoreState:
     def __init__(self, client: KVClient | None, interval_s: float = 5.0, log_every_s: float = 60.0) -> None:
         self.client, self.interval_s, self.log_every_s = client, interval_s, log_every_s
-        self.last = Probe()
+        self.last: Probe | None = None  # the latest probe's answer; None before the first
         self._logged_at = -float("inf")
         self._logged_state = REACHABLE  # what the log said last: a first probe that finds it so says nothing
         self._unlogged_changes = 0
@@ -60,13 +61,18 @@ class StoreState:
 
     @property
     def state(self) -> str:
-        return NONE if self.client is None else self.last.state
+        return NONE if self.client is None else UNKNOWN if self.last is None else self.last.state
+
+    @property
+    def daemons(self) -> dict[str, str | None]:
+        """Each daemon's name -> None where it answered the latest probe, else why it did not."""
+        return {} if self.last is None else dict(self.last.daemons)
 
     def probe(self, log_change: bool = True) -> Probe:
         """Ask every daemon (blocking: off the event loop); the answer is also kept as `last`, and a change of
         the state logged (rate-limited) unless `log_change` is False: the caller says it itself."""
         if self.client is None:
-            return self.last
+            return Probe()
         stats = self.client.server_stats()
         errors = self.client.last_errors()
         found = Probe({name: None if value is not None else errors.get(name, "no answer")
@@ -100,13 +106,13 @@ class StoreState:
         if self.client is None:
             return False
         shards = self.client.shards
-        return self.last.state == UNREACHABLE or not any(shard.up for shard in shards.values())
+        return self.state == UNREACHABLE or not any(shard.up for shard in shards.values())
 
     async def watch(self) -> None:
-        """Probe every `interval_s` until cancelled (in a thread: the client blocks)."""
+        """Probe now and then every `interval_s` until cancelled (in a thread: the client blocks)."""
         while True:
-            await asyncio.sleep(self.interval_s)
             try:
                 await asyncio.to_thread(self.probe)
             except Exception as exc:  # a probe that fails is no reason to stop watching, nor to stop serving
                 log.warning("probing the store failed: %s: %s", type(exc).__name__, exc)
+            await asyncio.sleep(self.interval_s)
