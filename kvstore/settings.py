@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from kvstore.startup import exit_at_startup
-from kvstore.units import parse_duration, parse_size
+from kvstore.units import format_duration, format_size, parse_duration, parse_size
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -314,6 +314,10 @@ def _default_note(f: dataclasses.Field) -> str:
         return ""
     if isinstance(value, bool):
         return f" (default: {'on' if value else 'off'})"
+    if unit(f.name) == "size" and isinstance(value, int):  # as a size is written: 64GiB, not 68719476736
+        return f" (default: {format_size(value)})"
+    if unit(f.name) == "duration" and isinstance(value, (int, float)):
+        return f" (default: {format_duration(value)})"
     if isinstance(value, dict):
         return f" (default: {','.join(f'{k}={v:g}' if isinstance(v, float) else f'{k}={v}' for k, v in value.items())})"
     return f" (default: {value})"
