@@ -165,7 +165,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 
 def cmd_fsck(args: argparse.Namespace) -> int:
-    from kvstore.server.fsck import DataDirBusy, check, rebuild
+    from kvstore.server.fsck import DataDirBusy, check, in_use, rebuild
     from kvstore.server.index import IndexUnavailable
     if not ((args.data_dir / "index").is_dir() or (args.data_dir / "segments").is_dir()):
         raise ValueError(f"{args.data_dir} is not a kvstore data directory (no index/ or segments/ inside)")
@@ -180,6 +180,9 @@ def cmd_fsck(args: argparse.Namespace) -> int:
         if result.set_aside is not None:
             print(f"the damaged index was moved aside to {result.set_aside} (delete it once you no longer need it)")
         print(f"index rebuilt: {result.stats}; {result.dropped} entries that did not match their record dropped")
+    if not args.rebuild and in_use(args.data_dir):  # --rebuild refuses it; a check can go on, if told what it means
+        print(f"kvstore fsck: warning: a kvstore-server is using {args.data_dir}: it writes while this reads, so a "
+              "problem below may be a record it is writing; stop it for a check that holds", file=sys.stderr)
     report = check(args.data_dir, verify_payloads=not args.no_payload)
     print(f"{report.entries} index entries, {report.verified} verified, {len(report.problems)} problems; "
           f"{report.segments} segments ({report.open_segments} left open), "
@@ -251,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     stats.add_argument("--timeout", type=float, default=5.0)
     add_security_flags(stats)
     stats.set_defaults(run=cmd_stats)
-    fsck = sub.add_parser("fsck", help="check a stopped daemon's data directory")
+    fsck = sub.add_parser("fsck", help="check a stopped daemon's data directory (a running one's: with a warning)")
     fsck.add_argument("data_dir", type=Path)
     fsck.add_argument("--no-payload", action="store_true", help="check headers only (faster)")
     fsck.add_argument("--rebuild", action="store_true",

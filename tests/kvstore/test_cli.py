@@ -33,9 +33,12 @@ def test_put_lookup_get_stats_fsck(daemons, tmp_path):
     assert {"name": "kvstore_blocks", "labels": {"traffic_class": "agent"}, "value": 11} \
         in json.loads(stats.stdout)[daemon.address]
     assert "kvstore_puts_total" in kvstore("stats", *servers, "--grep", "puts").stdout
+    running = kvstore("fsck", str(daemon.data_dir), "--no-payload")
+    assert "warning: a kvstore-server is using" in running.stderr and "index entries" in running.stdout
     daemon.stop()
     fsck = kvstore("fsck", str(daemon.data_dir))
     assert fsck.returncode == 0 and "11 index entries, 11 verified, 0 problems" in fsck.stdout
+    assert "warning" not in fsck.stderr
 
 
 def test_bad_usage_and_unreachable_daemons(tmp_path):
