@@ -419,9 +419,12 @@ def main(argv: Sequence[str] | None = None, prog: str = "kvstore-api") -> None:
                                              f"{prefill.cost.c:.3g}: --chunk-cost skips the start-up fit)")
         port = listening.getsockname()[1]
         print(f"{prog}: serving {config.model_name} on http://{config.host}:{port}{fitted}", flush=True)
-        # uvicorn serves on the socket bound above (the only change from uvicorn.run: its `sockets`)
-        uvicorn.Server(uvicorn.Config(create_app(service, config), log_level="warning", timeout_graceful_shutdown=5,
-                                      http=guarded(config))).run(sockets=[listening])
+        # uvicorn.run's Config and Server, serving on the socket bound above (uvicorn.run cannot take one)
+        server = uvicorn.Server(uvicorn.Config(create_app(service, config), log_level="warning",
+                                               timeout_graceful_shutdown=5, http=guarded(config)))
+        server.run(sockets=[listening])
+        if not server.started:  # as uvicorn.run ends then: its log said why
+            sys.exit(3)
     except _Stopped as stopped:
         print(f"{prog}: {stopped}: stopped", file=sys.stderr, flush=True)
     finally:
