@@ -56,7 +56,8 @@ class StoreState:
         self.last: Probe | None = None  # the latest probe's answer; None before the first
         self._logged_at = -float("inf")
         self._logged_state = REACHABLE  # what the log said last: a first probe that finds it so says nothing
-        self._unlogged_changes = 0
+        self._unlogged_changes = 0  # changes seen since the last line, not said
+        self._seen_state = REACHABLE  # what the latest probe found, logged or not
         self._lock = threading.Lock()
 
     @property
@@ -81,6 +82,7 @@ class StoreState:
             self.last = found
             if not log_change:  # said by the caller: the log goes on from it
                 self._logged_at, self._logged_state = time.monotonic(), found.state
+                self._seen_state, self._unlogged_changes = found.state, 0
         if log_change:
             self._log_change(found)
         return found
@@ -88,12 +90,13 @@ class StoreState:
     def _log_change(self, found: Probe) -> None:
         now = time.monotonic()
         with self._lock:
-            if found.state == self._logged_state:
+            self._unlogged_changes += found.state != self._seen_state
+            self._seen_state = found.state
+            if found.state == self._logged_state:  # as the log says already (a flap within the interval)
                 return
-            if now - self._logged_at < self.log_every_s:
-                self._unlogged_changes += 1
+            if now - self._logged_at < self.log_every_s:  # said at the first probe past the interval
                 return
-            folded = self._unlogged_changes
+            folded = max(self._unlogged_changes - 1, 0)  # besides the change this line says
             self._logged_at, self._logged_state, self._unlogged_changes = now, found.state, 0
         again = " again" if found.state == REACHABLE else ""
         log.warning("%s%s%s", found.line().replace("store reachable", f"store reachable{again}", 1),

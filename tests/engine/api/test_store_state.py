@@ -59,7 +59,16 @@ def test_changes_within_the_interval_are_folded_into_the_next_line(daemons, capl
         (line,) = caplog.records  # the first change is said at once
         daemon.stop()
         assert state.probe().state == UNREACHABLE
-        assert caplog.records == [line]  # the next within the hour is not
+        assert caplog.records == [line]  # the next within the interval is not
+        daemon.start()
+        assert _until(lambda: state.probe().state == DEGRADED)
+        state.log_every_s = 0.0  # the interval over: the next change is said, with those folded in
+        assert state.probe().state == DEGRADED
+        assert caplog.records == [line], "back to what the log said: nothing to say"
+        daemon.stop()
+        assert state.probe().state == UNREACHABLE
+        assert "store unreachable" in caplog.records[-1].getMessage()
+        assert "(2 earlier changes not logged)" in caplog.records[-1].getMessage() and len(caplog.records) == 2
 
 
 def test_without_a_store_there_is_nothing_to_miss():
