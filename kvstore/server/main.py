@@ -10,6 +10,7 @@ import resource
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -44,15 +45,19 @@ async def serve(config: ServerConfig, stop: asyncio.Event | None = None) -> None
     connections = grpc_connection_limit(config)  # first: raises the descriptor limit the store opens files under
     announce_data_dir(config)
     metrics = Metrics()
-    store = BlockStore(config, metrics)
     try:
+        store = BlockStore(config, metrics)  # it reads and makes files in the data directory too
         await store.open()
     except (DataDirInUse, IndexUnavailable) as exc:
         raise StartupError(str(exc)) from None
-    except OSError as exc:  # a directory it may not write, a full or read-only file system; the exit frees the lock
-        raise StartupError(f"data directory {config.data_dir.resolve()}: {exc.strerror or exc}"
-                           f"{f' ({exc.filename})' if exc.filename else ''}; give --data-dir a directory this "
-                           "user may write") from None
+    except OSError as exc:  # a file where it should be, /proc, no permission, a read-only file system
+        where = config.data_dir.resolve()
+        not_a_dir = config.data_dir.exists() and not config.data_dir.is_dir()
+        why = "a file is there, not a directory" if not_a_dir else exc.strerror or str(exc)
+        inside = f" at {exc.filename}" if exc.filename and not not_a_dir and Path(exc.filename).resolve() != where \
+            else ""
+        raise StartupError(f"data directory {where} cannot be used ({why}{inside}): give --data-dir a directory "
+                           "this user may write") from None  # the exit frees the lock, if it was taken
     server = grpc.aio.server(
         options=grpc_options(config, connections),
         # Calls are counted by CallLimiter instead of gRPC's own limit, which would count the health check too.
@@ -156,18 +161,10 @@ async def serve(config: ServerConfig, stop: asyncio.Event | None = None) -> None
 
 
 def announce_data_dir(config: ServerConfig) -> None:
-    """Say where the data goes (a default of ./data is easy to miss), and make the directory; a path that cannot
-    be a directory (a file, /proc) is a StartupError that says so."""
-    where = config.data_dir.resolve()
+    """Say where the data goes where it is the default, ./data under the working directory: easy to miss."""
     if config.data_dir == DEFAULT_DATA_DIR:
         log.info("data directory %s: the default, ./data under the working directory (--data-dir, "
-                 "KVSTORE_DATA_DIR or data_dir in the config file sets another)", where)
-    try:
-        config.data_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        why = "a file is there" if isinstance(exc, FileExistsError) else exc.strerror or str(exc)
-        raise StartupError(f"data directory {where} cannot be made ({why}): give --data-dir a directory this user "
-                           "may write") from None
+                 "KVSTORE_DATA_DIR or data_dir in the config file sets another)", config.data_dir.resolve())
 
 
 def grpc_options(config: ServerConfig, connections: int) -> list[tuple[str, int]]:

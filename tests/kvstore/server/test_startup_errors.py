@@ -50,7 +50,7 @@ def test_a_data_dir_that_cannot_be_made(tmp_path):
 def test_a_data_dir_that_is_a_file(tmp_path):
     (tmp_path / "afile").write_text("")
     (line,) = daemon("--data-dir", str(tmp_path / "afile"), cwd=tmp_path)
-    assert str(tmp_path / "afile") in line and "a file is there" in line and "--data-dir" in line
+    assert str(tmp_path / "afile") in line and "a file is there, not a directory" in line and "--data-dir" in line
 
 
 def test_without_data_dir_it_says_it_uses_data(tmp_path):
