@@ -69,6 +69,24 @@ def _client(args: argparse.Namespace):
                                  lookup_timeout_s=args.timeout, **security_settings(args)))
 
 
+REFUSED_CODES = ("UNAUTHENTICATED", "PERMISSION_DENIED")  # the daemon answered, and said no to this caller
+
+
+def _why(address: str, error: str) -> str:
+    """A daemon's failed call in words: refused (a token missing, bad or without the right) or not answered."""
+    if error.split(":", 1)[0] in REFUSED_CODES:
+        return f"daemon {address} refused the call: {error} (check --token or KVSTORE_TOKEN)"
+    return f"daemon {address} did not answer: {error}"
+
+
+def _report(command: str, errors: dict[str, str]) -> bool:
+    """Say on stderr why each daemon in `errors` failed a call; whether any did. Every command that asks daemons
+    reports so: an engine rightly takes a failed daemon as a miss, an operator wants to know why."""
+    for address, error in errors.items():
+        print(f"kvstore {command}: {_why(address, error)}", file=sys.stderr)
+    return bool(errors)
+
+
 def cmd_put(args: argparse.Namespace) -> int:
     namespace, blocks = _blocks(args)
     if args.payload_file:
@@ -87,9 +105,8 @@ def cmd_put(args: argparse.Namespace) -> int:
     if args.verbose:
         for block in blocks:
             print(block.key.hex())
-    for address, error in errors.items():
-        print(f"{address}: {error}", file=sys.stderr)
-    return 1 if summary.failed else 0
+    failed = _report("put", errors)
+    return 1 if summary.failed or failed else 0
 
 
 def cmd_lookup(args: argparse.Namespace) -> int:
@@ -97,9 +114,7 @@ def cmd_lookup(args: argparse.Namespace) -> int:
     with _client(args) as client:
         hits = client.lookup(blocks)
         errors = client.last_errors()
-    if errors:  # an engine rightly takes an unreachable daemon as a miss; an operator wants to know
-        for address, error in errors.items():
-            print(f"kvstore lookup: daemon {address} did not answer: {error}", file=sys.stderr)
+    if _report("lookup", errors):
         print(f"at least {hits} of {len(blocks)} leading blocks cached; the daemons above could not be asked")
         return 1
     print(f"{hits} of {len(blocks)} leading blocks cached ({hits * namespace.block_tokens} tokens)")
@@ -113,6 +128,10 @@ def cmd_get(args: argparse.Namespace) -> int:
     with _client(args) as client:
         got = client.get(blocks, layer_begin, layer_end)
         causes = dict(client.stats.miss_causes)
+        errors = client.last_errors()
+    if _report("get", errors):
+        print(f"at least {len(got)} of {len(blocks)} leading blocks cached; the daemons above could not be read")
+        return 1
     print(f"{len(got)} of {len(blocks)} leading blocks read and verified"
           + (f"; misses: {causes}" if causes else ""))
     if args.out:
@@ -129,12 +148,16 @@ def cmd_stats(args: argparse.Namespace) -> int:
                           **security_settings(args))
     with KVClient(config) as c:
         stats = c.server_stats()
+        errors = {address: error for address, error in c.last_errors().items() if stats.get(address) is None}
+    _report("stats", errors)
     if args.json:  # {address: [{"name", "labels", "value"}, ...] or null}
         print(json.dumps({a: s.to_json() if s is not None else None for a, s in stats.items()}, indent=2,
                          sort_keys=True))
     else:
         for address, samples in stats.items():
-            print(f"== {address}" + ("  (unreachable)" if samples is None else ""))
+            refused = errors.get(address, "").split(":", 1)[0] in REFUSED_CODES
+            print(f"== {address}" + ("" if samples is not None else "  (refused the call)" if refused
+                                     else "  (unreachable)"))
             for name, value in sorted((s.text(), s.value) for s in samples or ()):
                 if args.grep in name:
                     print(f"  {name:60s} {value:>16,.0f}" if value == int(value) else f"  {name:60s} {value:>16.4f}")
@@ -142,7 +165,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 
 def cmd_fsck(args: argparse.Namespace) -> int:
-    from kvstore.server.fsck import DataDirBusy, check, rebuild
+    from kvstore.server.fsck import DataDirBusy, check, in_use, rebuild
     from kvstore.server.index import IndexUnavailable
     if not ((args.data_dir / "index").is_dir() or (args.data_dir / "segments").is_dir()):
         raise ValueError(f"{args.data_dir} is not a kvstore data directory (no index/ or segments/ inside)")
@@ -157,6 +180,9 @@ def cmd_fsck(args: argparse.Namespace) -> int:
         if result.set_aside is not None:
             print(f"the damaged index was moved aside to {result.set_aside} (delete it once you no longer need it)")
         print(f"index rebuilt: {result.stats}; {result.dropped} entries that did not match their record dropped")
+    if not args.rebuild and in_use(args.data_dir):  # --rebuild refuses it; a check can go on, if told what it means
+        print(f"kvstore fsck: warning: a kvstore-server is using {args.data_dir}: it writes while this reads, so a "
+              "problem below may be a record it is writing; stop it for a check that holds", file=sys.stderr)
     report = check(args.data_dir, verify_payloads=not args.no_payload)
     print(f"{report.entries} index entries, {report.verified} verified, {len(report.problems)} problems; "
           f"{report.segments} segments ({report.open_segments} left open), "
@@ -228,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     stats.add_argument("--timeout", type=float, default=5.0)
     add_security_flags(stats)
     stats.set_defaults(run=cmd_stats)
-    fsck = sub.add_parser("fsck", help="check a stopped daemon's data directory")
+    fsck = sub.add_parser("fsck", help="check a stopped daemon's data directory (a running one's: with a warning)")
     fsck.add_argument("data_dir", type=Path)
     fsck.add_argument("--no-payload", action="store_true", help="check headers only (faster)")
     fsck.add_argument("--rebuild", action="store_true",

@@ -18,7 +18,7 @@ Values are parsed by the field's type, written as an operator writes them:
 * a list (`tuple[...]`) and a table (`dict[str, ...]`) are "a,b" and "k=v,k=v" in a flag or a variable, a
   list and a table in TOML; their flags may be repeated, each adding items.
 
-Imports only the standard library and kvstore.units: the daemon, which never imports torch, uses it.
+Imports only the standard library, kvstore.startup and kvstore.units: the daemon, which never imports torch, uses it.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from kvstore.units import parse_duration, parse_size
+from kvstore.startup import exit_at_startup
+from kvstore.units import format_duration, format_size, parse_duration, parse_size
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -141,12 +142,13 @@ class Command(Generic[T]):
 
     def parse(self, argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None,
               fallback: Mapping[str, Any] | None = None) -> T:
-        """As `load`, but a bad setting ends the process as a bad flag does: its message, exit status 2."""
+        """As `load`, but a bad setting ends the process in one line, as a bad flag does: its message, exit
+        status 2 (kvstore/startup.py)."""
         parser = self.parser()
         try:
             return self._build(parser.parse_args(argv), environ, fallback)
         except ValueError as exc:
-            parser.error(str(exc))
+            exit_at_startup(parser.prog, str(exc))
 
     def _build(self, args: argparse.Namespace, environ: Mapping[str, str] | None,
                fallback: Mapping[str, Any] | None) -> T:
@@ -312,6 +314,10 @@ def _default_note(f: dataclasses.Field) -> str:
         return ""
     if isinstance(value, bool):
         return f" (default: {'on' if value else 'off'})"
+    if unit(f.name) == "size" and isinstance(value, int):  # as a size is written: 64GiB, not 68719476736
+        return f" (default: {format_size(value)})"
+    if unit(f.name) == "duration" and isinstance(value, (int, float)):
+        return f" (default: {format_duration(value)})"
     if isinstance(value, dict):
         return f" (default: {','.join(f'{k}={v:g}' if isinstance(v, float) else f'{k}={v}' for k, v in value.items())})"
     return f" (default: {value})"

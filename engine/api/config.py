@@ -9,6 +9,7 @@ from pathlib import Path
 
 from engine.model.dtype import check_name as check_dtype
 from engine.prefill.config import BLOCK_TOKENS
+from kvstore.client.config import check_addresses
 from kvstore.codec import DEFAULT as DEFAULT_CODEC
 from kvstore.codec import codec_named
 from kvstore.settings import Command
@@ -30,6 +31,9 @@ class ApiConfig:
     # as they change (docs/deployment.md); none: no store, every prompt computed. A secured cluster's token and
     # CA come from KVSTORE_TOKEN, KVSTORE_TLS_CA, ... (docs/operations.md)
     servers: tuple[str, ...] = ()
+    # How often the daemons are asked whether they answer: GET /health's "store", and a warning in the log when
+    # the store becomes unreachable or comes back (engine/api/store_state.py)
+    store_probe_s: float = 5.0
     host: str = "127.0.0.1"  # the address to listen on
     port: int = 8000  # the port to listen on
     # API key -> tenant; the tenant salts its cached blocks, so tenants never share them; none: one open
@@ -134,8 +138,8 @@ class ApiConfig:
             raise ValueError("ApiConfig: need 1 <= max_connections_per_client <= max_connections")
         if not (self.header_timeout_s > 0 and self.write_timeout_s > 0):
             raise ValueError("ApiConfig: header_timeout_s and write_timeout_s must be > 0")
-        if not self.sweep_interval_s > 0:
-            raise ValueError("ApiConfig: sweep_interval_s must be > 0")
+        if not (self.sweep_interval_s > 0 and self.store_probe_s > 0):
+            raise ValueError("ApiConfig: sweep_interval_s and store_probe_s must be > 0")
         if self.vision is not None:
             from engine.vision.presets import VISION_PRESETS
 
@@ -145,6 +149,11 @@ class ApiConfig:
         if min(self.max_images, self.max_image_bytes, self.max_image_pixels) < 1:
             raise ValueError("ApiConfig: max_images, max_image_bytes and max_image_pixels must be >= 1")
         object.__setattr__(self, "servers", tuple(self.servers))
+        check_addresses(self.servers)
+        if self.model is not None and not (Path(self.model) / "config.json").is_file():
+            raise ValueError(f"--model {self.model}: not a converted model directory (no config.json there); give "
+                             "one with config.json, safetensors weights and the tokenizer, or leave --model out "
+                             "for the packaged Gemma 3 270M")
 
 
 COMMAND = Command(ApiConfig, "kvstore-api", "The HTTP API server: OpenAI Chat Completions and Responses, Anthropic "

@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import dataclasses
 import signal
+import socket
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -40,8 +41,10 @@ from engine.api.errors import ApiError
 from engine.api.fair import FairGate
 from engine.api.metrics import TENANT
 from engine.api.service import Service
+from engine.api.store_state import REACHABLE, StoreState
 from engine.vision.images import ImageLimits
 from engine.vision.stage import VisionStage
+from kvstore.startup import exit_at_startup, port_in_use
 
 if TYPE_CHECKING:
     from kvstore.block import Block
@@ -60,8 +63,11 @@ def create_app(service: Service, config: ApiConfig) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
         sweeper = asyncio.create_task(_sweep(service, config.sweep_interval_s))
+        watcher = asyncio.create_task(service.store.watch()) if service.store.client is not None else None
         yield
         sweeper.cancel()
+        if watcher is not None:
+            watcher.cancel()
 
     app = FastAPI(title="kvstore-api", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(_Counted, metrics=service.metrics)
@@ -83,7 +89,12 @@ def create_app(service: Service, config: ApiConfig) -> FastAPI:
 
     @app.get("/health")
     async def health() -> dict:
-        return {"status": "ok"}
+        # 200 whatever the store's state: serving without a cache is correct, only slower; the body says it
+        store = service.store
+        body: dict[str, Any] = {"status": "ok", "store": store.state}
+        if store.client is not None:
+            body["daemons"] = {name: why or "answered" for name, why in store.daemons.items()}
+        return body
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
@@ -364,7 +375,7 @@ def build(config: ApiConfig) -> Service:
     encoder = PromptEncoder(folder, config.tokenize_workers)
     return Service(runner, tokenizer, encoder, sorted(stop_token_ids(tokenizer)), advisor, config.max_in_flight,
                    config.max_in_flight_per_tenant, FairGate(config.max_running, config.reserve),
-                   _vision_stage(config, model.config.hidden_size, client),
+                   StoreState(client, config.store_probe_s), _vision_stage(config, model.config.hidden_size, client),
                    ImageLimits(config.max_images, config.max_image_bytes, config.max_image_pixels))
 
 
@@ -385,6 +396,18 @@ def _vision_stage(config: ApiConfig, text_hidden: int, client: StoreClient | Non
     return VisionStage(tower, client, remote)
 
 
+def report_store(prog: str, service: Service) -> None:
+    """At start-up, say which of the store's daemons answered and which did not (why), or that there is none:
+    caching that is off must not look like caching that is on."""
+    store = service.store
+    if store.client is None:
+        print(f"{prog}: no store (--servers): every prompt is computed", file=sys.stderr, flush=True)
+        return
+    found = store.probe(log_change=False)
+    advice = "" if found.state == REACHABLE else "; prompts are computed without the cache until it answers"
+    print(f"{prog}: {found.line()}{advice}", file=sys.stderr, flush=True)
+
+
 class _Stopped(Exception):
     """SIGTERM or SIGINT: stop, closing what was started."""
 
@@ -402,17 +425,27 @@ def main(argv: Sequence[str] | None = None, prog: str = "kvstore-api") -> None:
     from engine.api.connections import guarded
 
     config = parse_args(argv, prog)
+    try:  # before the model loads: a port in use is said at once, and "serving" is said only once it is ours
+        listening = listen(config.host, config.port)
+    except OSError as exc:
+        exit_at_startup(prog, str(port_in_use("the HTTP API", "--port", config.host, config.port, exc)))
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _stop)
     service = None
     try:
         service = build(config)
+        report_store(prog, service)
         prefill = service.runner.prefill  # kvstore-api always has one
         fitted = "" if prefill is None else (f" (chunk cost {prefill.cost.a:.3g},{prefill.cost.b:.3g},"
                                              f"{prefill.cost.c:.3g}: --chunk-cost skips the start-up fit)")
-        print(f"{prog}: serving {config.model_name} on http://{config.host}:{config.port}{fitted}", flush=True)
-        uvicorn.run(create_app(service, config), host=config.host, port=config.port, log_level="warning",
-                    timeout_graceful_shutdown=5, http=guarded(config))
+        port = listening.getsockname()[1]
+        print(f"{prog}: serving {config.model_name} on http://{config.host}:{port}{fitted}", flush=True)
+        # uvicorn.run's Config and Server, serving on the socket bound above (uvicorn.run cannot take one)
+        server = uvicorn.Server(uvicorn.Config(create_app(service, config), log_level="warning",
+                                               timeout_graceful_shutdown=5, http=guarded(config)))
+        server.run(sockets=[listening])
+        if not server.started:  # as uvicorn.run ends then: its log said why
+            sys.exit(3)
     except _Stopped as stopped:
         print(f"{prog}: {stopped}: stopped", file=sys.stderr, flush=True)
     finally:
@@ -420,6 +453,21 @@ def main(argv: Sequence[str] | None = None, prog: str = "kvstore-api") -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         if service is not None:
             service.close()
+        listening.close()
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port and listening (connections wait in its backlog until uvicorn serves)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a restart's TIME_WAIT is no bar
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def deprecated_main(argv: Sequence[str] | None = None) -> None:

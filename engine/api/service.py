@@ -31,11 +31,12 @@ from engine.api.errors import ApiError
 from engine.api.fair import FairGate
 from engine.api.metrics import ApiMetrics
 from engine.api.reply_text import ReplyText
+from engine.api.store_state import STORE_UNREACHABLE, StoreState
 from engine.api.tokenize import PromptEncoder
 from engine.decode import DecodeError, DecodeRequest, DecodeResult
 from engine.decode.request import CONTEXT, MAX_TOKENS
 from engine.prefill import PrefillRequest
-from engine.prefill.request import PromptImage
+from engine.prefill.request import COLD, PromptImage
 from engine.serving.loop import ServingBusy, ServingClosed, ServingLoop
 from engine.text.chat_prompt import ChatPromptError, split_images
 from engine.vision.images import DecodedImage, ImageError, ImageLimits, decode_data_url
@@ -46,10 +47,11 @@ from kvstore.block import Block, ImageSpan
 class Service:
     def __init__(self, runner: ServingLoop, tokenizer: Any, encoder: PromptEncoder, stop_token_ids: Sequence[int],
                  advisor: Advisor | None = None, max_in_flight: int = 128, max_in_flight_per_tenant: int = 64,
-                 gate: FairGate | None = None, vision: VisionStage | None = None,
+                 gate: FairGate | None = None, store: StoreState | None = None, vision: VisionStage | None = None,
                  image_limits: ImageLimits = ImageLimits()) -> None:
         """`vision`: the stage image parts go through (None: a request with an image is refused, 400)."""
         self.runner, self.tokenizer, self.encoder, self.advisor = runner, tokenizer, encoder, advisor
+        self.store = store or StoreState(None)  # whether the store's daemons answer (engine/api/store_state.py)
         self.vision, self.image_limits = vision, image_limits
         # requests in the engines at once, shared fairly between tenants (engine/api/fair.py)
         self.gate = gate or FairGate(runner.engine.config.max_running, 0)
@@ -145,7 +147,10 @@ class Service:
                 reply = Reply(content, calls, reason, len(ids), len(result.tokens), result.cached_tokens,
                               text.stop_sequence, result.tokens)
                 self._finished(reply, started)
-                self.metrics.prefill_paths.labels(result.prefill_path or "none", result.window_source or "none").inc()
+                path = result.prefill_path or "none"
+                if path == COLD and self.store.missing_store():  # not a prompt the store lacks: no store to ask
+                    path = STORE_UNREACHABLE
+                self.metrics.prefill_paths.labels(path, result.window_source or "none").inc()
                 self.metrics.drafts.labels("accepted").inc(result.accepted_drafts)
                 self.metrics.drafts.labels("rejected").inc(result.drafted - result.accepted_drafts)
                 self._advise(tenant, traffic_class, prefill.identity() + result.tokens, goes_on=bool(calls))

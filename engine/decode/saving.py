@@ -114,4 +114,5 @@ class ReplySaver:
         state, chain.window = chain.window, None
         if state is not None:
             block = chain.namespace.blocks(chain.identity(tokens[: state.position]))[-1]
-            self.prefill.keep_window(block, state, chain.result.request, chain.namespace)
+            # the prompt's window stays in the tier beside it: the same prompt sent again resumes there
+            self.prefill.keep_window(block, state, chain.result.request, chain.namespace, keep_older=True)

@@ -227,13 +227,13 @@ class PrefillEngine:
         return self.client.save(items, self.layout.num_layers, request.traffic_class, hint)
 
     def keep_window(self, block: Block, state: WindowState, request: PrefillRequest, chain: Namespace,
-                    superseded: Block | None = None) -> bool:
+                    superseded: Block | None = None, keep_older: bool = False) -> bool:
         """Keep `state`, the sliding window as of the end of `block` (a block of `chain`), as the latest state
         of the request's session, in host memory and in the store (`WindowKeeper.keep`). False if the tier
         cannot keep it, or the model has no sliding layers."""
         if self.windows is None:
             return False
-        return self.windows.keep(self.client, block, state, chain, request.session_id, superseded)
+        return self.windows.keep(self.client, block, state, chain, request.session_id, superseded, keep_older)
 
     def prefetch(self, blocks: Sequence[Block]) -> None:
         """The next turn of the conversation whose full blocks (prompt and reply, in one of this engine's

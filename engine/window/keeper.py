@@ -173,15 +173,18 @@ class WindowKeeper:
     # -- keeping windows ---------------------------------------------------------------------------
 
     def keep(self, client: StoreClient | None, block: Block, state: WindowState, chain: Namespace,
-             session_id: str | None, superseded: Block | None = None) -> bool:
+             session_id: str | None, superseded: Block | None = None, keep_older: bool = False) -> bool:
         """Keep `state`, the sliding window as of the end of `block` (a block of `chain`), as the latest state
         of the session `session_id` (sessions are per tenant): in the tier under the block's key, and in
         the store as the block's window record (write-behind). The session's older record is deleted, since
         its next turn never resumes from an earlier boundary: the last one this keeper saved for it, and
         `superseded`, a record of this session another engine saved (the one this request resumed from).
-        Requests of no session delete nothing: their records expire. False if the tier cannot keep it."""
+        Requests of no session delete nothing: their records expire. False if the tier cannot keep it.
+        `keep_older` (a reply's window, kept after its prompt's): the session's older state stays in the tier, as
+        an ordinary one (WindowTier.put); its record in the store goes all the same: a record weighs as much as
+        dozens of blocks, too much to keep for a prompt that may be sent again."""
         session = _session(block, session_id)
-        kept = self.tier.put(block.key, state, session)
+        kept = self.tier.put(block.key, state, session, keep_older)
         replayed_into_exact = state.window_from and not chain.model_id.endswith(REPLAYED_SUFFIX)
         if client is not None and self.store_records and not replayed_into_exact:
             record = window_records.window_record(chain, block)

@@ -4,7 +4,9 @@ The block store persists only full-attention layers. A sliding-window layer's KV
 depends on the last W tokens alone, so a resumed session needs, besides the stored prefix, the window
 as of the prefix's last full block: a `WindowState`, kept here, keyed by the key of that block. It
 lives only as long as sessions are active: bounded by bytes, least recently used out first, and a
-session's newer state replaces its older one (the next turn never resumes from the earlier boundary).
+session's newer state replaces its older one (the next turn never resumes from the earlier boundary),
+except that a reply's state leaves its prompt's in place as an ordinary state, the next out: the same prompt
+sent again (a retried or regenerated reply) resumes from it in this process.
 Sessions whose turns end at the same boundary (a shared system prompt and a short first message) share
 that state: it goes once the last of them has moved on, never under another session's feet.
 
@@ -76,8 +78,10 @@ class WindowTier:
         with self._lock:
             return key in self._states
 
-    def put(self, key: bytes, state: WindowState, session_id: str | None = None) -> bool:
-        """Keep a copy of `state` for the prefix ending in block `key`; False if it can never fit."""
+    def put(self, key: bytes, state: WindowState, session_id: str | None = None, keep_older: bool = False) -> bool:
+        """Keep a copy of `state` for the prefix ending in block `key`; False if it can never fit. With
+        `keep_older`, the session's older state stays, as an ordinary one (least recently used out first)
+        rather than dropped: a reply's state keeps its prompt's, for the same prompt sent again."""
         if state.nbytes > self.capacity_bytes:
             return False
         state = WindowState(state.position, state.rings.to("cpu", copy=True), state.window_from)  # host memory
@@ -85,7 +89,7 @@ class WindowTier:
             if session_id is not None:
                 older = self._session_key.get(session_id)
                 if older is not None and older != key:
-                    self._leave(older, session_id)
+                    self._leave(older, session_id, drop=not keep_older)
             replaced = self._states.pop(key, None)  # the same window again: its sessions (and a hold) keep it
             self._bytes -= replaced.nbytes if replaced is not None else 0
             self._states[key] = state
@@ -102,12 +106,15 @@ class WindowTier:
                 self.evictions += 1
         return True
 
-    def _leave(self, key: bytes, session_id: str) -> None:
-        """`session_id` has moved on from `key`'s state: dropped unless another session's latest state too."""
+    def _leave(self, key: bytes, session_id: str, drop: bool = True) -> None:
+        """`session_id` has moved on from `key`'s state: dropped unless another session's latest state too, or
+        with `drop` False kept as an ordinary state, evicted least recently used first."""
         owners = self._owners.get(key, set())
         owners.discard(session_id)
         if not owners:
-            self._drop(key)
+            self._owners.pop(key, None)
+            if drop:
+                self._drop(key)
 
     def _drop(self, key: bytes) -> None:
         if self._release(key):

@@ -109,9 +109,14 @@ def parse_capacities(text: str, unique_blocks: int, block_bytes: int) -> list[tu
         elif item.isdigit():
             blocks = int(item)
         else:
+            try:  # the unit first: "10pc" is a unit no one knows, not a size missing --block-bytes
+                size = parse_size(item)
+            except ValueError:
+                raise ValueError(f"capacity {item!r}: unknown unit; give a share (10%), a number of blocks (5000) "
+                                 "or a size in bytes (64GiB, with --block-bytes)") from None
             if not block_bytes:
                 raise ValueError(f"capacity {item} is in bytes: give --block-bytes, the size of one block")
-            blocks = parse_size(item) // block_bytes
+            blocks = size // block_bytes
         if blocks < 1:
             raise ValueError(f"capacity {item} holds no block")
         capacities.append((item, blocks))

@@ -10,6 +10,17 @@ from kvstore.client.membership import Dns, EtcdMembers, Static, is_target, sourc
 _DISCOVERED_DAEMONS = 8  # the pool's automatic size when the daemons are discovered, not listed
 
 
+def check_addresses(servers: tuple[str, ...]) -> None:
+    """A ValueError naming a daemon listed without its port (or a port that is no number), for a list of
+    host:port daemons; a discovery target is checked where it is followed."""
+    if servers and not is_target(servers[0]):
+        for server in servers:
+            host, _, port = server.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"server {server!r} is not host:port: give each daemon's gRPC port, as in "
+                                 f"{(host or server).strip('[]') or '127.0.0.1'}:50051 (kvstore-server's default)")
+
+
 @dataclass(frozen=True, slots=True)
 class ClientConfig:
     # "host:port" of every daemon, or one discovery target: dns:///NAME:PORT, dns+srv:///NAME or
@@ -61,11 +72,7 @@ class ClientConfig:
         if not self.servers:
             raise ValueError("ClientConfig.servers must list at least one daemon as host:port, or name a "
                              "dns:///, dns+srv:/// or etcd:// target")
-        if not is_target(self.servers[0]):
-            for server in self.servers:
-                host, _, port = server.rpartition(":")
-                if not host or not port.isdigit():
-                    raise ValueError(f"server {server!r} is not host:port")
+        check_addresses(self.servers)
         if len(set(self.servers)) != len(self.servers):
             raise ValueError(f"servers lists a daemon twice: {self.servers}")
         for name in ("timeout_s", "lookup_timeout_s", "down_backoff_s", "max_down_backoff_s",

@@ -16,6 +16,7 @@ from kvstore.client.config import ClientConfig
 from kvstore.client.face import StoreClient
 from kvstore.client.host_tier import HostTier
 from kvstore.client.loading import KVDestination, LoadHandle
+from kvstore.client.shard import Shard
 from kvstore.client.stats import ClientStats, PutSummary
 from kvstore.client.write_behind import Then, WriteBehind
 from kvstore.eviction import ReuseHint
@@ -45,6 +46,11 @@ class KVClient:
     def host(self) -> HostTier | None:
         """This process's host tier, if the config gives it memory."""
         return self._async.host
+
+    @property
+    def shards(self) -> dict[str, Shard]:
+        """Member name -> its shard, as of now (AsyncKVClient.shards)."""
+        return self._async.shards
 
     @property
     def executor(self) -> ThreadPoolExecutor:

@@ -29,20 +29,21 @@ UNIX_PATH_MAX = 107  # sun_path is 108 bytes, NUL included
 # "handoff": the records a prefill process hands a decode process (engine/prefill/handoff.py), read within seconds;
 # "window": a session's latest sliding-window state (engine/window/record.py), worth keeping while it is active;
 # "encoder": an image's vision encoder outputs (engine/vision/stage.py), reused while the image is
+DEFAULT_DATA_DIR = Path("./data")  # relative: under the working directory; the daemon says so at start-up
 DEFAULT_CLASSES = {"agent": 3 * 86400.0, "chat": 7 * 86400.0, "handoff": 600.0, "window": 3600.0, "encoder": 86400.0}
 
 
 @dataclass(slots=True)
 class ServerConfig:
-    data_dir: Path = Path("./data")
+    data_dir: Path = DEFAULT_DATA_DIR
     host: str = "127.0.0.1"
     port: int = 50051  # 0: the OS picks one; see port_file
     port_file: Path | None = None  # written with the bound port once serving
-    metrics_port: int | None = None  # Prometheus /metrics; None: off, 0: the OS picks one
+    metrics_port: int | None = None  # Prometheus /metrics; off: none, 0: the OS picks one
     metrics_host: str = "127.0.0.1"  # /metrics is plain HTTP without tokens: loopback unless set otherwise
-    data_port: int | None = 50052  # raw-TCP bulk data channel; None: off (gRPC only), 0: the OS picks one
+    data_port: int | None = 50052  # raw-TCP bulk data channel; off: none (gRPC only), 0: the OS picks one
     # The data channel on a Unix socket, for clients on this host and the only path to shared memory;
-    # relative to data_dir unless absolute; None: off. At most 107 bytes as an absolute path (sun_path).
+    # relative to data_dir unless absolute; off: none. At most 107 bytes as an absolute path (sun_path).
     data_socket: Path | None = Path("data.sock")
 
     capacity_bytes: int = 64 * 2**30

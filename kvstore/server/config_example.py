@@ -55,7 +55,9 @@ HEADER = """\
 # (kvstore/server/config.py): do not edit it by hand; tests/kvstore/server/test_config_example.py checks it.
 # Every setting can also come from KVSTORE_<NAME> in the environment or --<name> on the command line;
 # the command line wins over the environment, which wins over this file. "off" unsets an optional setting.
-# Sizes are bytes or e.g. "512MiB", "1.5GB"; durations seconds or e.g. "90s", "10m", "12h", "3d" (kvstore/units.py).\
+# Sizes are bytes or e.g. "512MiB", "1.5GB"; durations seconds or e.g. "90s", "10m", "12h", "3d" (kvstore/units.py).
+# This file is a storage host's: it listens on every address (0.0.0.0, /metrics too, which has no tokens) and
+# writes /data with a 1 TiB budget. For one machine, start from deploy/kvstore-loopback.toml instead.\
 """
 
 

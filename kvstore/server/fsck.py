@@ -177,14 +177,34 @@ def rebuild(data_dir: Path) -> RebuildResult:
     data_dir = Path(data_dir)
     lock_fd = os.open(data_dir / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        try:
-            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        if not _locked(lock_fd):
             raise DataDirBusy(f"a kvstore-server is using {data_dir}; stop it first (a daemon rebuilds a missing "
-                              "or damaged index by itself as it starts)") from None
+                              "or damaged index by itself as it starts)")
         return _rebuild_locked(data_dir)
     finally:
         os.close(lock_fd)
+
+
+def in_use(data_dir: Path) -> bool:
+    """Whether a daemon holds the data directory now: its LOCK file is locked (kvstore/server/store.py keeps it
+    so while it runs). Checked by taking the lock for an instant, as `rebuild` takes it for its whole run."""
+    try:
+        lock_fd = os.open(Path(data_dir) / "LOCK", os.O_RDONLY)
+    except FileNotFoundError:  # no daemon has opened it
+        return False
+    try:
+        return not _locked(lock_fd)
+    finally:
+        os.close(lock_fd)  # and with it the lock, if it was taken
+
+
+def _locked(lock_fd: int) -> bool:
+    """Take the data directory's lock on `lock_fd` without waiting; False where a daemon holds it."""
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
 
 
 def _rebuild_locked(data_dir: Path) -> RebuildResult:

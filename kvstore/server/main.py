@@ -10,13 +10,14 @@ import resource
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvstore.proto import SERVICE
-from kvstore.server.config import ServerConfig, load_config
+from kvstore.server.config import DEFAULT_DATA_DIR, ServerConfig, load_config
 from kvstore.server.dataplane import DataPlaneServer
 from kvstore.server.index import IndexUnavailable
 from kvstore.server.limits import ByteBudget, CallLimiter
@@ -26,13 +27,10 @@ from kvstore.server.scrub import Scrubber
 from kvstore.server.security import Security
 from kvstore.server.service import KVStoreService
 from kvstore.server.store import BlockStore, DataDirInUse
+from kvstore.startup import StartupError, exit_at_startup, port_in_use
 from kvstore.stdin_watch import watch_stdin
 
 log = logging.getLogger("kvstore.server")
-
-
-class StartupError(Exception):
-    """The daemon cannot start as configured (a port in use, a data directory in use)."""
 
 
 class ShutdownError(Exception):
@@ -45,12 +43,21 @@ async def serve(config: ServerConfig, stop: asyncio.Event | None = None) -> None
     except ValueError as exc:  # AuthConfigError included
         raise StartupError(str(exc)) from None
     connections = grpc_connection_limit(config)  # first: raises the descriptor limit the store opens files under
+    announce_data_dir(config)
     metrics = Metrics()
-    store = BlockStore(config, metrics)
     try:
+        store = BlockStore(config, metrics)  # it reads and makes files in the data directory too
         await store.open()
     except (DataDirInUse, IndexUnavailable) as exc:
         raise StartupError(str(exc)) from None
+    except OSError as exc:  # a file where it should be, /proc, no permission, a read-only file system
+        where = config.data_dir.resolve()
+        not_a_dir = config.data_dir.exists() and not config.data_dir.is_dir()
+        why = "a file is there, not a directory" if not_a_dir else exc.strerror or str(exc)
+        inside = f" at {exc.filename}" if exc.filename and not not_a_dir and Path(exc.filename).resolve() != where \
+            else ""
+        raise StartupError(f"data directory {where} cannot be used ({why}{inside}): give --data-dir a directory "
+                           "this user may write") from None  # the exit frees the lock, if it was taken
     server = grpc.aio.server(
         options=grpc_options(config, connections),
         # Calls are counted by CallLimiter instead of gRPC's own limit, which would count the health check too.
@@ -60,9 +67,17 @@ async def serve(config: ServerConfig, stop: asyncio.Event | None = None) -> None
     put_budget = ByteBudget(config.max_inflight_put_bytes, config.max_inflight_put_bytes_per_principal,
                             settings="max_inflight_put_bytes, max_inflight_put_bytes_per_principal")
     data_plane = DataPlaneServer(store, config, put_budget, security)
+    metrics_port = None
     try:
-        data_port = 0 if config.data_port is None else await data_plane.start(config.host, config.data_port)
-        data_socket = "" if config.data_socket is None else await data_plane.start_unix(config.data_socket)
+        try:
+            data_port = 0 if config.data_port is None else await data_plane.start(config.host, config.data_port)
+        except OSError as exc:
+            raise port_in_use("the data channel", "--data-port", config.host, config.data_port, exc) from None
+        try:
+            data_socket = "" if config.data_socket is None else await data_plane.start_unix(config.data_socket)
+        except OSError as exc:
+            raise StartupError(f"cannot listen on the data socket {config.data_socket} ({exc.strerror or exc}): "
+                               "give --data-socket another path, or off") from None
         service = KVStoreService(store, config, put_budget, data_port, data_socket)
         server.add_generic_rpc_handlers([service.handler()])
         health_servicer = health.aio.HealthServicer()
@@ -70,26 +85,31 @@ async def serve(config: ServerConfig, stop: asyncio.Event | None = None) -> None
         reflection.enable_server_reflection(
             [SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server)
         address = f"{config.host}:{config.port}"
-        if security.grpc_credentials is not None:
-            port = server.add_secure_port(address, security.grpc_credentials)
-        else:
-            port = server.add_insecure_port(address)
+        try:
+            if security.grpc_credentials is not None:
+                port = server.add_secure_port(address, security.grpc_credentials)
+            else:
+                port = server.add_insecure_port(address)
+        except RuntimeError as exc:  # gRPC says only that it failed to bind
+            raise port_in_use("gRPC", "--port", config.host, config.port, exc) from None
         if port == 0:
-            raise OSError(f"cannot listen on {config.host}:{config.port}")
-    except (OSError, RuntimeError) as exc:
+            raise port_in_use("gRPC", "--port", config.host, config.port, OSError(0, "Address already in use"))
+        if config.metrics_port is not None:  # last: nothing after it can fail, so it never needs stopping here
+            from prometheus_client import start_http_server
+            try:
+                metrics_server, _ = start_http_server(config.metrics_port, addr=config.metrics_host,
+                                                       registry=metrics.registry)
+            except OSError as exc:
+                raise port_in_use("/metrics", "--metrics-port", config.metrics_host, config.metrics_port,
+                                  exc) from None
+            metrics_port = metrics_server.server_port
+    except StartupError:
         await data_plane.stop(0)
         await store.close()
-        raise StartupError(f"cannot listen on {config.host} (gRPC port {config.port}, data port "
-                           f"{config.data_port}, data socket {config.data_socket}): {exc}") from None
+        raise
     await server.start()
     await health_servicer.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    metrics_port = None
-    if config.metrics_port is not None:
-        from prometheus_client import start_http_server
-        metrics_server, _ = start_http_server(config.metrics_port, addr=config.metrics_host,
-                                               registry=metrics.registry)
-        metrics_port = metrics_server.server_port
     if config.port_file is not None:
         tmp = config.port_file.with_suffix(".tmp")
         tmp.write_text(f"{port}\n{metrics_port or ''}\n{data_port or ''}\n")
@@ -138,6 +158,13 @@ async def serve(config: ServerConfig, stop: asyncio.Event | None = None) -> None
             raise ShutdownError(f"stopped, but {config.data_dir} was not closed cleanly ({exc}); "
                                 f"check it with `kvstore fsck {config.data_dir}` before the next start") from None
         log.info("stopped cleanly")
+
+
+def announce_data_dir(config: ServerConfig) -> None:
+    """Say where the data goes where it is the default, ./data under the working directory: easy to miss."""
+    if config.data_dir == DEFAULT_DATA_DIR:
+        log.info("data directory %s: the default, ./data under the working directory (--data-dir, "
+                 "KVSTORE_DATA_DIR or data_dir in the config file sets another)", config.data_dir.resolve())
 
 
 def grpc_options(config: ServerConfig, connections: int) -> list[tuple[str, int]]:
@@ -219,13 +246,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = load_config(argv)
     except ValueError as exc:
-        print(f"kvstore-server: configuration error: {exc}", file=sys.stderr)
-        return 2
+        exit_at_startup("kvstore-server", f"configuration error: {exc}")
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     tune_allocator()
     try:
         run_loop(serve(config))
-    except (StartupError, ShutdownError) as exc:
+    except StartupError as exc:
+        exit_at_startup("kvstore-server", str(exc))
+    except ShutdownError as exc:
         print(f"kvstore-server: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -33,9 +33,12 @@ def test_put_lookup_get_stats_fsck(daemons, tmp_path):
     assert {"name": "kvstore_blocks", "labels": {"traffic_class": "agent"}, "value": 11} \
         in json.loads(stats.stdout)[daemon.address]
     assert "kvstore_puts_total" in kvstore("stats", *servers, "--grep", "puts").stdout
+    running = kvstore("fsck", str(daemon.data_dir), "--no-payload")
+    assert "warning: a kvstore-server is using" in running.stderr and "index entries" in running.stdout
     daemon.stop()
     fsck = kvstore("fsck", str(daemon.data_dir))
     assert fsck.returncode == 0 and "11 index entries, 11 verified, 0 problems" in fsck.stdout
+    assert "warning" not in fsck.stderr
 
 
 def test_bad_usage_and_unreachable_daemons(tmp_path):
@@ -73,3 +76,20 @@ def test_a_secured_cluster_from_the_command_line(daemons, tmp_path):
                            env={**os.environ, "KVSTORE_TOKEN": ops_token})
     assert {"name": "kvstore_blocks", "labels": {"traffic_class": "chat"}, "value": 11} \
         in json.loads(stats.stdout)[daemon.address]
+
+
+def test_every_command_says_why_a_daemon_failed_and_exits_non_zero(daemons, tmp_path):
+    """A daemon down and a token refused each give their own reason on stderr and exit 1, never a count of
+    misses with exit 0."""
+    tokens = tmp_path / "tokens.toml"
+    kvstore("token", "new", "--name", "ops", "--tenants", "*", "--verbs", "read,write,admin", "--append", str(tokens))
+    daemon, = daemons(1, "--auth-tokens", str(tokens))
+    down = ["--servers", "127.0.0.1:1", "--timeout", "0.5"]
+    bad_token = ["--servers", daemon.address, "--token", "not-a-token"]
+    for servers, reason in ((down, "127.0.0.1:1 did not answer"), (bad_token, "refused the call")):
+        for command in ("put", "lookup", "get"):
+            run = kvstore(command, *servers, "--text", PROMPT)
+            assert run.returncode == 1 and reason in run.stderr and "Traceback" not in run.stderr, (command, run)
+        stats = kvstore("stats", *servers)
+        assert stats.returncode == 1 and reason in stats.stderr
+        assert ("(refused the call)" if servers is bad_token else "(unreachable)") in stats.stdout

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -102,3 +103,33 @@ def test_a_bad_config_file_is_refused_by_name(tmp_path, capsys, toml, message):
         parse_args(["--config", str(path)], environ={})
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def _api_fails(*args: str) -> str:
+    """kvstore-api's one line on stderr for a start-up mistake, which ends it with status 2 before it loads a
+    model (kvstore/startup.py)."""
+    run = subprocess.run([sys.executable, "-m", "engine.api.server", *args], capture_output=True, text=True,
+                         timeout=60, stdin=subprocess.DEVNULL)
+    lines = run.stderr.splitlines()
+    assert run.returncode == 2 and len(lines) == 1 and "Traceback" not in run.stderr, run.stderr
+    assert "serving" not in run.stdout
+    return lines[0]
+
+
+def test_a_daemon_without_its_port_is_one_line():
+    line = _api_fails("--servers", "127.0.0.1")
+    assert "'127.0.0.1' is not host:port" in line and "127.0.0.1:50051" in line
+
+
+def test_a_model_directory_that_is_not_one_is_one_line(tmp_path):
+    line = _api_fails("--model", str(tmp_path / "missing"))
+    assert str(tmp_path / "missing") in line and "config.json" in line
+
+
+def test_a_port_in_use_is_said_before_the_model_loads():
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        line = _api_fails("--port", str(port))
+    assert f"127.0.0.1:{port}" in line and "--port" in line and "in use" in line

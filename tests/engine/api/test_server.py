@@ -269,3 +269,15 @@ def _wait(condition, timeout_s: float = 20.0) -> bool:
             return False
         time.sleep(0.1)
     return True
+
+
+def test_health_says_the_store_answers(served):
+    """GET /health is 200 and names the store's state: reachable here (unreachable, with a 200 still, is
+    tests/engine/api/test_store_state.py's)."""
+    def health() -> dict:
+        reply = httpx.get(served.url + "/health", timeout=30)
+        assert reply.status_code == 200
+        return reply.json()
+
+    assert _wait(lambda: health()["store"] != "unknown"), "the store was never probed"
+    assert health() == {"status": "ok", "store": "reachable", "daemons": {served.daemon.address: "answered"}}

@@ -39,9 +39,12 @@ def test_the_next_turn_finds_the_reply_cached(tiny_models, daemons, kind):
         first = engine.prefill(PrefillRequest(prompt, session_id="s"))
         (done,) = _decode(engine, [first], 45)
         conversation = prompt + done.tokens  # 195 tokens: the reply filled blocks 9, 10 and 11
-        if engine.window_tier is not None:  # the session's one state: the reply's last boundary, not the prompt's
-            (state,) = engine.window_tier._states.values()
-            assert state.position == _in_kv(len(conversation)) == 192
+        if engine.window_tier is not None:  # the session's state: the reply's last boundary; the prompt's stays unowned
+            tier = engine.window_tier
+            (session_key,) = tier._session_key.values()
+            assert tier._states[session_key].position == _in_kv(len(conversation)) == 192
+            assert sorted(s.position for s in tier._states.values()) == [_in_kv(len(prompt)), 192]
+            assert len(tier._owners) == 1
         second = engine.prefill(PrefillRequest(conversation + more, session_id="s", turn=1))
         assert second.path == CACHED and second.exact
         assert second.loaded_tokens == _in_kv(len(conversation))
@@ -157,3 +160,19 @@ def test_the_replys_window_record_supersedes_the_prompts(tiny_models, daemons):
         at_reply = window_records.window_record(engine.namespace(), reply_end)
         assert at_reply.key != at_prompt.key
         assert (client.lookup([at_prompt]), client.lookup([at_reply])) == (0, 1)
+
+
+def test_the_same_prompt_sent_again_after_its_reply_is_cached(tiny_models, daemons):
+    """A retried or regenerated reply: the prompt's window stays in the tier beside the reply's (the store keeps
+    the reply's record alone), so the same prompt again resumes from its last boundary, exactly."""
+    tiny = tiny_models["gpt_oss"]
+    (daemon,) = daemons(1)
+    prompt = _tokens(150, seed=39)  # its last boundary at 144; the reply's at 192
+    with _client(daemon) as client:
+        engine = _engine(tiny, client)
+        (done,) = _decode(engine, [engine.prefill(PrefillRequest(prompt, session_id="s"))], 45)
+        assert _in_kv(len(prompt + done.tokens)) == 192
+        again = engine.prefill(PrefillRequest(prompt, session_id="s"))
+        assert (again.path, again.window_source, again.exact) == (CACHED, "host", True)
+        assert again.loaded_tokens == _in_kv(len(prompt)) == 144
+        _check(tiny, again, prompt)

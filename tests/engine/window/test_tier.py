@@ -33,6 +33,18 @@ def test_a_session_keeps_only_its_newest_state_and_copies_are_kept():
     assert tier.get(b"other").rings.max() == 16
 
 
+def test_a_replys_state_leaves_its_prompts_as_an_ordinary_state_the_next_out():
+    tier = WindowTier(3 * 64)
+    tier.put(b"prompt", _state(16), session_id="s")
+    tier.put(b"reply", _state(32), session_id="s", keep_older=True)
+    assert b"prompt" in tier and tier.get(b"prompt").position == 16  # the same prompt again resumes there
+    tier.put(b"turn2", _state(48), session_id="s")  # the next turn: the reply's state goes, the prompt's is nobody's
+    assert b"reply" not in tier and b"prompt" in tier
+    tier.put(b"other", _state(16), session_id="t")
+    tier.put(b"more", _state(16))
+    assert b"prompt" not in tier and tier.evictions == 1, "an ordinary state, least recently used first out"
+
+
 def test_sessions_sharing_a_boundary_share_its_state_until_the_last_moves_on():
     tier = WindowTier(10 * 64)
     tier.put(b"system", _state(16), session_id="s")

@@ -132,3 +132,13 @@ def test_the_access_log_report_weighs_blocks_and_tokens_and_labels_each(tmp_path
     assert "75.00% of blocks read (served / asked), 75.00% of tokens (48 / 64)" in done.stdout
     assert "may not be flushed yet" in done.stdout, "just written: its daemon could still be running"
     assert replay_cli("log", str(log), "--block-tokens", "0").returncode == 2
+
+
+def test_a_capacity_of_unknown_unit_says_so_and_a_size_asks_for_the_block_size():
+    from kvstore.analytics.cli import parse_capacities
+
+    with pytest.raises(ValueError, match="'10pc': unknown unit"):
+        parse_capacities("10pc", 1000, 4096)
+    with pytest.raises(ValueError, match="give --block-bytes"):
+        parse_capacities("64MiB", 1000, 0)
+    assert parse_capacities("10%,50,1MiB", 1000, 2**16) == [("10%", 100), ("50", 50), ("1MiB", 16)]

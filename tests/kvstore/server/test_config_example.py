@@ -108,3 +108,9 @@ def test_every_value_is_written_as_the_loader_reads_it_back(tmp_path):
         path.write_text(f"{name} = {config_example.toml_value(name, value)}\n")
         expected = ServerConfig(**{name: value})
         assert getattr(load_config(["--config", str(path)], environ={}), name) == getattr(expected, name), name
+
+
+def test_the_loopback_example_loads_and_stays_on_this_machine():
+    config = load_config(["--config", str(EXAMPLE.with_name("kvstore-loopback.toml"))], environ={})
+    assert config.loopback_only and config.metrics_host == "127.0.0.1"
+    assert not config.data_dir.is_absolute() and config.capacity_bytes == 8 * 2**30
