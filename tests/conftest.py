@@ -7,6 +7,7 @@ import os
 import pytest
 
 from kvstore.server.process import DaemonProcess
+from tests.clean_stop import stop_clean
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -25,8 +26,10 @@ def profile_cache(tmp_path_factory):
 
 
 @pytest.fixture
-def daemons(tmp_path):
-    """daemons(n, *args) starts n daemons; all are stopped (or killed) at the end of the test."""
+def daemons(tmp_path, request):
+    """daemons(n, *args) starts n daemons; all are stopped at the end of the test, and each must exit with 0 and
+    leave no traceback in its log. A test that kills a daemon on purpose and leaves it dead is marked
+    `kills_daemons`: the exit code of such a daemon is not checked, its log still is."""
     started: list[DaemonProcess] = []
 
     def start(n: int = 1, *args: str, env: dict[str, str] | None = None) -> list[DaemonProcess]:
@@ -38,8 +41,6 @@ def daemons(tmp_path):
         return new
 
     yield start
-    for daemon in started:
-        try:
-            daemon.stop()
-        except Exception:
-            daemon.kill()
+    killed_on_purpose = request.node.get_closest_marker("kills_daemons") is not None
+    problems = [problem for daemon in started for problem in stop_clean(daemon, killed_on_purpose=killed_on_purpose)]
+    assert not problems, "\n".join(problems)
