@@ -371,13 +371,20 @@ def _stop(signum: int, _frame) -> None:
     raise _Stopped(signal.Signals(signum).name)
 
 
+def http_settings(config: ApiConfig) -> dict[str, Any]:
+    """uvicorn's settings for `config`: the address, the connection guard, the shutdown's grace. `main` runs the
+    app with them, and the tests serve through them too, so that they test the server `main` builds."""
+    from engine.api.connections import guarded
+
+    return dict(host=config.host, port=config.port, log_level="warning", timeout_graceful_shutdown=5,
+                http=guarded(config))
+
+
 def main(argv: Sequence[str] | None = None, prog: str = "kvstore-api") -> None:
     """Serve until SIGTERM or SIGINT, then exit 0 with every process and thread it started ended. During
     start-up the signal interrupts it at once; while serving, uvicorn takes it first (requests in flight get
     5 s), then hands it back to `_stop` once it has shut down."""
     import uvicorn
-
-    from engine.api.connections import guarded
 
     config = parse_args(argv, prog)
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -389,8 +396,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "kvstore-api") -> None:
         fitted = "" if prefill is None else (f" (chunk cost {prefill.cost.a:.3g},{prefill.cost.b:.3g},"
                                              f"{prefill.cost.c:.3g}: --chunk-cost skips the start-up fit)")
         print(f"{prog}: serving {config.model_name} on http://{config.host}:{config.port}{fitted}", flush=True)
-        uvicorn.run(create_app(service, config), host=config.host, port=config.port, log_level="warning",
-                    timeout_graceful_shutdown=5, http=guarded(config))
+        uvicorn.run(create_app(service, config), **http_settings(config))
     except _Stopped as stopped:
         print(f"{prog}: {stopped}: stopped", file=sys.stderr, flush=True)
     finally:
