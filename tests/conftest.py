@@ -29,18 +29,25 @@ def profile_cache(tmp_path_factory):
 def daemons(tmp_path, request):
     """daemons(n, *args) starts n daemons; all are stopped at the end of the test, and each must exit with 0 and
     leave no traceback in its log. A test that kills a daemon on purpose and leaves it dead is marked
-    `kills_daemons`: the exit code of such a daemon is not checked, its log still is."""
+    `kills_daemons`: the exit code of such a daemon is not checked, its log still is; nor is the exit code of a
+    daemon whose start raised (the test saw that)."""
     started: list[DaemonProcess] = []
+    refused: set[int] = set()  # daemons whose start raised: the test was told, and expected it or failed
 
     def start(n: int = 1, *args: str, env: dict[str, str] | None = None) -> list[DaemonProcess]:
         new = []
         for _ in range(n):
             daemon = DaemonProcess(tmp_path / f"daemon{len(started)}", tmp_path, list(args), env)
             started.append(daemon)
-            new.append(daemon.start())
+            try:
+                new.append(daemon.start())
+            except Exception:
+                refused.add(id(daemon))
+                raise
         return new
 
     yield start
     killed_on_purpose = request.node.get_closest_marker("kills_daemons") is not None
-    problems = [problem for daemon in started for problem in stop_clean(daemon, killed_on_purpose=killed_on_purpose)]
+    problems = [problem for daemon in started
+                for problem in stop_clean(daemon, killed_on_purpose=killed_on_purpose or id(daemon) in refused)]
     assert not problems, "\n".join(problems)

@@ -20,6 +20,8 @@ import pytest
 import xxhash
 
 from kvstore.block import Block
+from kvstore.client import KVClient
+from kvstore.client.config import ClientConfig
 from kvstore.proto import SERVICE, method, pb
 from kvstore.record import build_record, encode_header
 from kvstore.server.process import DaemonProcess
@@ -56,7 +58,10 @@ class SteadyClient:
 
     def _run(self) -> None:
         seed = 50_000
-        with client_for(self.daemon, "grpc") as client:
+        # Deadlines far past any answer's time: a slow answer beside a 65,536-key Get is no failure of the
+        # daemon, and a 2 s deadline made it one on a loaded machine. A wrong or missing answer still is.
+        config = ClientConfig((self.daemon.address,), timeout_s=120, lookup_timeout_s=120, transport="grpc")
+        with KVClient(config) as client:
             while not self._stop.is_set():
                 prompt = items(seed, 3)
                 seed += 1
@@ -95,8 +100,9 @@ def daemon(tmp_path_factory):
     assert "Traceback" not in daemon.log(), daemon.log()[-3000:]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def steady(daemon):
+    """A well-behaved client of each test's own: what went wrong during one test is that test's failure."""
     client = SteadyClient(daemon)
     yield client
     client.stop()
