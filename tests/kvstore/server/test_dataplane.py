@@ -7,6 +7,7 @@ import struct
 import time
 
 import grpc
+import psutil
 import pytest
 
 from kvstore import wire
@@ -64,10 +65,25 @@ def test_pooled_connections_the_daemon_closed_while_idle_are_not_reused(daemons,
     with KVClient(ClientConfig((daemon.address,), shared_memory=shared_memory)) as client:
         assert client.put(items, NS.num_layers).stored == 2
         assert len(client.get([b for b, _ in items])) == 2
-        time.sleep(1.0)  # the daemon closes the pooled connections meanwhile
+        assert data_connections(daemon) > 0, "the client pools its data connection"
+        # the daemon closes the pooled connections once idle: waited for as the daemon's sockets show it
+        while data_connections(daemon):
+            time.sleep(0.05)
         assert len(client.get([b for b, _ in items])) == 2
         assert not client.stats.data_fallbacks and not client.stats.shard_errors
         assert data_calls(client, daemon.address, "data.Get") == 2
+
+
+def data_connections(daemon) -> int:
+    """The daemon's open data-channel connections: TCP ones on its data port, and Unix ones on its socket (the
+    kernel names an accepted Unix connection by the listening socket's path, and shows no state: all but the
+    listener)."""
+    socket_path = str(daemon.data_dir.absolute() / "data.sock")
+    sockets = psutil.Process(daemon.proc.pid).net_connections(kind="all")
+    tcp = sum(1 for c in sockets if c.family != socket.AF_UNIX and c.laddr and c.laddr.port == daemon.data_port
+              and c.status == psutil.CONN_ESTABLISHED)
+    unix = sum(1 for c in sockets if c.family == socket.AF_UNIX and c.laddr == socket_path)
+    return tcp + max(0, unix - 1)
 
 
 def test_get_into_caller_buffers(daemon):
