@@ -290,3 +290,57 @@ def test_a_put_answered_exists_while_another_writes_the_key_survives_a_kill(daem
         (served,) = raw_get(daemon.address, [block.key])
         assert served.status == pb.OK and served.payload == payload, f"round {round_}: the block was lost"
     assert raced == 3, f"only {raced} of {round_ + 1} rounds were answered EXISTS: the kill after one went untried"
+
+
+# Compaction copies a segment's live records forward (the copy written, then the index moved to it), then
+# deletes the segment; expiry removes a segment's expired blocks, then deletes it. A kill between any two steps
+# must leave every committed block served, whole.
+COMPACTION_POINTS = ["compaction.copied", "compaction.moved", "compaction.before_delete"]
+
+
+def kept_whole_after_a_kill(daemon, kept: dict[bytes, bytes], others: dict[bytes, bytes]) -> None:
+    """The daemon died at its fault point: fsck agrees, and after a restart every kept block is served byte for
+    byte and no other block is served with bytes other than its own."""
+    daemon.proc.wait(timeout=120)  # the fault point fires: SIGKILL from inside the daemon
+    assert daemon.proc.returncode == -9, "the daemon must die by its fault point"
+    report = check(daemon.data_dir)
+    assert report.ok, f"index and segments disagree right after kill -9: {report.problems[:3]}"
+    daemon.start()
+    keys = list(kept)
+    served = raw_get(daemon.address, keys)
+    lost = [k.hex() for k, got in zip(keys, served) if got.status != pb.OK or got.payload != kept[k]]
+    assert not lost, f"{len(lost)} committed blocks lost or changed by a kill inside compaction: {lost[:3]}"
+    others_served = raw_get(daemon.address, list(others))
+    assert not [k for k, got in zip(others, others_served) if got.status == pb.OK and got.payload != others[k]]
+
+
+@pytest.mark.parametrize("durability", ["fsync", "os"])
+@pytest.mark.parametrize("point", COMPACTION_POINTS)
+def test_a_kill_inside_compaction_keeps_every_committed_block(daemons, durability, point):
+    """Half of each sealed segment deleted; the daemon restarted with the fault point armed and a sweep that
+    compacts at once."""
+    daemon, = daemons(1, "--durability", durability, *SMALL_SEGMENTS, "--hot-tier-bytes", "0",
+                      "--sweep-interval-s", "1h", "--compaction-min-garbage", "0.3")
+    stored = [item for seed in range(20_000, 20_006) for item in items(seed, 10)]  # 16 KiB each: 4 segments
+    with client_for(daemon) as client:
+        assert client.put(stored, NS.num_layers).stored == len(stored)
+        assert client.delete([block for block, _ in stored[1::2]]) == len(stored[1::2])
+    assert daemon.stop() == 0
+    nth = random.Random(f"{durability}-{point}").randint(1, 3) if point != "compaction.before_delete" else 1
+    daemon.args += ["--sweep-interval-s", "0.05"]  # the later flag wins: compaction starts at the first pass
+    daemon.start(extra_env={"KVSTORE_FAULTS": f"{point}=kill@{nth}"})
+    kept_whole_after_a_kill(daemon, {b.key: p for b, p in stored[::2]}, {b.key: p for b, p in stored[1::2]})
+
+
+@pytest.mark.parametrize("durability", ["fsync", "os"])
+def test_a_kill_between_expiry_and_the_segment_delete_keeps_every_other_block(daemons, durability):
+    """Blocks of a class with a one-second TTL fill segments of their own; the daemon dies once their segment
+    is emptied and before it is deleted. The long-lived blocks are all there after the restart."""
+    daemon, = daemons(1, "--durability", durability, *SMALL_SEGMENTS, "--hot-tier-bytes", "0",
+                      "--classes", "chat=1s,agent=7d", "--expiry-bucket-s", "1s", "--sweep-interval-s", "0.05",
+                      env={"KVSTORE_FAULTS": "compaction.before_delete=kill"})
+    lasting, expiring = items(21_000, 10), items(21_001, 10)
+    with client_for(daemon) as client:
+        assert client.put(lasting, NS.num_layers, traffic_class="agent").stored == len(lasting)
+        assert client.put(expiring, NS.num_layers, traffic_class="chat").stored == len(expiring)
+    kept_whole_after_a_kill(daemon, {b.key: p for b, p in lasting}, {b.key: p for b, p in expiring})
