@@ -51,3 +51,21 @@ def daemons(tmp_path, request):
     problems = [problem for daemon in started
                 for problem in stop_clean(daemon, killed_on_purpose=killed_on_purpose or id(daemon) in refused)]
     assert not problems, "\n".join(problems)
+
+
+@pytest.fixture(scope="module")
+def module_daemons(tmp_path_factory):
+    """As `daemons`, for a module's tests to share: a daemon start (about half a second) per test adds up where
+    the tests only need a daemon that serves, and leave nothing another test reads. The daemons must stop as
+    `daemons`' do, at the module's end."""
+    base = tmp_path_factory.mktemp("module-daemons")
+    started: list[DaemonProcess] = []
+
+    def start(n: int = 1, *args: str, env: dict[str, str] | None = None) -> list[DaemonProcess]:
+        new = [DaemonProcess(base / f"daemon{len(started) + i}", base, list(args), env) for i in range(n)]
+        started.extend(new)
+        return [daemon.start() for daemon in new]
+
+    yield start
+    problems = [problem for daemon in started for problem in stop_clean(daemon)]
+    assert not problems, "\n".join(problems)
