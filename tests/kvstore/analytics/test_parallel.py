@@ -1,6 +1,7 @@
 """Replays side by side in worker processes: the same figures as one after the other, and no worker outlives
 the command, whether it is interrupted or killed."""
 
+import contextlib
 import json
 import os
 import pty
@@ -116,8 +117,17 @@ def frozen(process, workers):
     """SIGSTOP the command's whole group and check that the command and both workers are there: whatever the
     test sends next reaches replays that are under way, however slow or fast the machine is."""
     os.killpg(process.pid, signal.SIGSTOP)
-    assert process.poll() is None and len(workers) == 2 and all(running(w) for w in workers), \
-        "the command and its two workers must be alive before the signal"
+    if not (process.poll() is None and len(workers) == 2 and all(running(w) for w in workers)):
+        ended(process)
+        raise AssertionError("the command and its two workers must be alive before the signal")
+
+
+def ended(process):
+    """Whatever is left of the command's group killed (a stopped process takes SIGKILL too): no process this
+    test started outlives it, whether it passed or not."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
 
 
 def wait_gone(processes):
@@ -130,27 +140,31 @@ def wait_gone(processes):
 
 def test_ctrl_c_stops_every_replay_with_one_line_and_exit_130(tmp_path):
     process, terminal, workers = start_replay(slow_trace(tmp_path / "trace.jsonl"))
-    frozen(process, workers)
-    os.killpg(process.pid, signal.SIGINT)  # Ctrl-C: the whole foreground group, workers too (pending until...)
-    os.killpg(process.pid, signal.SIGCONT)  # ...the group runs again
-    err = read_to_the_end(terminal)
-    process.communicate(timeout=120)
-    assert process.returncode == 130 and err.strip().endswith("kvstore analytics: interrupted"), err
-    assert "Traceback" not in err
-    assert wait_gone(workers), "workers outlived the interrupted command"
+    try:
+        frozen(process, workers)
+        os.killpg(process.pid, signal.SIGINT)  # Ctrl-C: the whole foreground group, workers too (pending...)
+        os.killpg(process.pid, signal.SIGCONT)  # ...until the group runs again
+        err = read_to_the_end(terminal)
+        process.communicate(timeout=120)
+        assert process.returncode == 130 and err.strip().endswith("kvstore analytics: interrupted"), err
+        assert "Traceback" not in err
+        assert wait_gone(workers), "workers outlived the interrupted command"
+    finally:
+        ended(process)
 
 
 def test_workers_end_when_the_command_is_killed(tmp_path):
     process, terminal, workers = start_replay(slow_trace(tmp_path / "trace.jsonl"))
-    frozen(process, workers)
-    process.kill()  # the command alone, as the OOM killer would
     try:
+        frozen(process, workers)
+        process.kill()  # the command alone, as the OOM killer would
         for worker in workers:
             worker.send_signal(signal.SIGCONT)
         # They notice within 1,024 requests; one that did not would wait for a next task forever.
         assert wait_gone(workers), "workers outlived the killed command"
         process.communicate(timeout=120)  # its stdout reaches end of file once the workers, which share it, are gone
     finally:
+        ended(process)
         for worker in workers:
             if running(worker):
                 worker.kill()
