@@ -141,15 +141,22 @@ def _bad_frames():
     }
 
 
+@pytest.fixture(scope="module")
+def shared(module_daemons):
+    """One daemon for the hostile frames: each case checks its own error frame, and puts blocks of its own."""
+    return module_daemons(1, "--max-block-bytes", "4MiB", "--data-frame-timeout-s", "1")[0]
+
+
 @pytest.mark.parametrize("case", list(_bad_frames()))
-def test_hostile_frames_get_an_error_frame_and_the_daemon_keeps_serving(daemon, case):
+def test_hostile_frames_get_an_error_frame_and_the_daemon_keeps_serving(shared, case):
+    daemon = shared
     payload, code = _bad_frames()[case]
     kind, head = exchange(daemon, payload)
     assert kind == wire.ERROR
     assert pb.DataError.FromString(head).code == code
     with KVClient([daemon.address]) as client:
         stored_before = client.server_stats()[daemon.address].value("kvstore_puts_total", result="stored")
-        items = prompt(2, start=900)
+        items = prompt(2, start=10_000 + 100 * list(_bad_frames()).index(case))  # new to the shared daemon
         assert client.put(items, NS.num_layers).stored == 2
         assert len(client.get([b for b, _ in items])) == 2
         assert client.server_stats()[daemon.address].value("kvstore_puts_total", result="stored") == stored_before + 2
