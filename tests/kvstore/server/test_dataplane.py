@@ -188,7 +188,8 @@ def test_memory_stays_bounded_under_abandoned_puts(daemon):
         with socket.create_connection(("127.0.0.1", daemon.data_port), timeout=5) as sock:
             sock.sendall(wire.frame(wire.PUT, pb.PutHead(record_bytes=len(header) + len(payload)).SerializeToString())
                          + header + payload[: len(payload) // 2])
-    time.sleep(0.5)
+    while data_connections(daemon):  # the daemon has seen every hang-up (not a guess of how long that takes)
+        time.sleep(0.05)
     assert daemon.rss_bytes() - rss_before < 96 * 2**20
     with KVClient([daemon.address]) as client:
         assert client.put(prompt(1, start=800), NS.num_layers).stored == 1
