@@ -38,7 +38,7 @@ lint: install
 
 # unit + integration + crash tests; benchmarks and slow work are marked `bench` and left out.
 test: install
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=15 tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=30 tests
 
 # expert parallelism across spawned gloo ranks on loopback: MoE layers and greedy decoding equal one process's at
 # 2 and 4 ranks, weights moved by rebalancing; a decode engine serving with follower ranks (~1 min)

@@ -1,7 +1,8 @@
 """Named fault-injection points, off by default (the 3FS habit).
 
 Production code calls `faults.hit("segment.after_write")` at places where a crash or an error must be
-survivable. A test switches a point on for a daemon through the environment
+survivable: a put's steps (`segment.*`, `index.*`), a read (`segment.read`), compaction's (`compaction.copied`,
+`compaction.moved`, `compaction.before_delete`). A test switches a point on for a daemon through the environment
 (`KVSTORE_FAULTS="segment.after_write=kill@3"`: SIGKILL the process on the third hit). Actions: `kill`
 (SIGKILL self), `raise` (OSError), `enospc`; and at points that hold bytes (`damaged`), `flip`: one byte of
 them inverted, at the nth hit only (memory gone bad under the daemon, once).

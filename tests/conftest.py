@@ -7,6 +7,7 @@ import os
 import pytest
 
 from kvstore.server.process import DaemonProcess
+from tests.clean_stop import stop_clean
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -25,21 +26,46 @@ def profile_cache(tmp_path_factory):
 
 
 @pytest.fixture
-def daemons(tmp_path):
-    """daemons(n, *args) starts n daemons; all are stopped (or killed) at the end of the test."""
+def daemons(tmp_path, request):
+    """daemons(n, *args) starts n daemons; all are stopped at the end of the test, and each must exit with 0 and
+    leave no traceback in its log. A test that kills a daemon on purpose and leaves it dead is marked
+    `kills_daemons`: the exit code of such a daemon is not checked, its log still is; nor is the exit code of a
+    daemon whose start raised (the test saw that)."""
     started: list[DaemonProcess] = []
+    refused: set[int] = set()  # daemons whose start raised: the test was told, and expected it or failed
 
     def start(n: int = 1, *args: str, env: dict[str, str] | None = None) -> list[DaemonProcess]:
         new = []
         for _ in range(n):
             daemon = DaemonProcess(tmp_path / f"daemon{len(started)}", tmp_path, list(args), env)
             started.append(daemon)
-            new.append(daemon.start())
+            try:
+                new.append(daemon.start())
+            except Exception:
+                refused.add(id(daemon))
+                raise
         return new
 
     yield start
-    for daemon in started:
-        try:
-            daemon.stop()
-        except Exception:
-            daemon.kill()
+    killed_on_purpose = request.node.get_closest_marker("kills_daemons") is not None
+    problems = [problem for daemon in started
+                for problem in stop_clean(daemon, killed_on_purpose=killed_on_purpose or id(daemon) in refused)]
+    assert not problems, "\n".join(problems)
+
+
+@pytest.fixture(scope="module")
+def module_daemons(tmp_path_factory):
+    """As `daemons`, for a module's tests to share: a daemon start (about half a second) per test adds up where
+    the tests only need a daemon that serves, and leave nothing another test reads. The daemons must stop as
+    `daemons`' do, at the module's end."""
+    base = tmp_path_factory.mktemp("module-daemons")
+    started: list[DaemonProcess] = []
+
+    def start(n: int = 1, *args: str, env: dict[str, str] | None = None) -> list[DaemonProcess]:
+        new = [DaemonProcess(base / f"daemon{len(started) + i}", base, list(args), env) for i in range(n)]
+        started.extend(new)
+        return [daemon.start() for daemon in new]
+
+    yield start
+    problems = [problem for daemon in started for problem in stop_clean(daemon)]
+    assert not problems, "\n".join(problems)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -18,14 +19,20 @@ CODE = re.compile(r"```.*?```|`[^`\n]*`", re.DOTALL)  # code blocks and spans: t
 pytestmark = pytest.mark.unit
 
 
-def _files() -> list[Path]:
+def _skipped(name: str) -> bool:
+    return name in SKIP or name.endswith(".egg-info")
+
+
+def _files(root: Path = ROOT) -> list[Path]:
+    """The project's own text files. Skipped folders are pruned, not walked and filtered: after
+    `make test-connectors` .venvs/ holds gigabytes of third-party files."""
     found = []
-    for path in ROOT.rglob("*"):
-        parts = path.relative_to(ROOT).parts
-        if any(p in SKIP or p.endswith(".egg-info") for p in parts) or not path.is_file():
-            continue
-        if path.suffix in TEXT or path.name in ("Makefile", "run"):
-            found.append(path)
+    for folder, subfolders, names in os.walk(root):
+        subfolders[:] = [name for name in subfolders if not _skipped(name)]
+        for name in names:
+            path = Path(folder) / name
+            if (path.suffix in TEXT or name in ("Makefile", "run")) and path.is_file():
+                found.append(path)
     return found
 
 
@@ -49,6 +56,13 @@ def test_every_relative_link_in_the_docs_resolves():
             if not path.exists() or ROOT not in path.parents:
                 broken.append(f"{doc.relative_to(ROOT)}: {target}")
     assert not broken, "\n".join(broken)
+
+
+def test_the_walk_skips_environments(tmp_path):
+    for folder in (".venv", ".venvs/vllm/lib", "kvstore.egg-info", "docs"):
+        (tmp_path / folder).mkdir(parents=True)
+        (tmp_path / folder / "x.md").write_text("x")
+    assert _files(tmp_path) == [tmp_path / "docs" / "x.md"]
 
 
 def test_the_checks_see_what_they_look_for():

@@ -416,13 +416,20 @@ def _stop(signum: int, _frame) -> None:
     raise _Stopped(signal.Signals(signum).name)
 
 
+def http_settings(config: ApiConfig) -> dict[str, Any]:
+    """uvicorn's settings for `config`: the address, the connection guard, the shutdown's grace. `main` runs the
+    app with them, and the tests serve through them too, so that they test the server `main` builds."""
+    from engine.api.connections import guarded
+
+    return dict(host=config.host, port=config.port, log_level="warning", timeout_graceful_shutdown=5,
+                http=guarded(config))
+
+
 def main(argv: Sequence[str] | None = None, prog: str = "kvstore-api") -> None:
     """Serve until SIGTERM or SIGINT, then exit 0 with every process and thread it started ended. During
     start-up the signal interrupts it at once; while serving, uvicorn takes it first (requests in flight get
     5 s), then hands it back to `_stop` once it has shut down."""
     import uvicorn
-
-    from engine.api.connections import guarded
 
     config = parse_args(argv, prog)
     try:  # before the model loads: a port in use is said at once, and "serving" is said only once it is ours
@@ -441,8 +448,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "kvstore-api") -> None:
         port = listening.getsockname()[1]
         print(f"{prog}: serving {config.model_name} on http://{config.host}:{port}{fitted}", flush=True)
         # uvicorn.run's Config and Server, serving on the socket bound above (uvicorn.run cannot take one)
-        server = uvicorn.Server(uvicorn.Config(create_app(service, config), log_level="warning",
-                                               timeout_graceful_shutdown=5, http=guarded(config)))
+        server = uvicorn.Server(uvicorn.Config(create_app(service, config), **http_settings(config)))
         server.run(sockets=[listening])
         if not server.started:  # as uvicorn.run ends then: its log said why
             sys.exit(3)

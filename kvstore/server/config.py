@@ -171,7 +171,7 @@ class ServerConfig:
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, Path(value))
-                if not getattr(self, name).is_file():
+                if not _is_file(getattr(self, name)):
                     raise ValueError(f"{name}: {value} is not a readable file")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key go together: give both (PEM files) or neither")
@@ -268,7 +268,7 @@ class ServerConfig:
             raise ValueError("etcd_user and etcd_password_file go together, and the user has a name")
         for name in ("etcd_tls_ca", "etcd_tls_cert", "etcd_tls_key", "etcd_password_file"):
             path = getattr(self, name)
-            if path is not None and not Path(path).is_file():
+            if path is not None and not _is_file(Path(path)):
                 raise ValueError(f"{name}: {path} is not a readable file")
         if self.register is None:
             return
@@ -357,3 +357,12 @@ COMMAND = Command(ServerConfig, "kvstore-server", "The kvstore storage daemon.",
 def load_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> ServerConfig:
     """Build the config from flags (`argv`), the environment and the TOML file named by --config."""
     return COMMAND.load(argv, environ)
+
+
+def _is_file(path: Path) -> bool:
+    """Path.is_file, False rather than OSError for a name the OS refuses to look up (ENAMETOOLONG, EACCES on
+    a parent): a config naming such a file is refused with a message, not a traceback."""
+    try:
+        return path.is_file()
+    except OSError:
+        return False

@@ -361,7 +361,10 @@ class Index:
             try:
                 self._commit(live)
             except BaseException as exc:  # the writer must outlive any one batch
-                log.exception("index commit failed")
+                if isinstance(exc, OSError):  # the disk's error, not the daemon's: a line an operator can act on
+                    log.error("index commit failed: %s", exc)
+                else:
+                    log.exception("index commit failed")
                 for _, _, future in live:
                     if not future.done():
                         future.set_exception(exc)

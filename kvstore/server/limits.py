@@ -73,7 +73,14 @@ class ByteBudget:
         """Reserve `nbytes` for `who`; RequestError (exhausted) if they do not fit within `timeout_s`."""
         async with self._changed:
             try:
-                await asyncio.wait_for(self._changed.wait_for(lambda: self._fits(who, nbytes)), timeout_s)
+                # asyncio.timeout, not wait_for: wait_for runs the wait as a task of its own, and when this call
+                # is cancelled (the client leaves, the server stops) while that task is taking the lock back
+                # after its timeout, this call leaves without the lock and its `async with` releases the lock of
+                # whoever holds it; the task then takes the lock and never gives it back, and every later put
+                # or Get waits on this budget forever (a daemon that did not stop on SIGTERM). Here the wait
+                # runs in this task, and Condition.wait takes the lock back before anything is raised.
+                async with asyncio.timeout(timeout_s):
+                    await self._changed.wait_for(lambda: self._fits(who, nbytes))
             except TimeoutError:
                 mine = self.by_principal.get(who, 0)
                 whose = (f"this caller holds {mine} of its {self.per_principal}" if mine + nbytes > self.per_principal

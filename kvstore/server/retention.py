@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
+from kvstore import faults
 from kvstore.server.index import Entry, IndexNoSpace
 from kvstore.server.reserve import SpaceReserve
 from kvstore.server.segments import Segment
@@ -385,6 +386,7 @@ class Retention:
                 return
         if segment.live_bytes > 0 or segment.writers:
             return  # something was written (or placed before the seal) meanwhile; try again at the next pass
+        faults.hit("compaction.before_delete")  # every live block moved or removed, the file still there
         store.delete_segment(segment)
         self.metrics.compactions.labels(reason=reason).inc()
 

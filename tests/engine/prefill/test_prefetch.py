@@ -31,6 +31,7 @@ def _first_turn(tiny, daemon, prompts: list[list[int]]) -> None:
         assert client.write_behind.flush(30)
 
 
+@pytest.mark.kills_daemons  # left dead on purpose: a dead daemon is what it tests
 def test_the_next_turn_after_a_prefetch_reads_nothing_from_the_daemon(tiny_models, daemons):
     tiny = tiny_models["gpt_oss"]
     (daemon,) = daemons(1)

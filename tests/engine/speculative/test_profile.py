@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -72,18 +71,31 @@ def test_layout_spreads_b_over_verification_chunks() -> None:
 
 def test_a_b_timed_slower_than_a_larger_b_is_timed_again(tiny_decoder: Decoder, monkeypatch) -> None:
     # B = 1's timed forwards stall for 1 s (another process took the core): without timing it again the
-    # fit would pool it with every larger B, at >= 0.25 s each, and flatten the small-B end
+    # fit would pool it with every larger B, at >= 0.25 s each, and flatten the small-B end. The forwards run,
+    # but the clock measure() reads is this test's: each forward takes 1 ms a token, plus the stalls, so that
+    # what is asserted does not depend on how fast this machine is or what else it runs.
+    from engine.speculative import profile as profile_module
     from engine.speculative.profile import measure
 
     forward, calls = tiny_decoder.forward, []
 
+    class Clock:
+        now = 0.0
+
+        def perf_counter(self) -> float:
+            return self.now
+
+    clock = Clock()
+
     def stalled(chunks, *args, **kwargs):
         calls.append(sum(len(c.tokens) for c in chunks))
+        clock.now += 0.001 * calls[-1]
         if len(calls) - 1 in (len(GRID), 2 * len(GRID)):  # after every B's warm-up: B = 1 in both timed rounds
-            time.sleep(1.0)
+            clock.now += 1.0
         return forward(chunks, *args, **kwargs)
 
     monkeypatch.setattr(tiny_decoder, "forward", stalled)
+    monkeypatch.setattr(profile_module, "time", clock)
     profile = measure(tiny_decoder, GRID, context=32, repeats=2)
     rounds = list(GRID) * 3  # warm-up, then two rounds over the grid, each B once a round
     assert calls[:len(rounds)] == [sum(layout(b, 6)) for b in rounds] and calls.count(1) > 3  # timed again

@@ -1,6 +1,7 @@
 """Replays side by side in worker processes: the same figures as one after the other, and no worker outlives
 the command, whether it is interrupted or killed."""
 
+import contextlib
 import json
 import os
 import pty
@@ -8,7 +9,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 
 import psutil
 import pytest
@@ -109,33 +109,63 @@ def read_to_the_end(terminal):
     return text
 
 
-def gone(processes, within_s):
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        if not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in processes):
-            return True
-        time.sleep(0.05)
-    return False
+def running(process):
+    return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+
+
+def frozen(process, workers):
+    """SIGSTOP the command's whole group and check that the command and both workers are there: whatever the
+    test sends next reaches replays that are under way, however slow or fast the machine is."""
+    os.killpg(process.pid, signal.SIGSTOP)
+    if not (process.poll() is None and len(workers) == 2 and all(running(w) for w in workers)):
+        ended(process)
+        raise AssertionError("the command and its two workers must be alive before the signal")
+
+
+def ended(process):
+    """Whatever is left of the command's group killed (a stopped process takes SIGKILL too): no process this
+    test started outlives it, whether it passed or not."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+
+def wait_gone(processes):
+    """Until every process has ended. A pool worker that misses its parent's end never ends at all (it waits
+    for the next task of a pool whose queue it holds open itself), so this waits on that event: the bound is
+    only there to fail a test that would otherwise hang."""
+    _, alive = psutil.wait_procs([p for p in processes if running(p)], timeout=120)
+    return not [p for p in alive if running(p)]
 
 
 def test_ctrl_c_stops_every_replay_with_one_line_and_exit_130(tmp_path):
     process, terminal, workers = start_replay(slow_trace(tmp_path / "trace.jsonl"))
-    os.killpg(process.pid, signal.SIGINT)  # Ctrl-C: the whole foreground group, workers too
-    err = read_to_the_end(terminal)
-    process.communicate(timeout=30)
-    assert process.returncode == 130 and err.strip().endswith("kvstore analytics: interrupted"), err
-    assert "Traceback" not in err
-    assert gone(workers, 4.0), "workers outlived the interrupted command"
+    try:
+        frozen(process, workers)
+        os.killpg(process.pid, signal.SIGINT)  # Ctrl-C: the whole foreground group, workers too (pending...)
+        os.killpg(process.pid, signal.SIGCONT)  # ...until the group runs again
+        err = read_to_the_end(terminal)
+        process.communicate(timeout=120)
+        assert process.returncode == 130 and err.strip().endswith("kvstore analytics: interrupted"), err
+        assert "Traceback" not in err
+        assert wait_gone(workers), "workers outlived the interrupted command"
+    finally:
+        ended(process)
 
 
 def test_workers_end_when_the_command_is_killed(tmp_path):
     process, terminal, workers = start_replay(slow_trace(tmp_path / "trace.jsonl"))
-    process.kill()  # the command alone, as the OOM killer would
-    process.communicate(timeout=30)
-    try:  # they notice within 1,024 requests (under a second), where their replays go on for seconds more
-        assert gone(workers, 4.0), "workers outlived the killed command"
-    finally:
+    try:
+        frozen(process, workers)
+        process.kill()  # the command alone, as the OOM killer would
         for worker in workers:
-            if worker.is_running():
+            worker.send_signal(signal.SIGCONT)
+        # They notice within 1,024 requests; one that did not would wait for a next task forever.
+        assert wait_gone(workers), "workers outlived the killed command"
+        process.communicate(timeout=120)  # its stdout reaches end of file once the workers, which share it, are gone
+    finally:
+        ended(process)
+        for worker in workers:
+            if running(worker):
                 worker.kill()
         read_to_the_end(terminal)

@@ -34,6 +34,7 @@ def test_blocks_spread_over_all_daemons(daemons):
         assert client.lookup([b for b, _ in items]) == 30
 
 
+@pytest.mark.kills_daemons  # left dead on purpose: a dead daemon is what it tests
 def test_present_answers_for_each_block_not_for_the_prefix(daemons):
     cluster = daemons(3)
     items = conversation(12, seed=7)
@@ -77,6 +78,7 @@ def test_a_dead_daemon_means_misses_then_hits_again_when_it_returns(daemons):
             assert [g.payload for g in client.get([b for b, _ in items])] == [p for _, p in items]
 
 
+@pytest.mark.kills_daemons  # left dead on purpose: a dead daemon is what it tests
 def test_all_daemons_dead_is_still_not_an_exception(daemons):
     cluster = daemons(2)
     items = conversation(4, seed=3)

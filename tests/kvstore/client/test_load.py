@@ -64,6 +64,7 @@ def test_host_tier_serves_the_head_of_the_prefix_and_daemons_the_rest(daemons):
         assert [bytes(g.payload) for g in got] == [p for _, p in items]
 
 
+@pytest.mark.kills_daemons  # left dead on purpose: a dead daemon is what it tests
 def test_a_daemon_killed_mid_load_shrinks_the_hit_without_a_hang(daemons):
     cluster = daemons(1, "--hot-tier-bytes", "0")
     items = conversation(8, seed=2)

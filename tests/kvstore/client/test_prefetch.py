@@ -79,6 +79,7 @@ def test_an_unread_prefetch_evicted_is_wasted_and_past_prefetch_bytes_blocks_are
         assert reader.prefetch([b for b, _ in prefetched[2:4]]) == 2, "the budget is free again"
 
 
+@pytest.mark.kills_daemons  # left dead on purpose: a dead daemon is what it tests
 def test_a_prefetch_from_a_dead_daemon_is_a_counted_miss_never_an_exception(daemons):
     cluster = daemons(1)
     items = conversation(3, seed=4)

@@ -3,7 +3,6 @@
 import os
 import random
 import threading
-import time
 
 import pytest
 
@@ -60,7 +59,11 @@ def test_repeated_kill_during_a_stream_of_puts(daemons, durability):
 
         thread = threading.Thread(target=writer)
         thread.start()
-        time.sleep(rng.uniform(0.3, 0.8))
+        # a random number of acknowledged puts, not a random time: each cycle kills amid the stream however
+        # fast the machine is
+        target = len(acked) + rng.randint(6, 30)
+        while len(acked) < target and thread.is_alive():
+            stop.wait(0.005)
         daemon.kill()  # SIGKILL mid-stream
         stop.set()
         thread.join()

@@ -7,6 +7,7 @@ import struct
 import time
 
 import grpc
+import psutil
 import pytest
 
 from kvstore import wire
@@ -64,10 +65,25 @@ def test_pooled_connections_the_daemon_closed_while_idle_are_not_reused(daemons,
     with KVClient(ClientConfig((daemon.address,), shared_memory=shared_memory)) as client:
         assert client.put(items, NS.num_layers).stored == 2
         assert len(client.get([b for b, _ in items])) == 2
-        time.sleep(1.0)  # the daemon closes the pooled connections meanwhile
+        assert data_connections(daemon) > 0, "the client pools its data connection"
+        # the daemon closes the pooled connections once idle: waited for as the daemon's sockets show it
+        while data_connections(daemon):
+            time.sleep(0.05)
         assert len(client.get([b for b, _ in items])) == 2
         assert not client.stats.data_fallbacks and not client.stats.shard_errors
         assert data_calls(client, daemon.address, "data.Get") == 2
+
+
+def data_connections(daemon) -> int:
+    """The daemon's open data-channel connections: TCP ones on its data port, and Unix ones on its socket (the
+    kernel names an accepted Unix connection by the listening socket's path, and shows no state: all but the
+    listener)."""
+    socket_path = str(daemon.data_dir.absolute() / "data.sock")
+    sockets = psutil.Process(daemon.proc.pid).net_connections(kind="all")
+    tcp = sum(1 for c in sockets if c.family != socket.AF_UNIX and c.laddr and c.laddr.port == daemon.data_port
+              and c.status == psutil.CONN_ESTABLISHED)
+    unix = sum(1 for c in sockets if c.family == socket.AF_UNIX and c.laddr == socket_path)
+    return tcp + max(0, unix - 1)
 
 
 def test_get_into_caller_buffers(daemon):
@@ -125,15 +141,22 @@ def _bad_frames():
     }
 
 
+@pytest.fixture(scope="module")
+def shared(module_daemons):
+    """One daemon for the hostile frames: each case checks its own error frame, and puts blocks of its own."""
+    return module_daemons(1, "--max-block-bytes", "4MiB", "--data-frame-timeout-s", "1")[0]
+
+
 @pytest.mark.parametrize("case", list(_bad_frames()))
-def test_hostile_frames_get_an_error_frame_and_the_daemon_keeps_serving(daemon, case):
+def test_hostile_frames_get_an_error_frame_and_the_daemon_keeps_serving(shared, case):
+    daemon = shared
     payload, code = _bad_frames()[case]
     kind, head = exchange(daemon, payload)
     assert kind == wire.ERROR
     assert pb.DataError.FromString(head).code == code
     with KVClient([daemon.address]) as client:
         stored_before = client.server_stats()[daemon.address].value("kvstore_puts_total", result="stored")
-        items = prompt(2, start=900)
+        items = prompt(2, start=10_000 + 100 * list(_bad_frames()).index(case))  # new to the shared daemon
         assert client.put(items, NS.num_layers).stored == 2
         assert len(client.get([b for b, _ in items])) == 2
         assert client.server_stats()[daemon.address].value("kvstore_puts_total", result="stored") == stored_before + 2
@@ -165,7 +188,8 @@ def test_memory_stays_bounded_under_abandoned_puts(daemon):
         with socket.create_connection(("127.0.0.1", daemon.data_port), timeout=5) as sock:
             sock.sendall(wire.frame(wire.PUT, pb.PutHead(record_bytes=len(header) + len(payload)).SerializeToString())
                          + header + payload[: len(payload) // 2])
-    time.sleep(0.5)
+    while data_connections(daemon):  # the daemon has seen every hang-up (not a guess of how long that takes)
+        time.sleep(0.05)
     assert daemon.rss_bytes() - rss_before < 96 * 2**20
     with KVClient([daemon.address]) as client:
         assert client.put(prompt(1, start=800), NS.num_layers).stored == 1

@@ -34,15 +34,30 @@ def record_messages(block, payload, traffic_class="chat"):
     return [pb.PutHead(record_bytes=len(header) + len(payload)).SerializeToString(), header, payload]
 
 
+ARGS = ("--max-block-bytes", "4MiB", "--max-message-bytes", "2MiB", "--max-inflight-put-bytes", "16MiB",
+        "--max-keys-per-request", "1000", "--metrics-port", "0")
+
+
 @pytest.fixture
 def daemon(daemons):
-    return daemons(1, "--max-block-bytes", "4MiB", "--max-message-bytes", "2MiB",
-                   "--max-inflight-put-bytes", "16MiB", "--max-keys-per-request", "1000", "--metrics-port", "0")[0]
+    return daemons(1, *ARGS)[0]
 
 
 @pytest.fixture
 def channel(daemon):
     with grpc.insecure_channel(daemon.address) as ch:
+        yield ch
+
+
+@pytest.fixture(scope="module")
+def shared(module_daemons):
+    """One daemon for the tests of malformed requests: each checks its own refusal and what it stored."""
+    return module_daemons(1, *ARGS)[0]
+
+
+@pytest.fixture(scope="module")
+def shared_channel(shared):
+    with grpc.insecure_channel(shared.address) as ch:
         yield ch
 
 
@@ -88,7 +103,8 @@ def test_get_streams_layer_major_in_layer_order(channel, daemon):
     assert order == [(layer, index) for layer in range(NS.num_layers) for index in range(3)]
 
 
-def test_health_and_reflection(channel):
+def test_health_and_reflection(shared_channel):
+    channel = shared_channel
     stub = health_pb2_grpc.HealthStub(channel)
     assert stub.Check(health_pb2.HealthCheckRequest(service=SERVICE)).status == health_pb2.HealthCheckResponse.SERVING
     reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
@@ -114,8 +130,8 @@ def test_prometheus_endpoint(daemon):
     ("Stats", b"\x0a\x05abc"),
 ], ids=["short-key", "too-many-keys", "not-protobuf", "unknown-class", "empty-key", "advise-long-key",
         "truncated-field"])
-def test_malformed_unary_requests_are_invalid_argument(channel, name, request_bytes):
-    call = channel.unary_unary(method(name), None, None)
+def test_malformed_unary_requests_are_invalid_argument(shared_channel, name, request_bytes):
+    call = shared_channel.unary_unary(method(name), None, None)
     with pytest.raises(grpc.RpcError) as info:
         call(request_bytes, timeout=5)
     assert info.value.code() == CODE.INVALID_ARGUMENT, info.value.details()
@@ -126,8 +142,8 @@ def test_malformed_unary_requests_are_invalid_argument(channel, name, request_by
     pb.GetRequest(keys=[b"x" * 15]).SerializeToString(),
     pb.GetRequest(keys=[b"k" * 16], layer_begin=3, layer_end=2).SerializeToString(),
 ], ids=["not-protobuf", "short-key", "empty-layer-range"])
-def test_malformed_get_is_invalid_argument(channel, request_bytes):
-    call = channel.unary_stream(method("Get"), None, None)
+def test_malformed_get_is_invalid_argument(shared_channel, request_bytes):
+    call = shared_channel.unary_stream(method("Get"), None, None)
     with pytest.raises(grpc.RpcError) as info:
         list(call(request_bytes, timeout=5))
     assert info.value.code() == CODE.INVALID_ARGUMENT
@@ -170,14 +186,15 @@ def _bad_puts():
 
 
 @pytest.mark.parametrize("case", list(_bad_puts()))
-def test_malformed_puts_get_precise_codes_and_store_nothing(channel, daemon, case):
+def test_malformed_puts_get_precise_codes_and_store_nothing(shared_channel, shared, case):
     messages, code = _bad_puts()[case]
-    with pytest.raises(grpc.RpcError) as info:
-        raw_put(channel, messages)
-    assert info.value.code() == code, info.value.details()
-    with KVClient([daemon.address]) as client:
-        assert client.server_stats()[daemon.address].value("kvstore_puts_total", result="stored") == 0
-        items = prompt(2, start=9000)
+    with KVClient([shared.address]) as client:
+        stored = client.server_stats()[shared.address].value("kvstore_puts_total", result="stored")
+        with pytest.raises(grpc.RpcError) as info:
+            raw_put(shared_channel, messages)
+        assert info.value.code() == code, info.value.details()
+        assert client.server_stats()[shared.address].value("kvstore_puts_total", result="stored") == stored
+        items = prompt(2, start=9000 + 10 * list(_bad_puts()).index(case))  # blocks new to the shared daemon
         assert client.put(items, NS.num_layers).stored == 2, "the daemon keeps serving"
         assert len(client.get([b for b, _ in items])) == 2
 
