@@ -5,6 +5,8 @@ exit code and log can show it; fixtures that start daemons end them through `sto
 
 from __future__ import annotations
 
+import signal
+
 from kvstore.server.process import DaemonProcess
 
 
@@ -19,7 +21,9 @@ def stop_clean(daemon: DaemonProcess, *, killed_on_purpose: bool = False) -> lis
         daemon.kill()
         problems.append(f"{daemon.data_dir.name} did not stop on SIGTERM: {exc!r}")
     else:
-        if code != 0 and not (was_dead and killed_on_purpose):
+        # A fault point's kill can land while the stop drains a Get that was still reading: a test that kills on
+        # purpose accepts SIGKILL's code whenever it comes.
+        if code != 0 and not (killed_on_purpose and (was_dead or code == -signal.SIGKILL)):
             problems.append(f"{daemon.data_dir.name} exited with {code}")
     log = daemon.log()
     if "Traceback" in _without_cancelled_sends(log):

@@ -10,6 +10,16 @@ from kvstore.server.process import DaemonProcess
 from tests.clean_stop import stop_clean
 
 
+def pytest_runtest_setup(item):
+    """Under `--dist loadgroup` every test of an `xdist_group` must carry its group in its node id: that is how
+    pytest-xdist keeps a group on one worker. When an upgrade breaks it, groups scatter silently (a real-model
+    server built on every worker, the suite slower), so each grouped test fails and says why."""
+    if (getattr(item.config.option, "loadgroup", False)  # set in the workers, whose collections xdist tags
+            and item.get_closest_marker("xdist_group") and "@" not in item.nodeid):
+        pytest.fail("--dist loadgroup left this grouped test untagged: this pytest and pytest-xdist disagree on "
+                    "node ids (see the pin in pyproject.toml)", pytrace=False)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def profile_cache(tmp_path_factory):
     """Speculative decoding is on by default and measures an SPS profile per model and machine at start-up
