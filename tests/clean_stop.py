@@ -26,23 +26,9 @@ def stop_clean(daemon: DaemonProcess, *, killed_on_purpose: bool = False) -> lis
         if code != 0 and not (killed_on_purpose and (was_dead or code == -signal.SIGKILL)):
             problems.append(f"{daemon.data_dir.name} exited with {code}")
     log = daemon.log()
-    if "Traceback" in _without_cancelled_sends(log):
+    if "Traceback" in log:
         problems.append(f"{daemon.data_dir.name} logged a traceback")
     if problems:
         problems.append(f"its log ({daemon.log_path}), last 3000 characters:\n{log[-3000:]}")
     return problems
 
-
-def _without_cancelled_sends(log: str) -> str:
-    """`log` less the entries gRPC's core writes, traceback and all, when a servicer's send meets a call its client
-    cancelled meanwhile ("ExecuteBatchError raised in core by servicer method"): a client going away mid-Get, which
-    tests do on purpose, not a fault of the daemon's."""
-    kept, skipping = [], False
-    for line in log.splitlines():
-        if "ExecuteBatchError raised in core by servicer method" in line:
-            skipping = True
-        elif skipping and line[:4].isdigit() and line[4:5] == "-":  # the next timestamped entry
-            skipping = False
-        if not skipping:
-            kept.append(line)
-    return "\n".join(kept)

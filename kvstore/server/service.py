@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import NoReturn
 
 import grpc
+from grpc._cython.cygrpc import ExecuteBatchError  # what a write raises once its call has ended (no public name)
 
 import kvstore
 from kvstore.hostid import host_id
@@ -215,6 +216,12 @@ class KVStoreService:
                 # A status would queue behind the message the client does not take; ending the handler
                 # as cancelled makes gRPC cancel the call, which frees that message.
                 self.metrics.rpc_errors.labels(method="Get", code="DEADLINE_EXCEEDED").inc()
+                raise asyncio.CancelledError() from None
+            except ExecuteBatchError:
+                # A write met a call that had ended: its client cancelled it or closed its channel mid-Get.
+                # gRPC takes a handler that ends cancelled as that; let through, this logs a traceback when the
+                # connection went before gRPC marked the call closed.
+                self.metrics.rpc_errors.labels(method="Get", code="CANCELLED").inc()
                 raise asyncio.CancelledError() from None
             finally:
                 self.metrics.rpc_latency.labels(method="Get").observe(time.perf_counter() - started)

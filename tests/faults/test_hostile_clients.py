@@ -20,7 +20,7 @@ import grpc
 import pytest
 import xxhash
 
-from kvstore.block import Block
+from kvstore.block import Block, KVLayout, Namespace
 from kvstore.client import KVClient
 from kvstore.client.config import ClientConfig
 from kvstore.proto import SERVICE, method, pb
@@ -37,6 +37,8 @@ MAX_KEYS = 65536  # the daemon's default max_keys_per_request
 KEYED = ["Lookup", "Touch", "Delete", "Advise", "Get"]
 UNARY_TYPES = {"Lookup": pb.LookupRequest, "Touch": pb.KeysRequest, "Delete": pb.KeysRequest,
                "Advise": pb.AdviseRequest, "Stats": pb.StatsRequest, "Info": pb.InfoRequest, "Get": pb.GetRequest}
+# 1 MiB blocks: a Get of eight is a stream long enough for a client to leave in the middle of
+BIG = Namespace("hostile-big", KVLayout(num_layers=8, kv_heads=4, head_dim=128, dtype="float16"), block_tokens=64)
 NOT_PROTOBUF = {
     "invalid wire type": b"\x0f\x01",
     "truncated varint": b"\x08\xff",
@@ -329,6 +331,23 @@ def test_gets_abandoned_after_their_first_part_leave_nothing_pinned(channel, dae
         stream.cancel()
     assert [got.payload for got in raw_get(daemon.address, keys)] == [payload for _, payload in stored]
     steady.assert_served_throughout()
+
+
+def test_gets_whose_clients_close_their_channel_midway_end_quietly(daemons):
+    """A client that closes its channel mid-Get (a process exiting, a pool dropping a connection) ends the call
+    under the daemon's next write. That is the client's going, not a fault: the daemon logs no traceback (the
+    `daemons` fixture reads its log at the stop), and the blocks read whole afterwards."""
+    daemon, = daemons(1)
+    stored = [(block, os.urandom(BIG.block_bytes)) for block in BIG.blocks(range(16 * BIG.block_tokens))]
+    with client_for(daemon, transport="grpc") as client:
+        assert client.put(stored, BIG.num_layers).stored == len(stored)
+    keys = [block.key for block, _ in stored]
+    for n in range(200):
+        with grpc.insecure_channel(daemon.address) as channel:
+            stream = channel.unary_stream(method("Get"), None, None)(keys_request("Get", keys), timeout=10)
+            for _ in range(1 + n % 6):  # gone after a head or a payload, early or late in the stream
+                next(stream)
+    assert [got.payload for got in raw_get(daemon.address, keys)] == [payload for _, payload in stored]
 
 
 def test_a_get_into_a_shared_memory_region_over_grpc_is_invalid_argument(channel, steady):
