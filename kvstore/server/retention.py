@@ -340,18 +340,24 @@ class Retention:
 
     async def _empty_segments(self, target_disk_bytes: float, evict_live: bool) -> None:
         """Empty the sealed segments that are mostly dead, and, while the files pass the target, those with
-        any garbage (on a full disk, only if `evict_live`: their live records are evicted, not copied)."""
+        any garbage. On a full disk a segment's live records are evicted, not copied: then only the dead
+        files go, and, if `evict_live`, while the files pass the target, the oldest segments with garbage."""
         accounting = self.store.accounting
         candidates = sorted((s for s in self.store.all_segments() if s.sealed), key=lambda s: s.garbage_ratio,
                             reverse=True)
         if self.disk_full:
-            # Their live records will be evicted, not copied: the dead files first, then the oldest,
-            # whose records were written longest ago (the newest are the likeliest to be read again).
+            # The dead files first, then the oldest, whose records were written longest ago. However dead a
+            # segment is, its live records may be the newest blocks (compaction copies old ones forward beside
+            # them, and the policy evicts those copies first): a mostly dead segment is no cheaper a victim.
             candidates.sort(key=lambda s: (s.live_bytes > 0, s.id))
         for segment in candidates:
-            under_pressure = accounting.disk_bytes > target_disk_bytes and (evict_live or not self.disk_full)
-            if (segment.garbage_ratio >= self.config.compaction_min_garbage
-                    or (under_pressure and segment.garbage_ratio > 0)):
+            under_pressure = accounting.disk_bytes > target_disk_bytes
+            if self.disk_full and segment.live_bytes > 0:
+                emptied = evict_live and under_pressure and segment.garbage_ratio > 0
+            else:
+                emptied = (segment.garbage_ratio >= self.config.compaction_min_garbage
+                           or (under_pressure and segment.garbage_ratio > 0))
+            if emptied:
                 await self._empty_segment(segment, "garbage")
 
     async def _empty_segment(self, segment: Segment, reason: str) -> None:

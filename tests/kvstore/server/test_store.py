@@ -394,3 +394,20 @@ async def test_a_full_disk_lets_the_policy_choose_what_compaction_evicts(open_st
     assert store.lookup([recs[0][0].key]) == 0, "the least recently used blocks went"
     for block, _, _, payload in recs[4:8] + recs[9:]:
         assert await read_all(store, block.key) == payload
+
+
+async def test_a_full_disk_never_empties_a_mostly_dead_segment_of_the_newest_blocks_first(open_store):
+    """Compaction copies old blocks forward beside the newest puts; the policy evicts those old copies first,
+    so the newest segment can be mostly dead while its live records are the newest blocks. On a full disk,
+    emptying it would evict them: the policy's victims go first, however dead that segment is."""
+    record_bytes = sum(map(len, records(1)[0][1::2]))
+    store = await open_store(segment_bytes=4 * record_bytes, compaction_min_garbage=0.5, hot_tier_bytes=0,
+                             eviction_policy="lru")
+    recs = records(13)  # segments of four: three sealed, the newest open
+    await put_all(store, recs)
+    assert await store.delete([r[0].key for r in recs[8:11]]) == 3  # the newest sealed segment, three quarters dead
+    store.retention.disk_full = True
+    await store.retention._compact(store.accounting.disk_bytes - 4 * record_bytes)  # one segment to free
+    assert store.lookup([recs[0][0].key]) == 0, "the least recently used blocks went"
+    for block, _, _, payload in recs[4:8] + recs[11:]:
+        assert await read_all(store, block.key) == payload
