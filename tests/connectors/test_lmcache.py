@@ -126,6 +126,7 @@ def test_identities_keep_models_ranks_and_tenants_apart(loop, daemons):
     remote.close()
 
 
+@pytest.mark.kills_daemons  # left dead on purpose: a dead daemon is what it tests
 def test_a_dead_daemon_is_a_miss_within_the_deadline(loop, daemons):
     (daemon,) = daemons(1)
     local, remote, metadata = _backend(loop, daemon.address)

@@ -248,6 +248,7 @@ def test_v2_keeps_the_sliding_window_and_hits_where_hicache_file_hits(daemons, t
     ours.close()
 
 
+@pytest.mark.kills_daemons  # left dead on purpose: a dead daemon is what it tests
 def test_a_daemon_dying_mid_batch_is_a_miss_from_there_on(daemons):
     first, second = daemons(2)
     pool = host_pool("page_first")

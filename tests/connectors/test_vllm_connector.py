@@ -109,6 +109,7 @@ def test_salts_models_and_layouts_keep_blocks_apart(daemons):
     deployment.close()
 
 
+@pytest.mark.kills_daemons  # left dead on purpose: a dead daemon is what it tests
 def test_a_dead_daemon_mid_request_is_a_miss(daemons):
     (daemon,) = daemons(1)
     tokens = _tokens(4 * BLOCK + 5, 3)
@@ -201,6 +202,7 @@ def test_a_hybrid_stores_full_blocks_and_each_prompt_end_window_and_resumes_exac
         engine.close()
 
 
+@pytest.mark.kills_daemons  # left dead on purpose: a dead daemon is what it tests
 def test_a_hybrid_load_that_fails_is_reported_for_recomputation(daemons):
     (daemon,) = daemons(1)
     tokens = _tokens(4 * BLOCK + 1, 11)

@@ -104,6 +104,7 @@ def test_models_ranks_and_tenants_do_not_see_each_others_chunks(daemons):
         reader.shutdown()
 
 
+@pytest.mark.kills_daemons  # left dead on purpose: a dead daemon is what it tests
 def test_a_dead_daemon_is_a_miss_and_failed_jobs_within_the_deadline(daemons):
     (daemon,) = daemons(1)
     keys = _keys(41, 42)

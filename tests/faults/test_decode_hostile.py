@@ -34,7 +34,8 @@ from engine.serving.loop import DRAIN_PER_STEP, EngineFault, ServingBusy, Servin
 from engine.serving.processes import start_instances
 from engine.serving.proto import method, pb
 from kvstore.server.auth import new_token, token_entry
-from tests.engine.serving.conftest import BLOCK, MODEL, PAGES, VOCAB, idle, tokens, wait_for
+from tests.engine.serving.conftest import BLOCK, MODEL, PAGES, VOCAB, idle, tokens
+from tests.waiting import wait_for
 
 # One sampled request per extreme, inside the documented ranges; each its own call beside the victim.
 EXTREMES: list[dict] = [

@@ -13,7 +13,6 @@ import json
 import logging
 import ssl
 import threading
-import time
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -24,6 +23,7 @@ from kvstore.client.membership import Member, MembershipError
 from kvstore.etcd import MAX_ANSWER_BYTES, Etcd, EtcdError
 from kvstore.server.auth import new_token, token_entry
 from tests.pki import make_pki
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -114,15 +114,6 @@ def config(etcd: HostileEtcd, **extra: object) -> ClientConfig:
     return ClientConfig(etcd.target, lookup_timeout_s=0.5, down_backoff_s=0.1, max_down_backoff_s=0.3, **extra)
 
 
-def until(condition: Callable[[], object], what: str, timeout_s: float = 30.0) -> None:
-    """Wait for `condition`; the bound only keeps a broken client from hanging the run."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} did not happen within {timeout_s} s")
-        time.sleep(0.05)
-
-
 MALFORMED = {
     "a JSON list": b"[1, 2, 3]",
     "no header": {"kvs": []},
@@ -167,7 +158,7 @@ def test_the_follower_outlives_malformed_answers_and_sees_a_later_valid_change(h
         assert bad_ranges.acquire(timeout=30)  # the client's own read at start ...
         assert bad_ranges.acquire(timeout=30)  # ... and the follower's, after its broken watch
         honest.set()
-        until(lambda: set(client._async.shards) == {daemon.address}, "the follower seeing the daemon")
+        wait_for(lambda: set(client._async.shards) == {daemon.address}, "the follower seeing the daemon")
         assert client._async.stats.membership_changes == 1
 
 

@@ -28,6 +28,7 @@ from kvstore.block import Block, KVLayout, Namespace
 from kvstore.client import ClientConfig, KVClient
 from kvstore.proto import method, pb
 from kvstore.server.auth import new_token, token_entry
+from tests.waiting import wait_for
 
 from .conftest import read_frame
 
@@ -89,13 +90,6 @@ def refused(fn: Callable[[], object]) -> grpc.StatusCode | None:
     return None
 
 
-def wait_until(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + HANG_GUARD_S
-    while not condition():
-        assert time.monotonic() < deadline, f"hang guard: {what}"
-        time.sleep(0.05)
-
-
 def put_head(nbytes: int) -> bytes:
     return pb.PutHead(record_bytes=nbytes).SerializeToString()
 
@@ -150,11 +144,11 @@ def test_put_streams_that_send_a_head_and_stall_are_ended_and_health_answers_thr
     try:
         key = b"k" * 16
         # The slots are taken once a Lookup from the same address is refused for want of them.
-        wait_until(lambda: refused(lambda: lookup(daemon, [key])) == CODE.RESOURCE_EXHAUSTED,
-                   "256 stalled Put streams never took the slots a Lookup needs")
+        wait_for(lambda: refused(lambda: lookup(daemon, [key])) == CODE.RESOURCE_EXHAUSTED,
+                 "256 stalled Put streams taking the slots a Lookup needs")
         assert healthy(daemon), "the health check must answer whatever the tenants hold"
         # The daemon ends every stalled stream by itself: none waits for the client to give up.
-        wait_until(lambda: all(call.done() for call in calls), "stalled Put streams were never ended")
+        wait_for(lambda: all(call.done() for call in calls), "the daemon ending the stalled Put streams")
         assert {call.code() for call in calls} <= {CODE.DEADLINE_EXCEEDED, CODE.RESOURCE_EXHAUSTED}
         assert CODE.DEADLINE_EXCEEDED in {call.code() for call in calls}
         assert lookup(daemon, [key]) == 0
@@ -199,7 +193,7 @@ def test_put_heads_that_declare_the_whole_budget_leave_other_tenants_putting(dae
                     assert summary.stored == 2, (transport, summary, bob.last_errors())
 
             # Her stalled records are ended by the daemon, on both transports, and their bytes given back.
-            wait_until(lambda: all(call.done() for call in grpc_puts), "stalled gRPC puts were never ended")
+            wait_for(lambda: all(call.done() for call in grpc_puts), "the daemon ending the stalled gRPC puts")
             assert {call.code() for call in grpc_puts} <= {CODE.DEADLINE_EXCEEDED, CODE.RESOURCE_EXHAUSTED}
             for sock in data_puts:
                 kind, head = read_frame(sock)
@@ -250,7 +244,7 @@ def test_gets_never_read_hold_bounded_memory_and_are_ended(daemons):
 
         # Each was ended by the daemon (counted as such). Its client is not told at once: what it learns is
         # left to its own deadline, since gRPC queues the end behind the messages it has not taken.
-        wait_until(all_ended, "the daemon never ended Gets whose clients take nothing")
+        wait_for(all_ended, "the daemon ending Gets whose clients take nothing")
     finally:
         for stream in streams:
             stream.cancel()

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable
 
 import grpc
 import pytest
@@ -22,6 +21,7 @@ from kvstore.client import ClientConfig, KVClient
 from kvstore.proto import method, pb
 from kvstore.server.auth import new_token, token_entry
 from kvstore.stats import Stats
+from tests.waiting import wait_for
 
 from .conftest import NS, client_for, items, raw_get, stats
 from .test_corruption import flip, locate_records
@@ -29,13 +29,6 @@ from .test_corruption import flip, locate_records
 pytestmark = pytest.mark.crash
 
 DEADLINE_S = 60.0  # generous: a bound on a wait for the daemon, never what decides a test
-
-
-def eventually(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + DEADLINE_S
-    while not condition():
-        assert time.monotonic() < deadline, f"not within {DEADLINE_S:g} s: {what}"
-        time.sleep(0.05)
 
 
 def get_into_shared_memory(client: KVClient, stored) -> tuple[list[bytes], list[bytes]]:
@@ -144,9 +137,9 @@ def test_the_scrub_drops_a_corrupt_block_nobody_reads(daemons):
     def counted(name: str) -> float:
         return stats(daemon.address).value(name)
 
-    eventually(lambda: counted("kvstore_scrub_corrupt_total") >= 2, "the scrub found both")
+    wait_for(lambda: counted("kvstore_scrub_corrupt_total") >= 2, "the scrub finding both")
     passes = counted("kvstore_scrub_passes_total")
-    eventually(lambda: counted("kvstore_scrub_passes_total") >= passes + 2, "a whole pass after the drops")
+    wait_for(lambda: counted("kvstore_scrub_passes_total") >= passes + 2, "a whole scrub pass after the drops")
     assert counted("kvstore_scrub_corrupt_total") == 2, "good blocks are never dropped"
     assert counted("kvstore_scrub_bytes_total") > 0 and counted("kvstore_misses_total") == 0, "nobody read them"
     with client_for(daemon) as client:

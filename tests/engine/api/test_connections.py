@@ -16,6 +16,7 @@ from fastapi.responses import StreamingResponse
 
 from engine.api.config import ApiConfig
 from engine.api.connections import guarded
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -46,10 +47,7 @@ class Server:
                                                     http=guarded(config)))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
-        deadline = time.monotonic() + HANG_GUARD_S
-        while not self.server.started:
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.02)
+        wait_for(lambda: self.server.started, "the server starting", timeout_s=HANG_GUARD_S)
         self.port = self.server.servers[0].sockets[0].getsockname()[1]
 
     def connect(self) -> socket.socket:

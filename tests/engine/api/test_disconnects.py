@@ -8,7 +8,8 @@ import httpx
 import pytest
 
 from tests.engine.api.conftest import needs_server
-from tests.engine.api.test_server import MODEL, _sample, _wait
+from tests.engine.api.test_server import MODEL, _sample
+from tests.waiting import wait_for
 
 pytestmark = needs_server
 
@@ -25,10 +26,11 @@ def test_a_stream_whose_client_leaves_during_its_prefill_is_cancelled_before_a_t
                           json={"model": MODEL, "messages": [{"role": "user", "content": words}], "max_tokens": 8,
                                 "stream": True}) as response:
             next(response.iter_lines())
-    assert _wait(lambda: _sample(metrics(), "kvstore_api_cancelled_total") == cancelled + 1, timeout_s=60)
+    wait_for(lambda: _sample(metrics(), "kvstore_api_cancelled_total") == cancelled + 1,
+             "the stream whose client left counted as cancelled")
     assert _sample(metrics(), "kvstore_api_time_to_first_token_seconds_count") == first_tokens, \
         "the request ran to its first token after its client had gone"
     # a liveness bound, not a speed claim: the prefill chunk in flight when the client left ends first (on a
     # loaded 2-core machine a chunk of the real model can take longer than the 20 s default)
-    assert _wait(lambda: served.service.runner.load["running"] == 0 and served.service.runner.load["waiting"] == 0,
-                 timeout_s=120)
+    wait_for(lambda: served.service.runner.load["running"] == 0 and served.service.runner.load["waiting"] == 0,
+             "the runner idle again", timeout_s=120)

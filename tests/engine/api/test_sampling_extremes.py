@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 
 from tests.engine.api.conftest import needs_server
+from tests.waiting import wait_for
 
 pytestmark = needs_server
 MODEL = "gemma-3-270m"
@@ -71,7 +72,7 @@ def _round(served, victim_tokens: int) -> bool:
 
     with ThreadPoolExecutor(len(EXTREMES) + 1) as pool:
         streaming = pool.submit(victim)
-        _wait(lambda: len(chunks) > 1 or streaming.done())
+        wait_for(lambda: len(chunks) > 1 or streaming.done(), "the victim's first chunks", timeout_s=120)
         assert not streaming.done(), streaming.exception()
         replies = list(pool.map(lambda case: _post(served.url, *case), EXTREMES))
         for (path, fields), reply in zip(EXTREMES, replies):
@@ -81,15 +82,5 @@ def _round(served, victim_tokens: int) -> bool:
     assert all("error" not in chunk for chunk in chunks)
     (finish,) = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
     assert finish == "length"  # it ran to its max_tokens
-    _wait(lambda: served.service.runner.load["running"] == 0)
+    wait_for(lambda: served.service.runner.load["running"] == 0, "the runner idle again", timeout_s=120)
     return overlapped
-
-
-def _wait(condition, timeout_s: float = 120.0) -> None:
-    """Poll a state, with a deadline against hangs (not a timing assertion)."""
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import json
 import socket
-import time
 
 import httpx
 import pytest
 
 from tests.engine.api.conftest import needs_server
+from tests.waiting import wait_for
 
 pytestmark = needs_server
 MODEL = "gemma-3-270m"
@@ -51,8 +51,8 @@ def test_responses_keep_the_conversation_and_its_prefix_stays_cached(served):
     assert streamed[-1].response.output_text == second.output_text
     ended = _stats(served).value("kvstore_advised_blocks_total", continues="false")
     client.responses.delete(second.id)
-    assert _wait(lambda: _stats(served).value("kvstore_advised_blocks_total", continues="false") > ended), \
-        "a deleted conversation is advised as ended"
+    wait_for(lambda: _stats(served).value("kvstore_advised_blocks_total", continues="false") > ended,
+             "the deleted conversation advised as ended")
     import openai
 
     with pytest.raises(openai.NotFoundError):
@@ -117,8 +117,8 @@ def test_a_tool_call_turn_then_its_result(served):
     (call,) = choice.message.tool_calls
     assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Oslo"})
     assert reply.usage.completion_tokens < 60, "the reply ends at the end of the call"
-    assert _wait(lambda: _stats(served).value("kvstore_advised_blocks_total", continues="true") > going_on), \
-        "a tool call is advised as going on"
+    wait_for(lambda: _stats(served).value("kvstore_advised_blocks_total", continues="true") > going_on,
+             "the tool call advised as going on")
     assert _stats(served).value("kvstore_blocks", traffic_class="agent") > 0, "a request with tools is agent traffic"
     _flush(served)
     messages += [choice.message.model_dump(exclude_none=True),
@@ -161,8 +161,9 @@ def test_a_client_that_goes_away_frees_its_generation_and_metrics_say_so(served)
                             "stream": True}) as response:
         lines = response.iter_lines()
         assert next(lines).startswith("data: ")
-    assert _wait(lambda: _sample(metrics(), "kvstore_api_cancelled_total") == cancelled + 1)
-    assert _wait(lambda: served.service.runner.load["running"] == 0), "the generation goes on without its client"
+    wait_for(lambda: _sample(metrics(), "kvstore_api_cancelled_total") == cancelled + 1,
+             "the stream whose client left counted as cancelled")
+    wait_for(lambda: served.service.runner.load["running"] == 0, "the generation ending without its client")
     text = metrics()  # what this test did, whatever the worker's other tests asked before it
     assert _sample(text, ok) == _sample(before, ok) + 1, "the stream was answered 200 before its client left"
     assert _sample(text, 'kvstore_api_engine{what="running"}') == 0
@@ -233,7 +234,7 @@ def test_hostile_bodies_get_the_apis_error_objects(served):
 
 def test_a_tenant_at_its_limit_is_told_to_come_back(served):
     service = served.service
-    assert _wait(lambda: sum(service.in_flight.values()) == 0), "every earlier request gave its slot back"
+    wait_for(lambda: sum(service.in_flight.values()) == 0, "every earlier request giving its slot back")
     service.in_flight["alice"] = service.max_in_flight_per_tenant  # as if alice had that many running
     try:
         chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -243,7 +244,7 @@ def test_a_tenant_at_its_limit_is_told_to_come_back(served):
         assert refused.status_code == 529 and refused.json()["error"]["type"] == "overloaded_error"
         assert _post(served, "/v1/chat/completions", chat, key="key-bob").status_code == 200, "bob has his own"
         # the reply can reach the client a moment before its request gives back its slot
-        assert _wait(lambda: service.in_flight["bob"] == 0), "bob's request gave its slot back"
+        wait_for(lambda: service.in_flight["bob"] == 0, "bob's request giving its slot back")
         service.in_flight["bob"] = service.max_in_flight - service.max_in_flight_per_tenant
         assert _post(served, "/v1/chat/completions", chat, key="key-bob").status_code == 429, "the server is full"
     finally:
@@ -261,9 +262,10 @@ def test_a_non_streamed_request_whose_client_gives_up_is_cancelled(served):
     with socket.create_connection((host, int(port)), timeout=60) as sock:
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer key-alice\r\n"
                      b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
-        assert _wait(lambda: served.service.runner.load["running"] == 1, timeout_s=60), "the request never ran"
-    assert _wait(lambda: _sample(metrics(), "kvstore_api_cancelled_total") == cancelled + 1, timeout_s=30)
-    assert _wait(lambda: served.service.runner.load["running"] == 0)
+        wait_for(lambda: served.service.runner.load["running"] == 1, "the request running")
+    wait_for(lambda: _sample(metrics(), "kvstore_api_cancelled_total") == cancelled + 1,
+             "the request whose client gave up counted as cancelled", timeout_s=30)
+    wait_for(lambda: served.service.runner.load["running"] == 0, "the cancelled request ending")
 
 
 def test_a_dead_tokenizer_worker_is_replaced(served):
@@ -284,15 +286,6 @@ def _sample(text: str, name: str) -> float:
     return 0.0
 
 
-def _wait(condition, timeout_s: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
-
-
 def test_health_says_the_store_answers(served):
     """GET /health is 200 and names the store's state: reachable here (unreachable, with a 200 still, is
     tests/engine/api/test_store_state.py's)."""
@@ -301,5 +294,5 @@ def test_health_says_the_store_answers(served):
         assert reply.status_code == 200
         return reply.json()
 
-    assert _wait(lambda: health()["store"] != "unknown"), "the store was never probed"
+    wait_for(lambda: health()["store"] != "unknown", "the store probed")
     assert health() == {"status": "ok", "store": "reachable", "daemons": {served.daemon.address: "answered"}}

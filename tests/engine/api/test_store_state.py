@@ -4,12 +4,12 @@ that goes away and comes back logged (at most a line per interval), and misses w
 from __future__ import annotations
 
 import logging
-import time
 
 import pytest
 
 from engine.api.store_state import DEGRADED, REACHABLE, UNKNOWN, UNREACHABLE, StoreState
 from kvstore.client import ClientConfig, KVClient
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -17,15 +17,6 @@ pytestmark = pytest.mark.integration
 def _client(*addresses: str) -> KVClient:
     return KVClient(ClientConfig(addresses, timeout_s=2.0, lookup_timeout_s=2.0, down_backoff_s=0.05,
                                  max_down_backoff_s=0.05))
-
-
-def _until(condition, timeout_s: float = 60.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
 
 
 def test_a_store_that_goes_away_and_comes_back_is_logged(daemons, caplog):
@@ -43,7 +34,7 @@ def test_a_store_that_goes_away_and_comes_back_is_logged(daemons, caplog):
         (went,) = caplog.records
         assert f"store unreachable: did not answer: {daemon.address}" in went.getMessage()
         daemon.start()  # on its port again; the client's channel reconnects on gRPC's backoff, probed until then
-        assert _until(lambda: state.probe().state == REACHABLE), state.daemons
+        wait_for(lambda: state.probe().state == REACHABLE, "the restarted daemon reachable again")
         assert not state.missing_store()
         assert "store reachable again" in caplog.records[-1].getMessage() and len(caplog.records) == 2
 
@@ -61,7 +52,7 @@ def test_changes_within_the_interval_are_folded_into_the_next_line(daemons, capl
         assert state.probe().state == UNREACHABLE
         assert caplog.records == [line]  # the next within the interval is not
         daemon.start()
-        assert _until(lambda: state.probe().state == DEGRADED)
+        wait_for(lambda: state.probe().state == DEGRADED, "the restarted daemon answering again")
         state.log_every_s = 0.0  # the interval over: the next change is said, with those folded in
         assert state.probe().state == DEGRADED
         assert caplog.records == [line], "back to what the log said: nothing to say"

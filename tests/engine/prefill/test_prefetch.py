@@ -4,22 +4,13 @@ records read ahead are bounded, and the oldest unused is counted wasted."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from engine.prefill.request import CACHED, PrefillRequest
 from tests.engine.prefill.test_engine import _check, _client, _engine, _tokens
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.integration
-
-
-def _until(condition, limit_s: float = 60.0) -> None:
-    """Wait for a background fetch; the limit only ends a hang."""
-    deadline = time.monotonic() + limit_s
-    while not condition():
-        assert time.monotonic() < deadline, "the prefetch never arrived"
-        time.sleep(0.01)
 
 
 def _first_turn(tiny, daemon, prompts: list[list[int]]) -> None:
@@ -43,7 +34,7 @@ def test_the_next_turn_after_a_prefetch_reads_nothing_from_the_daemon(tiny_model
         blocks = engine.namespace().blocks(prompt)
         engine.prefetch(blocks)
         assert engine.windows.prefetches["fetched"] == 1
-        _until(lambda: client.stats.prefetched == len(blocks))
+        wait_for(lambda: client.stats.prefetched == len(blocks), "the prefetched blocks arriving")
         daemon.kill()  # the turn must not need it
         second = engine.prefill(PrefillRequest(prompt + more, session_id="s0", turn=1))
         assert (second.path, second.window_source) == (CACHED, "store")  # the record, read ahead

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from engine.checkpoints.random_model import write_random_model
+from tests.waiting import wait_for
 
 VOCAB, CONTEXT, PAGES, BLOCK = 512, 8192, 128, 64
 MODEL = {"model_type": "qwen3", "vocab_size": VOCAB, "hidden_size": 64, "num_hidden_layers": 2,
@@ -18,16 +18,6 @@ MODEL = {"model_type": "qwen3", "vocab_size": VOCAB, "hidden_size": 64, "num_hid
 
 def tokens(n: int, seed: int = 0) -> list[int]:
     return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def wait_for(condition, what: str, timeout_s: float = 30.0):
-    """Poll until condition() is truthy (its value); a deadline against hangs, not a timing assertion."""
-    deadline = time.monotonic() + timeout_s
-    while not (value := condition()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
-    return value
 
 
 def idle(load) -> dict:

@@ -20,7 +20,8 @@ from engine.model.decoder import Decoder
 from engine.serving.client import InstanceClient, InstanceError, to_instance_load
 from engine.serving.processes import REPO_ROOT, InstanceStartError, start_instances
 from engine.serving.proto import method, pb
-from tests.engine.serving.conftest import BLOCK, CONTEXT, PAGES, VOCAB, idle, tokens, wait_for
+from tests.engine.serving.conftest import BLOCK, CONTEXT, PAGES, VOCAB, idle, tokens
+from tests.waiting import wait_for
 
 # one worker runs the module, so its pair of instances starts once
 pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("decode_instances")]

@@ -12,7 +12,8 @@ from engine.decode import DecodeConfig, DecodeEngine, DecodeError, DecodeRequest
 from engine.model.decoder import Decoder
 from engine.model.kv import RequestKV
 from engine.serving.loop import EngineFault, ServingClosed, ServingLoop
-from tests.engine.serving.conftest import BLOCK, PAGES, VOCAB, idle, tokens, wait_for
+from tests.engine.serving.conftest import BLOCK, PAGES, VOCAB, idle, tokens
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.unit
 CONFIG = DecodeConfig(kv_pages=PAGES, block_tokens=BLOCK, max_running=8)

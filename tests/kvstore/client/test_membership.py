@@ -27,6 +27,7 @@ from kvstore.etcd import Etcd, EtcdAccess, EtcdError, prefix_end
 from kvstore.server.process import DaemonProcess
 from tests.peers import DnsServer, EtcdServer, die_with_parent, free_port, stop
 from tests.pki import make_pki
+from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.multihost]  # real etcd and dnsmasq: make test-multihost
 
@@ -41,15 +42,6 @@ def conversation(n_blocks: int, seed: int):
 def config(servers: str, **extra) -> ClientConfig:
     return ClientConfig(servers, timeout_s=2.0, lookup_timeout_s=1.0, down_backoff_s=0.1, max_down_backoff_s=0.3,
                         **extra)
-
-
-def until(condition, timeout_s: float = 15.0, what: str = "the condition"):
-    deadline = time.monotonic() + timeout_s
-    while not (value := condition()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} did not hold within {timeout_s} s")
-        time.sleep(0.05)
-    return value
 
 
 def members(client: KVClient) -> set[str]:
@@ -70,18 +62,19 @@ def dns(tmp_path):
     server.stop()
 
 
+@pytest.mark.kills_daemons  # first[0] is killed to see its lease end
 def test_etcd_daemons_join_and_leave_a_running_client(daemons, etcd):
     target = f"etcd://{etcd.endpoint}/kvstore/members"
     register = ["--register", target, "--register-ttl-s", "2"]
     first = daemons(2, *register)
     with KVClient(config(target)) as client:
-        until(lambda: members(client) == {d.address for d in first}, what="both registered daemons")
+        wait_for(lambda: members(client) == {d.address for d in first}, "the client seeing both registered daemons")
         items = conversation(40, seed=1)
         assert client.put(items, NS.num_layers).stored == 40
         blocks = [b for b, _ in items]
 
         joined = daemons(1, *register)[0]  # a third daemon: the running client starts using it
-        until(lambda: joined.address in members(client), what="the joining daemon")
+        wait_for(lambda: joined.address in members(client), "the client seeing the joining daemon")
         assert client._async.stats.membership_changes >= 1
         moved = [b for b in blocks if place(b.key, sorted(members(client))) == joined.address]
         assert 0 < len(moved) < len(blocks)  # only its share of the keys moved
@@ -90,16 +83,16 @@ def test_etcd_daemons_join_and_leave_a_running_client(daemons, etcd):
             assert direct.present(moved) == [False] * len(moved)  # the new owner starts empty ...
             assert client.lookup(blocks) == len(blocks)  # ... and the moved blocks are found on their old owners
             assert [bytes(d.payload) for d in client.get(blocks)] == [p for _, p in items]
-            until(lambda: client.stats.handed_off == len(moved), what="the moved blocks copied to their new owner")
+            wait_for(lambda: client.stats.handed_off == len(moved), "the moved blocks copied to their new owner")
             assert direct.present(moved) == [True] * len(moved)
         assert client.lookup(blocks) == len(blocks)
 
         joined.stop()  # a clean stop revokes its lease: it leaves at once, not a TTL later
-        until(lambda: joined.address not in members(client), timeout_s=3.0, what="the stopped daemon leaving")
+        wait_for(lambda: joined.address not in members(client), "the stopped daemon leaving", timeout_s=3.0)
         assert client.present(stayed) == [True] * len(stayed)  # back with their old owners
 
         first[0].kill()  # a dead daemon leaves when its lease ends (2 s)
-        until(lambda: members(client) == {first[1].address}, timeout_s=10.0, what="the killed daemon's lease ending")
+        wait_for(lambda: members(client) == {first[1].address}, "the killed daemon's lease ending", timeout_s=10.0)
         survivors = [b for b in stayed if place(b.key, [d.address for d in first]) == first[1].address]
         assert survivors and client.present(survivors) == [True] * len(survivors)
 
@@ -109,17 +102,17 @@ def test_a_daemon_that_leaves_cleanly_hands_its_blocks_over_while_it_drains(daem
     daemons(2, "--register", target)
     leaving = daemons(1, "--register", target, "--leave-drain-s", "4")[0]
     with KVClient(config(target)) as client:
-        until(lambda: len(members(client)) == 3, what="three daemons")
+        wait_for(lambda: len(members(client)) == 3, "the client seeing three daemons")
         items = conversation(40, seed=8)
         client.put(items, NS.num_layers)
         blocks = [b for b, _ in items]
         on_leaving = [b for b in blocks if place(b.key, sorted(members(client))) == leaving.address]
         assert on_leaving
         leaving.proc.send_signal(signal.SIGTERM)
-        until(lambda: leaving.address not in members(client), what="the leaving daemon leaving")
+        wait_for(lambda: leaving.address not in members(client), "the leaving daemon leaving")
         assert client.lookup(blocks) == 40  # the blocks it owned, found on it while it drains
         assert [bytes(d.payload) for d in client.get(blocks)] == [p for _, p in items]
-        until(lambda: client.stats.handed_off == len(on_leaving), what="its blocks copied to their new owners")
+        wait_for(lambda: client.stats.handed_off == len(on_leaving), "its blocks copied to their new owners")
         assert leaving.proc.wait(timeout=20) == 0
         assert client.lookup(blocks) == 40  # on their new owners now
 
@@ -128,11 +121,11 @@ def test_without_a_handoff_the_moved_blocks_miss(daemons, etcd):
     target = f"etcd://{etcd.endpoint}/kvstore/members"
     first = daemons(2, "--register", target)
     with KVClient(config(target, handoff_s=1e-6)) as client:
-        until(lambda: len(members(client)) == 2, what="both daemons")
+        wait_for(lambda: len(members(client)) == 2, "the client seeing both daemons")
         items = conversation(40, seed=6)
         client.put(items, NS.num_layers)
         joined = daemons(1, "--register", target)[0]
-        until(lambda: joined.address in members(client), what="the joining daemon")
+        wait_for(lambda: joined.address in members(client), "the client seeing the joining daemon")
         blocks = [b for b, _ in items]
         moved = [i for i, b in enumerate(blocks) if place(b.key, sorted(members(client))) == joined.address]
         assert client.lookup(blocks) == moved[0]  # the prefix breaks at its first moved block
@@ -145,7 +138,7 @@ def test_a_client_started_before_any_daemon_finds_them(daemons, etcd):
         items = conversation(4, seed=2)
         assert members(client) == set() and client.put(items, NS.num_layers).failed == 4  # misses, no exception
         daemon = daemons(1, "--register", target)[0]
-        until(lambda: members(client) == {daemon.address}, what="the first daemon")
+        wait_for(lambda: members(client) == {daemon.address}, "the client seeing the first daemon")
         assert client.put(items, NS.num_layers).stored == 4
 
 
@@ -153,7 +146,7 @@ def test_etcd_down_keeps_the_daemons_known_and_a_restarted_etcd_is_watched_again
     target = f"etcd://{etcd.endpoint}/kvstore/members"
     cluster = daemons(2, "--register", target, "--register-ttl-s", "3")
     with KVClient(config(target)) as client:
-        until(lambda: len(members(client)) == 2, what="both daemons")
+        wait_for(lambda: len(members(client)) == 2, "the client seeing both daemons")
         etcd.stop()
         time.sleep(1.0)
         assert len(members(client)) == 2  # no etcd is no news: the daemons stay in use
@@ -161,7 +154,7 @@ def test_etcd_down_keeps_the_daemons_known_and_a_restarted_etcd_is_watched_again
         assert client.put(items, NS.num_layers).stored == 6
         etcd.start()
         cluster[0].stop()  # its revoke reaches the restarted etcd, and the client's new watch sees it
-        until(lambda: members(client) == {cluster[1].address}, what="the leaving daemon, through a new watch")
+        wait_for(lambda: members(client) == {cluster[1].address}, "the leaving daemon gone, seen through a new watch")
 
 
 def test_dns_a_records_followed_as_they_change(dns, tmp_path):
@@ -179,12 +172,12 @@ def test_dns_a_records_followed_as_they_change(dns, tmp_path):
             items = conversation(20, seed=4)
             assert client.put(items, NS.num_layers).stored == 20
             dns.set_hosts({"kvstore.test": ["127.0.0.2", "127.0.0.3", "127.0.0.4"]})
-            until(lambda: len(members(client)) == 3, what="the third A record")
+            wait_for(lambda: len(members(client)) == 3, "the client seeing the third A record")
             blocks = [b for b, _ in items]
             moved = [b for b in blocks if place(b.key, sorted(members(client))) == f"127.0.0.4:{port}"]
             assert 0 < len(moved) < 20 and client.lookup(blocks) == 20  # moved ones found on their old owners
             dns.set_hosts({"kvstore.test": []})  # no records: no daemons, every block a miss
-            until(lambda: members(client) == set(), what="the records going away")
+            wait_for(lambda: members(client) == set(), "the records going away")
             assert client.lookup(blocks) == 0
     finally:
         for daemon in cluster:
@@ -205,7 +198,7 @@ def test_dns_srv_members_keep_their_names_and_connect_to_what_they_resolve_to(da
         data = client.get([b for b, _ in items])
         assert [d.payload for d in data] == [p for _, p in items]
         dns.restart(srv[:1], records)  # one pod gone from the Service
-        until(lambda: len(members(client)) == 1, what="the SRV record going away")
+        wait_for(lambda: len(members(client)) == 1, "the SRV record going away")
 
 
 @pytest.mark.parametrize("names, verified", [(("*.kvstore.ns.test",), True), ((), False)])
@@ -251,7 +244,7 @@ def test_etcd_with_users_serves_members_only_to_a_client_that_logs_in(daemons, e
     with KVClient(config(target, etcd_user="engine", etcd_password="engine-pw")) as client:
         assert members(client) == {first.address}
         root.put(prefix + second.address, second.address)  # seen through the watch, which carries the token
-        until(lambda: members(client) == {first.address, second.address}, what="the second daemon")
+        wait_for(lambda: members(client) == {first.address, second.address}, "the client seeing the second daemon")
 
 
 def etcd_certificates(folder: Path) -> dict[str, Path]:
@@ -335,8 +328,8 @@ def test_etcd_over_tls_with_client_certificates(daemons, tmp_path):
         # a daemon registers itself over the same TLS, with the same kind of settings
         flags = [f"--{name.replace('_', '-')}={path}" for name, path in tls.items()]
         joining, = daemons(1, "--register", target, *flags)
-        until(lambda: {m.address for m in config(target, **tls).members().resolve()} == {daemon.address,
-                                                                                       joining.address},
-              what="the daemon registered over TLS")
+        wait_for(lambda: {m.address for m in config(target, **tls).members().resolve()} == {daemon.address,
+                                                                                          joining.address},
+                 "the daemon registered over TLS")
     finally:
         stop(etcd.proc)

@@ -6,20 +6,17 @@ Every wait is for a condition, bounded by a hang guard.
 
 from __future__ import annotations
 
-import asyncio
 import os
-import time
-from collections.abc import Callable
 
 import pytest
 
 from kvstore.block import KVLayout, Namespace
 from kvstore.client import AsyncKVClient, ClientConfig, KVClient
+from tests.waiting import wait_for, wait_for_async
 
 pytestmark = pytest.mark.integration
 
 NS = Namespace("prefetch-test", KVLayout(num_layers=2, kv_heads=1, head_dim=32, dtype="float16"), block_tokens=16)
-HANG_GUARD_S = 30.0  # liveness only
 
 
 def conversation(n_blocks: int, seed: int):
@@ -39,13 +36,6 @@ def stored(daemons, *conversations) -> None:
             assert writer.put(items, NS.num_layers).stored == len(items)
 
 
-def wait_until(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + HANG_GUARD_S
-    while not condition():
-        assert time.monotonic() < deadline, f"hang guard: {what}"
-        time.sleep(0.01)
-
-
 def test_prefetched_blocks_are_read_from_the_host_tier(daemons):
     cluster = daemons(2)
     items = conversation(6, seed=1)
@@ -54,7 +44,7 @@ def test_prefetched_blocks_are_read_from_the_host_tier(daemons):
     with KVClient(reader_config(cluster)) as reader:
         assert reader.block_sources(blocks)[0] != "host"
         assert reader.prefetch(blocks) == 6
-        wait_until(lambda: reader.stats.prefetched == 6, "the prefetch to land")
+        wait_for(lambda: reader.stats.prefetched == 6, "the prefetch landing")
         assert reader.block_sources(blocks) == ["host"] * 6
         assert reader.prefetch(blocks) == 0, "held already: nothing to fetch"
         assert [bytes(got.payload) for got in reader.get(blocks)] == [p for _, p in items]
@@ -71,7 +61,7 @@ def test_an_unread_prefetch_evicted_is_wasted_and_past_prefetch_bytes_blocks_are
     with KVClient(reader_config(cluster, slots=2, prefetch_bytes=2 * NS.block_bytes)) as reader:
         assert reader.prefetch([b for b, _ in prefetched]) == 2  # a host slot each, two in flight at most
         assert reader.stats.prefetch_refused == 3
-        wait_until(lambda: reader.stats.prefetched == 2, "the prefetch to land")
+        wait_for(lambda: reader.stats.prefetched == 2, "the prefetch landing")
         # kept in the host tier, whose slots hold only unread prefetches: the first read block takes the oldest
         # one's; the second passes the other over and takes the first read block's
         assert len(reader.get([b for b, _ in read])) == 2
@@ -87,10 +77,10 @@ def test_a_prefetch_from_a_dead_daemon_is_a_counted_miss_never_an_exception(daem
     cluster[0].kill()
     with KVClient(reader_config(cluster)) as reader:
         assert reader.prefetch([b for b, _ in items]) == 3
-        wait_until(lambda: reader.stats.prefetch_missed == 3, "the failed prefetch to be counted")
+        wait_for(lambda: reader.stats.prefetch_missed == 3, "the failed prefetch counted")
         assert reader.stats.prefetched == 0 and reader.stats.shard_errors[cluster[0].address] >= 1
         assert reader.prefetch([b for b, _ in items]) == 3, "nothing held back by the failure"
-        wait_until(lambda: reader.stats.prefetch_missed == 6, "a daemon marked down is a miss too")
+        wait_for(lambda: reader.stats.prefetch_missed == 6, "the prefetch from the down daemon missed too")
 
 
 def test_blocks_larger_than_a_host_slot_are_skipped_and_counted(daemons):
@@ -101,7 +91,7 @@ def test_blocks_larger_than_a_host_slot_are_skipped_and_counted(daemons):
                           host_block_bytes=NS.block_bytes // 2)
     with KVClient(config) as reader:
         assert reader.prefetch([b for b, _ in items]) == 2  # the block size shows only once they arrive
-        wait_until(lambda: reader.stats.prefetch_too_large == 2, "the oversized blocks counted")
+        wait_for(lambda: reader.stats.prefetch_too_large == 2, "the oversized blocks counted")
         assert reader.prefetch([b for b, _ in items]) == 0 and reader.stats.prefetch_too_large == 4
         assert reader.stats.prefetched == 0 and len(reader.host) == 0
 
@@ -116,10 +106,7 @@ async def test_cancel_prefetch_takes_queued_blocks_back(daemons):
         assert reader.prefetch(blocks) == 4
         assert reader.cancel_prefetch(blocks[2:]) == 2
         assert reader.stats.prefetch_cancelled == 2
-        deadline = time.monotonic() + HANG_GUARD_S
-        while reader.prefetcher.pending:
-            assert time.monotonic() < deadline, "hang guard: the prefetch to land"
-            await asyncio.sleep(0.01)
+        await wait_for_async(lambda: not reader.prefetcher.pending, "the prefetch landing")
         assert reader.stats.prefetched == 2
         assert reader.host is not None and [b.key in reader.host for b in blocks] == [True, True, False, False]
         assert reader.cancel_prefetch(blocks) == 0, "nothing left to stop"

@@ -9,6 +9,7 @@ import pytest
 from kvstore.block import KVLayout, Namespace
 from kvstore.client import ClientConfig, KVClient
 from kvstore.client.placement import ranked
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.multihost  # several daemons and clients copying between them: make test-multihost
 
@@ -37,10 +38,8 @@ def test_a_hot_prefix_is_copied_to_the_next_members_and_its_reads_spread(daemons
         client.put(items, NS.num_layers)
         for _ in range(3):  # the third read makes them hot
             assert [d.payload for d in client.get(blocks)] == [p for _, p in items]
-        deadline = time.monotonic() + 10
-        while any(len(client._async.replicas.holders.get(b.key, ())) < 2 for b in blocks):
-            assert time.monotonic() < deadline, "the copies were not made"
-            time.sleep(0.05)
+        wait_for(lambda: all(len(client._async.replicas.holders.get(b.key, ())) >= 2 for b in blocks),
+                 "the copies made", timeout_s=10)
         for block in blocks:  # on the owner's two successors, which every client computes alike
             members = ranked(block.key, list(client._async.shards), 3)
             assert client._async.replicas.holders[block.key] == frozenset(members[1:])
@@ -62,10 +61,7 @@ def test_a_copy_that_is_gone_is_read_elsewhere_after_one_miss(daemons):
     with KVClient(config(cluster)) as client, KVClient(config(cluster)) as other:
         client.put(items, NS.num_layers)
         client.get([block]), client.get([block])
-        deadline = time.monotonic() + 10
-        while not client._async.replicas.holders.get(block.key):
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_for(lambda: client._async.replicas.holders.get(block.key), "the copy made", timeout_s=10)
         (holder,) = client._async.replicas.holders[block.key]
         with KVClient(ClientConfig((holder,))) as direct:
             assert direct.delete([block]) == 1  # the copy evicted under the client's feet

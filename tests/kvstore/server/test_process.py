@@ -6,11 +6,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 from kvstore.server.process import DaemonProcess
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -34,10 +34,7 @@ def test_a_daemon_ends_when_its_parent_is_killed(tmp_path):
     assert _alive(daemon)
     parent.send_signal(signal.SIGKILL)
     parent.wait()
-    deadline = time.monotonic() + 20
-    while _alive(daemon):
-        assert time.monotonic() < deadline, "the daemon outlived its killed parent"
-        time.sleep(0.05)
+    wait_for(lambda: not _alive(daemon), "the daemon ending after its killed parent", timeout_s=20)
 
 
 def test_the_end_of_stdin_is_a_graceful_shutdown(tmp_path):

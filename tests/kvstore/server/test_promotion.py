@@ -12,8 +12,6 @@ import asyncio
 import os
 import socket
 import struct
-import time
-from collections.abc import Callable
 
 import grpc
 import pytest
@@ -25,6 +23,7 @@ from kvstore.proto import method, pb
 from kvstore.record import build_record
 from kvstore.server.block_reader import OpenBlock
 from kvstore.stats import Stats
+from tests.waiting import wait_for, wait_for_async
 
 from .conftest import put_all, records
 
@@ -33,13 +32,6 @@ HANG_GUARD_S = 30.0  # liveness only
 
 def metric(store, name: str, **labels: str) -> float:
     return Stats(store.metrics.samples()).value(name, **labels)
-
-
-async def until(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + HANG_GUARD_S
-    while not condition():
-        assert time.monotonic() < deadline, f"hang guard: {what}"
-        await asyncio.sleep(0.005)
 
 
 async def let_others_run() -> None:
@@ -95,7 +87,7 @@ async def test_advice_promotes_in_prefix_order_up_to_the_budget_and_reads_find_t
 
     assert store.advise(keys, continues=True) == 6
     assert metric(store, "kvstore_promotion_in_dram_blocks_total") == 1
-    await until(lambda: metric(store, "kvstore_promoted_blocks_total") + metric(
+    await wait_for_async(lambda: metric(store, "kvstore_promoted_blocks_total") + metric(
         store, "kvstore_promotion_dropped_blocks_total") == 5, "promotion of the advised blocks")
     assert metric(store, "kvstore_promoted_blocks_total", reason="advice") == 2
     assert metric(store, "kvstore_promoted_bytes_total", reason="advice") == 2 * record_bytes
@@ -128,8 +120,8 @@ async def test_a_get_in_flight_holds_promotion_and_advice_that_ended_or_a_delete
             pass
         await let_others_run()
         assert metric(store, "kvstore_promoted_blocks_total") == 0
-    await until(lambda: metric(store, "kvstore_promoted_blocks_total", reason="advice") == 2,
-                "promotion once the Get ended")
+    await wait_for_async(lambda: metric(store, "kvstore_promoted_blocks_total", reason="advice") == 2,
+                         "promotion once the Get ended")
     assert [key in store.hot for key in keys] == [False, False, True, True]
     assert len(store.promoter) == 0
 
@@ -141,7 +133,8 @@ async def test_lookup_with_promote_promotes_the_hit_prefix(promoting):
     asked = keys[:3] + [os.urandom(16)] + keys[4:]  # a hole after three blocks: the hit is three long
     assert store.lookup(asked) == 3 and len(store.promoter) == 0, "a plain lookup promotes nothing"
     assert store.lookup(asked, promote=True) == 3
-    await until(lambda: metric(store, "kvstore_promoted_blocks_total", reason="lookup") == 3, "promotion of the hit")
+    await wait_for_async(lambda: metric(store, "kvstore_promoted_blocks_total", reason="lookup") == 3,
+                         "promotion of the hit")
     assert [key in store.hot for key in keys] == [True, True, True, False, False]
 
 
@@ -187,13 +180,6 @@ def stats(client: KVClient, daemon) -> Stats:
     return found
 
 
-def wait_until(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + HANG_GUARD_S
-    while not condition():
-        assert time.monotonic() < deadline, f"hang guard: {what}"
-        time.sleep(0.02)
-
-
 @pytest.mark.integration
 def test_advice_and_lookup_promote_blocks_on_ssd_and_the_next_get_reads_them_from_dram(daemons):
     daemon, = daemons(1)
@@ -206,8 +192,8 @@ def test_advice_and_lookup_promote_blocks_on_ssd_and_the_next_get_reads_them_fro
     with KVClient([daemon.address]) as client:
         assert client.advise([b for b, _ in advised], continues=True) == 6
         assert client.lookup([b for b, _ in looked_up], promote=True) == 4
-        wait_until(lambda: stats(client, daemon).value("kvstore_promoted_blocks_total") == 10,
-                   "the advised and looked-up blocks promoted")
+        wait_for(lambda: stats(client, daemon).value("kvstore_promoted_blocks_total") == 10,
+                 "the advised and looked-up blocks promoted")
         before = stats(client, daemon)
         assert before.by("kvstore_promoted_blocks_total", "reason") == {"advice": 6, "lookup": 4}
         assert before.value("kvstore_promoted_bytes_total") == record_bytes(advised + looked_up)
@@ -265,8 +251,8 @@ def test_a_get_in_flight_on_either_transport_holds_promotion_back_and_delete_can
             blocks = [b for b, _ in items]
             held = HeldGet(daemon, big[0].key, transport)
             try:
-                wait_until(lambda: stats(client, daemon).value("kvstore_gets_in_flight") == 1,
-                           f"the {transport} Get being served")
+                wait_for(lambda: stats(client, daemon).value("kvstore_gets_in_flight") == 1,
+                         f"the {transport} Get being served")
                 assert client.advise(blocks, continues=True) == 4
                 assert client.delete(blocks[3:]) == 1  # taken out of the queue too
                 now = stats(client, daemon)
@@ -275,8 +261,8 @@ def test_a_get_in_flight_on_either_transport_holds_promotion_back_and_delete_can
             finally:
                 held.release()
             promoted += 3
-            wait_until(lambda: stats(client, daemon).value("kvstore_promoted_blocks_total") == promoted,
-                       f"promotion once the {transport} Get ended")
+            wait_for(lambda: stats(client, daemon).value("kvstore_promoted_blocks_total") == promoted,
+                     f"promotion once the {transport} Get ended")
             assert stats(client, daemon).value("kvstore_gets_in_flight") == 0
         assert stats(client, daemon).value("kvstore_promotion_cancelled_blocks_total") == 2
         before = stats(client, daemon).value("kvstore_hits_total", tier="dram")

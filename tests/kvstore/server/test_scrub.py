@@ -9,6 +9,7 @@ import time
 import pytest
 
 from kvstore.server.scrub import Scrubber
+from tests.waiting import wait_for_async
 
 from .conftest import NS, put_all, read_all, records
 
@@ -131,10 +132,8 @@ async def test_the_scrub_is_off_at_zero_and_stops_at_once_when_cancelled(open_st
     await put_all(store, records(3))
     scrubber = Scrubber(store, store.config, store.metrics)
     task = asyncio.ensure_future(scrubber.run())
-    deadline = time.monotonic() + 30
-    while store.metrics.scrub_bytes._value.get() == 0:  # inside a pass, waiting for its pace
-        assert time.monotonic() < deadline, "the scrub never read a record"
-        await asyncio.sleep(0.01)
+    # a record read: the scrub is inside a pass, waiting for its pace
+    await wait_for_async(lambda: store.metrics.scrub_bytes._value.get() > 0, "the scrub reading a record", timeout_s=30)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await asyncio.wait_for(task, timeout=5)

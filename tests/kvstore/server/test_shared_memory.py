@@ -10,7 +10,6 @@ import socket
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 
@@ -18,6 +17,7 @@ from kvstore import wire
 from kvstore.block import KVLayout, Namespace
 from kvstore.client import ClientConfig, KVClient
 from kvstore.proto import pb
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -142,10 +142,8 @@ def mapped_regions(daemon, client_pid: int) -> list[str]:
 
 
 def wait_until_unmapped(daemon, client_pid: int) -> None:
-    deadline = time.monotonic() + 10
-    while mapped_regions(daemon, client_pid):
-        assert time.monotonic() < deadline, "the daemon kept a closed client's region"
-        time.sleep(0.05)
+    wait_for(lambda: not mapped_regions(daemon, client_pid), "the daemon unmapping a closed client's region",
+             timeout_s=10)
 
 
 def test_a_client_that_dies_leaves_no_region_behind(daemon_with_block, tmp_path):
