@@ -165,6 +165,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 
 def cmd_fsck(args: argparse.Namespace) -> int:
+    from kvstore.server.frames import FrameKeyDamaged, FrameKeyMissing
     from kvstore.server.fsck import DataDirBusy, check, in_use, rebuild
     from kvstore.server.index import IndexUnavailable
     if not ((args.data_dir / "index").is_dir() or (args.data_dir / "segments").is_dir()):
@@ -174,7 +175,7 @@ def cmd_fsck(args: argparse.Namespace) -> int:
         logging.basicConfig(level=logging.INFO, format="kvstore fsck: %(message)s")  # progress, on stderr
         try:
             result = rebuild(args.data_dir)
-        except (DataDirBusy, IndexUnavailable) as exc:
+        except (DataDirBusy, IndexUnavailable, FrameKeyMissing, FrameKeyDamaged) as exc:
             print(f"kvstore fsck: {exc}", file=sys.stderr)
             return 1
         if result.set_aside is not None:

@@ -23,9 +23,10 @@ import lmdb
 
 from kvstore.record import CorruptRecord, decode_header
 from kvstore.server.config import ServerConfig
+from kvstore.server.frames import FRAME_BYTES, FrameKeyDamaged, FrameKeyMissing, Frames
 from kvstore.server.index import Entry, Index, IndexDamaged, is_damage, structural_damage
 from kvstore.server.recovery import RebuildStats, drop_stale, rebuild_index, replace_damaged, set_aside, verify_entries
-from kvstore.server.segments import Segment, SegmentSet
+from kvstore.server.segments import Segment, SegmentSet, scan, segment_files
 
 
 @dataclass
@@ -54,12 +55,19 @@ def check(data_dir: Path, verify_payloads: bool = True) -> FsckReport:
     data_dir = Path(data_dir)
     report = FsckReport()
     segments: dict[int, Path] = {}
-    for path in (data_dir / "segments").glob("*"):
-        if path.suffix in (".open", ".sealed"):
-            segments[int(path.stem.split("-")[0])] = path
-            report.segments += 1
-            report.open_segments += path.suffix == ".open"
-            report.segment_bytes += path.stat().st_size
+    segments_dir = data_dir / "segments"
+    for path, seg_id, _ in segment_files(segments_dir) if segments_dir.is_dir() else ():
+        segments[seg_id] = path
+        report.segments += 1
+        report.open_segments += path.suffix == ".open"
+        report.segment_bytes += path.stat().st_size
+    try:
+        frames = Frames.of_directory(segments_dir, may_create=False)
+    except (FrameKeyMissing, FrameKeyDamaged) as exc:
+        if segments:
+            report.problems.append(f"{exc}: no record in the segments can be trusted")
+            return report
+        frames = None  # no segments: nothing to authenticate
     index_dir = data_dir / "index"
     advice = _REBUILD_ADVICE.format(data_dir=data_dir)
     try:
@@ -69,7 +77,7 @@ def check(data_dir: Path, verify_payloads: bool = True) -> FsckReport:
         return report
     if not report.index_damage:
         try:
-            _check_index(index_dir, segments, verify_payloads, report)
+            _check_index(index_dir, segments, frames, verify_payloads, report)
         except lmdb.Error as exc:
             if not is_damage(exc):
                 raise
@@ -86,10 +94,11 @@ _REBUILD_ADVICE = ("rebuild it from the segments with `kvstore fsck --rebuild {d
                    "aside, never deleted), or start the daemon, which does the same")
 
 
-def _check_index(index_dir: Path, segments: dict[int, Path], verify_payloads: bool, report: FsckReport) -> None:
+def _check_index(index_dir: Path, segments: dict[int, Path], frames: Frames | None, verify_payloads: bool,
+                 report: FsckReport) -> None:
     data = index_dir / "data.mdb"
     if not data.exists() or data.stat().st_size == 0:  # no index: LMDB would create a new one
-        _check_unindexed(None, segments, report)
+        _check_unindexed(None, segments, frames, report)
         return
     env = lmdb.open(str(index_dir), readonly=True, lock=False, max_dbs=4)
     fds: dict[int, int] = {}
@@ -98,19 +107,19 @@ def _check_index(index_dir: Path, segments: dict[int, Path], verify_payloads: bo
         try:
             blocks = env.open_db(b"blocks", create=False)
         except lmdb.NotFoundError:  # created, never written
-            _check_unindexed(None, segments, report)
+            _check_unindexed(None, segments, frames, report)
             return
         with env.begin(db=blocks) as txn:
             for key, raw in txn.cursor():
                 report.entries += 1
                 entry = Entry.unpack(raw)
-                problem = _check_entry(bytes(key), entry, segments, fds, verify_payloads)
+                problem = _check_entry(bytes(key), entry, segments, frames, fds, verify_payloads)
                 if problem:
                     report.problems.append(f"{bytes(key).hex()}: {problem}")
                 else:
                     report.verified += 1
                     report.live_bytes += entry.record_len
-            _check_unindexed(txn, segments, report)
+            _check_unindexed(txn, segments, frames, report)
     finally:
         env.close()
         for fd in fds.values():
@@ -127,31 +136,38 @@ def _named_classes(env: lmdb.Environment) -> bool:
         return any(key.startswith(b"class:") for key, _ in txn.cursor())
 
 
-def _check_unindexed(txn: lmdb.Transaction | None, segments: dict[int, Path], report: FsckReport) -> None:
-    """Count the whole records with a valid header that no index entry points at."""
+def _check_unindexed(txn: lmdb.Transaction | None, segments: dict[int, Path], frames: Frames | None,
+                     report: FsckReport) -> None:
+    """Count the whole records behind a valid frame that no index entry points at."""
     for seg_id, path in sorted(segments.items()):
+        assert frames is not None, "segments are checked only with their frame key"
         fd = os.open(path, os.O_RDONLY)
         try:
             segment = Segment(seg_id, 0, path, fd, os.fstat(fd).st_size, sealed=True)
-            for _, header in SegmentSet.scan(segment):
+            for _, header in scan(segment, frames):
                 if txn is None or txn.get(header.key) is None:
                     report.unindexed += 1
         finally:
             os.close(fd)
 
 
-def _check_entry(key: bytes, entry: Entry, segments: dict[int, Path], fds: dict[int, int], verify: bool) -> str:
-    if entry.segment not in segments:
+def _check_entry(key: bytes, entry: Entry, segments: dict[int, Path], frames: Frames | None, fds: dict[int, int],
+                 verify: bool) -> str:
+    if entry.segment not in segments or frames is None:
         return f"segment {entry.segment} does not exist"
     if entry.segment not in fds:
         fds[entry.segment] = os.open(segments[entry.segment], os.O_RDONLY)
     fd = fds[entry.segment]
-    if entry.offset + entry.record_len > os.fstat(fd).st_size:
+    if entry.offset + entry.record_len > os.fstat(fd).st_size or entry.offset < FRAME_BYTES:
         return f"record at {entry.offset}+{entry.record_len} runs past the end of segment {entry.segment}"
     try:
-        header = decode_header(os.pread(fd, entry.header_len, entry.offset))
+        raw = os.pread(fd, FRAME_BYTES + entry.header_len, entry.offset - FRAME_BYTES)
+        header = decode_header(raw[FRAME_BYTES:])
         if header.key != key:
             return "the record there belongs to another key"
+        if not frames.check_record(entry.segment, entry.offset - FRAME_BYTES, raw[:FRAME_BYTES], raw[FRAME_BYTES:],
+                                   entry.record_len):
+            return "no frame of the daemon's stands before the record: it was not written as a record"
         header.check_identity()
         if header.payload_len != entry.payload_len:
             return "payload length differs between index and header"

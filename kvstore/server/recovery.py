@@ -29,6 +29,7 @@ from typing import Any
 import lmdb
 
 from kvstore.record import NO_TENANT, CorruptRecord, RecordHeader, peek_header
+from kvstore.server.frames import FRAME_BYTES
 from kvstore.server.index import Entry, Index, IndexDamaged, IndexUnavailable, Txn, is_damage
 from kvstore.server.segments import Segment, SegmentSet
 
@@ -180,15 +181,17 @@ def _prefetch(window: list[tuple[bytes, Entry]], segments: SegmentSet, scanned: 
     for _, entry in window:
         segment = segments.segments.get(entry.segment)
         if segment is not None and entry.segment not in scanned:
-            os.posix_fadvise(segment.fd, entry.offset, entry.header_len, os.POSIX_FADV_WILLNEED)
+            os.posix_fadvise(segment.fd, max(0, entry.offset - FRAME_BYTES), FRAME_BYTES + entry.header_len,
+                             os.POSIX_FADV_WILLNEED)
 
 
 def _entry_problem(key: bytes, entry: Entry, segments: SegmentSet, scanned: dict[int, dict[int, RecordHeader]]) -> str:
     segment = segments.segments.get(entry.segment)
     if segment is None:
         return "its segment is gone"
-    if entry.offset + entry.record_len > segment.size:
+    if entry.offset + entry.record_len > segment.size or entry.offset < FRAME_BYTES:
         return "its record runs past the end of the segment"
+    framed = True  # a scanned segment's records are all behind valid frames
     if entry.segment in scanned:
         header = scanned[entry.segment].get(entry.offset)
         if header is None:
@@ -196,15 +199,20 @@ def _entry_problem(key: bytes, entry: Entry, segments: SegmentSet, scanned: dict
         found = header.key, header.header_len, header.payload_len
     else:
         try:
-            found = peek_header(os.pread(segment.fd, entry.header_len, entry.offset))
+            raw = os.pread(segment.fd, FRAME_BYTES + entry.header_len, entry.offset - FRAME_BYTES)
+            found = peek_header(raw[FRAME_BYTES:])
         except CorruptRecord as exc:
             return f"no valid record header at its place ({exc.cause})"
         except OSError as exc:
             return f"its record header cannot be read ({exc.strerror})"
+        framed = segments.frames.check_record(entry.segment, entry.offset - FRAME_BYTES, raw[:FRAME_BYTES],
+                                              raw[FRAME_BYTES:], entry.record_len)
     if found[0] != key:
         return "the record at its place belongs to another key"
     if found[1:] != (entry.header_len, entry.payload_len):
         return "its lengths differ from the record's header"
+    if not framed:
+        return "no frame of this daemon's stands before its record"
     return ""
 
 

@@ -3,7 +3,10 @@
 Each segment holds records whose expiry falls in one time bucket, so that expiry is mostly a file
 deletion. Appends to a segment are serialised and a failed append is truncated away, so a segment is
 always a clean sequence of whole records, except for a torn tail after a crash, which start-up cuts off,
-and damage from outside (a bad sector, a stray write), which a scan skips to the next valid header.
+places whose record never came (set aside, then given up or cut off by a crash), and damage from outside (a
+bad sector, a stray write), which a scan skips to the next valid frame. Every record is written behind a
+frame only the daemon can make (frames.py): a scan takes a header for a record only behind one, never
+because bytes a tenant sent look like a record.
 
 File names say the state: `<id>-<bucket_end>.open` while appended to, `.sealed` once full (and synced,
 with durability "fsync"). Only `.open` files are scanned after a crash: a daemon crash leaves sealed
@@ -35,7 +38,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvstore import faults
-from kvstore.record import FIXED_HEADER_BYTES, MAGIC, CorruptRecord, RecordBytes, RecordHeader, decode_header
+from kvstore.record import FIXED_HEADER_BYTES, CorruptRecord, RecordBytes, RecordHeader, decode_header
+from kvstore.server.frames import FRAME_BYTES, Frames, Kind, parse_frame
+from kvstore.server.frames import MAGIC as FRAME_MAGIC
 
 _RESYNC_CHUNK = 1 << 20  # bytes read at a time looking for the next record past a damaged one
 ALIGN = 4096  # O_DIRECT's alignment of file offsets, lengths and memory (512-byte devices included)
@@ -86,20 +91,27 @@ class Placement:
     ends there, in pages of its own, written last: until then the place holds no record."""
 
     segment: Segment
-    offset: int  # the record's first byte (its header)
+    offset: int  # the record's first byte (its header); its frame is just before it
     payload_offset: int  # aligned
+    payload_len: int
     end: int  # aligned: the payload's last page, padded with zeros
 
     @property
+    def frame_offset(self) -> int:
+        return self.offset - FRAME_BYTES
+
+    @property
     def header_pages(self) -> int:
-        """Where the pages holding the header begin (the zeros before the header are part of them)."""
-        return self.payload_offset - align_up(self.payload_offset - self.offset)
+        """Where the pages holding the frame and the header begin (the zeros before them are part of them)."""
+        return self.payload_offset - align_up(self.payload_offset - self.frame_offset)
 
 
 class SegmentSet:
     def __init__(self, directory: Path, segment_bytes: int, fsync: bool, direct_min_bytes: int = 0) -> None:
+        """Raises frames.FrameKeyMissing where segments exist without the key of their frames."""
         self.directory = Path(directory)
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.frames = Frames.of_directory(self.directory, may_create=not any(segment_files(self.directory)))
         self.segment_bytes = segment_bytes
         self.fsync = fsync
         self.direct_min_bytes = direct_min_bytes  # 0: buffered appends only
@@ -114,13 +126,7 @@ class SegmentSet:
     def open_existing(self) -> list[Segment]:
         """Open every segment file; returns the ones left `.open` by the last run (to be scanned)."""
         unfinished = []
-        for path in sorted(self.directory.iterdir()):
-            if path.suffix not in (".open", ".sealed"):
-                continue
-            try:
-                seg_id, bucket_end = (int(part) for part in path.stem.split("-"))
-            except ValueError:
-                continue
+        for path, seg_id, bucket_end in segment_files(self.directory):
             fd = os.open(path, os.O_RDWR)
             segment = Segment(seg_id, bucket_end, path, fd, os.fstat(fd).st_size, sealed=True,
                               direct_reads=self.direct_min_bytes > 0)
@@ -141,64 +147,18 @@ class SegmentSet:
         self._rename(segment, ".sealed")
         return records
 
-    @staticmethod
-    def scan(segment: Segment) -> Iterator[tuple[int, RecordHeader]]:
-        """(offset, header) of each whole record with a valid header, in order.
-
-        A damaged stretch (a corrupted header, or a torn record at the end) is skipped to the next
-        valid header, so one bad record never hides the whole records after it."""
-        offset = 0
-        while offset + FIXED_HEADER_BYTES <= segment.size:
-            header = SegmentSet._header_at(segment, offset)
-            if header is None and offset % ALIGN:  # the zeros before an aligned (direct) record
-                aligned = align_up(offset)
-                header = SegmentSet._header_at(segment, aligned)
-                if header is not None:
-                    offset = aligned
-            if header is None:
-                offset = SegmentSet._next_magic(segment, offset + 1)
-                continue
-            yield offset, header
-            offset += header.record_len
-
-    @staticmethod
-    def _header_at(segment: Segment, offset: int) -> RecordHeader | None:
-        """The verified header of a whole record starting at `offset`, or None."""
-        fixed = os.pread(segment.fd, FIXED_HEADER_BYTES, offset)
-        header_len = int.from_bytes(fixed[8:12], "little")
-        if fixed[:4] != MAGIC or not FIXED_HEADER_BYTES <= header_len <= segment.size - offset:
-            return None
-        try:
-            header = decode_header(os.pread(segment.fd, header_len, offset))
-        except CorruptRecord:
-            return None
-        return header if offset + header.record_len <= segment.size else None
-
-    @staticmethod
-    def _next_magic(segment: Segment, offset: int) -> int:
-        """Where the next record magic lies at or after `offset` (the segment's size if nowhere).
-
-        The first look is short: a record written as it arrived starts after the zeros that pad its
-        header to whole pages, within a page or two."""
-        overlap = len(MAGIC) - 1
-        step = 2 * ALIGN
-        while offset + FIXED_HEADER_BYTES <= segment.size:
-            chunk = os.pread(segment.fd, step, offset)
-            found = chunk.find(MAGIC)
-            if found >= 0:
-                return offset + found
-            if len(chunk) < step:
-                break
-            offset += len(chunk) - overlap
-            step = _RESYNC_CHUNK
-        return segment.size
+    def scan(self, segment: Segment) -> Iterator[tuple[int, RecordHeader]]:
+        """(offset, header) of each whole record behind a valid frame, in order (`scan`)."""
+        return scan(segment, self.frames)
 
     # -- appends (I/O threads) ----------------------------------------------------------------
 
-    def append(self, bucket_end: int, parts: Sequence[RecordBytes]) -> tuple[Segment, int]:
-        """Write one record at the end of the open segment of `bucket_end`; returns where it went."""
-        nbytes = sum(len(p) for p in parts)
-        direct = 0 < self.direct_min_bytes <= nbytes
+    def append(self, bucket_end: int, header: RecordBytes, payload: Sequence[RecordBytes]) -> tuple[Segment, int]:
+        """Write one record, behind its frame, at the end of the open segment of `bucket_end`; returns where its
+        header went."""
+        record_len = len(header) + sum(len(p) for p in payload)
+        nbytes = FRAME_BYTES + record_len
+        direct = 0 < self.direct_min_bytes <= record_len
         while True:
             segment = self._writable(bucket_end, align_up(nbytes) + ALIGN if direct else nbytes)
             with segment.lock:
@@ -209,10 +169,14 @@ class SegmentSet:
                 offset = align_up(start) if direct_fd is not None else start
                 try:
                     faults.hit("segment.before_write")
-                    end = self._write_direct(direct_fd, parts, offset) if direct_fd is not None else None
+                    frame = self.frames.record(segment.id, offset, header, record_len)
+                    end = (self._write_direct(direct_fd, [frame, header, *payload], offset)
+                           if direct_fd is not None else None)
                     if end is None:  # buffered, or O_DIRECT refused just now
-                        offset = start
-                        _write_all(segment.fd, parts, offset)
+                        if offset != start:
+                            offset = start
+                            frame = self.frames.record(segment.id, offset, header, record_len)
+                        _write_all(segment.fd, [frame, header, *payload], offset)
                         end = offset + nbytes
                     faults.hit("segment.after_write")
                 except OSError:
@@ -225,7 +189,7 @@ class SegmentSet:
                 segment.size = end
                 if segment.size >= self.segment_bytes:
                     self._seal_locked(segment, sync=self.fsync)
-                return segment, offset
+                return segment, offset + FRAME_BYTES
 
     def place(self, bucket_end: int, header_len: int, payload_len: int) -> Placement | None:
         """Set aside the place of a record whose payload is written in pieces as it arrives (`write_payload`,
@@ -233,10 +197,13 @@ class SegmentSet:
 
         Only the placing holds the segment's lock: writers into different places never wait for one another,
         so a slow client holds up no one. A segment that fills is sealed at once; its O_DIRECT descriptor
-        stays open until its last placed record is finished."""
+        stays open until its last placed record is finished.
+
+        The place's reservation frame is written before it is returned, so before any payload byte: whatever
+        the payload holds, a scan after a crash skips the whole place."""
         if not 0 < self.direct_min_bytes <= header_len + payload_len:
             return None
-        header_pages, payload_pages = align_up(header_len), align_up(payload_len)
+        header_pages, payload_pages = align_up(FRAME_BYTES + header_len), align_up(payload_len)
         while True:
             segment = self._writable(bucket_end, header_pages + payload_pages + ALIGN)
             with segment.lock:
@@ -245,17 +212,23 @@ class SegmentSet:
                 if segment.direct_fd is None:
                     return None
                 payload_offset = align_up(segment.size) + header_pages
-                placement = Placement(segment, payload_offset - header_len, payload_offset,
+                placement = Placement(segment, payload_offset - header_len, payload_offset, payload_len,
                                       payload_offset + payload_pages)
                 segment.size = placement.end
                 segment.writers += 1  # first: sealing keeps the direct descriptor open for it
-                if segment.size >= self.segment_bytes:
-                    try:
+                try:
+                    if segment.size >= self.segment_bytes:
                         self._seal_locked(segment, sync=self.fsync)
-                    except BaseException:
-                        segment.writers -= 1
-                        raise
-                return placement
+                except BaseException:
+                    segment.writers -= 1
+                    raise
+            try:
+                self._write_header_pages(placement, self.frames.reserved(
+                    segment.id, placement.frame_offset, placement.end - placement.frame_offset), bytes(header_len))
+            except BaseException:
+                self.finish(placement, failed=True)  # the segment takes no more records, as after a failed write
+                raise
+            return placement
 
     def write_payload(self, placement: Placement, start: int, view: memoryview, last: bool) -> None:
         """Write payload bytes [start, start + len(view)) of a placed record; `start` is a multiple of 4 KiB,
@@ -272,12 +245,18 @@ class SegmentSet:
             self._write_direct(direct_fd, [view], offset, refuse=True)
 
     def write_header(self, placement: Placement, header: bytes) -> None:
-        """Write the header, after the whole payload: from now on the place holds a record."""
+        """Write the header and its frame over the place's reservation, after the whole payload: from now on the
+        place holds a record."""
         faults.hit("segment.payload_written")
-        pages = placement.payload_offset - placement.header_pages
-        self._write_direct(_placed_fd(placement), [bytes(pages - len(header)), header], placement.header_pages,
-                           refuse=True)
+        record_len = len(header) + placement.payload_len
+        self._write_header_pages(placement, self.frames.record(placement.segment.id, placement.frame_offset, header,
+                                                               record_len), header)
         faults.hit("segment.after_write")
+
+    def _write_header_pages(self, placement: Placement, frame: bytes, header: bytes) -> None:
+        pages = placement.payload_offset - placement.header_pages
+        self._write_direct(_placed_fd(placement), [bytes(pages - len(frame) - len(header)), frame, header],
+                           placement.header_pages, refuse=True)
 
     def finish(self, placement: Placement, failed: bool = False) -> None:
         """The placed record is written (or given up: then the segment takes no more records, as after a
@@ -478,6 +457,86 @@ class SegmentSet:
                 _close_files(segment)
                 segment.deleted = True
         self.segments.clear()
+
+
+def segment_files(directory: Path) -> Iterator[tuple[Path, int, int]]:
+    """(path, id, bucket end) of each segment file in `directory`, in name order (the ids' order)."""
+    for path in sorted(directory.iterdir()):
+        if path.suffix not in (".open", ".sealed"):
+            continue
+        try:
+            seg_id, bucket_end = (int(part) for part in path.stem.split("-"))
+        except ValueError:
+            continue
+        yield path, seg_id, bucket_end
+
+
+def scan(segment: Segment, frames: Frames) -> Iterator[tuple[int, RecordHeader]]:
+    """(offset, header) of each whole record behind a valid frame (frames.py), in order.
+
+    A place reserved for a record that never came is skipped whole. A stretch without a valid frame (a torn
+    record at the end, damage, a place whose reservation a power failure lost) is searched for the next valid
+    frame, so one bad record never hides the whole records after it; bytes that arrived as a payload are never
+    a record, whatever they hold, for they cannot hold a valid frame."""
+    offset = 0
+    while offset + FRAME_BYTES <= segment.size:
+        found = _frame_at(segment, frames, offset)
+        if found is None and offset % ALIGN:  # the zeros before an aligned (direct) record
+            aligned = align_up(offset)
+            found = _frame_at(segment, frames, aligned)
+            if found is not None:
+                offset = aligned
+        if found is None:
+            offset = _next_magic(segment, offset + 1)
+            continue
+        header, length = found
+        if header is not None:
+            yield offset + FRAME_BYTES, header
+        offset += length
+
+
+def _frame_at(segment: Segment, frames: Frames, offset: int) -> tuple[RecordHeader | None, int] | None:
+    """At a valid frame: (the record's verified header, or None for a reserved place; the bytes it spans from
+    the frame on). None where `offset` holds no valid frame, or the frame's record runs past the end."""
+    head = os.pread(segment.fd, FRAME_BYTES + FIXED_HEADER_BYTES, offset)
+    parsed = parse_frame(head)
+    if parsed is None:
+        return None
+    kind, length = parsed
+    if kind == Kind.RESERVED:
+        reserved = frames.check_reserved(segment.id, offset, head[:FRAME_BYTES])
+        return None if reserved is None else (None, reserved)
+    header_len = int.from_bytes(head[FRAME_BYTES + 8 : FRAME_BYTES + 12], "little")
+    if offset + FRAME_BYTES + length > segment.size or not FIXED_HEADER_BYTES <= header_len <= length:
+        return None
+    header_bytes = os.pread(segment.fd, header_len, offset + FRAME_BYTES)
+    try:
+        header = decode_header(header_bytes)
+    except CorruptRecord:
+        return None
+    if header.record_len != length or not frames.check_record(segment.id, offset, head[:FRAME_BYTES],
+                                                                        header_bytes, length):
+        return None
+    return header, FRAME_BYTES + length
+
+
+def _next_magic(segment: Segment, offset: int) -> int:
+    """Where the next frame magic lies at or after `offset` (the segment's size if nowhere).
+
+    The first look is short: a record written as it arrived starts after the zeros that pad its frame and
+    header to whole pages, within a page or two."""
+    overlap = len(FRAME_MAGIC) - 1
+    step = 2 * ALIGN
+    while offset + FRAME_BYTES <= segment.size:
+        chunk = os.pread(segment.fd, step, offset)
+        found = chunk.find(FRAME_MAGIC)
+        if found >= 0:
+            return offset + found
+        if len(chunk) < step:
+            break
+        offset += len(chunk) - overlap
+        step = _RESYNC_CHUNK
+    return segment.size
 
 
 def _placed_fd(placement: Placement) -> int:

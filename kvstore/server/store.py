@@ -42,6 +42,7 @@ from kvstore.server.access_times import AccessTimes
 from kvstore.server.accounting import Accounting
 from kvstore.server.block_reader import BlockReader, CopyCheck, OpenBlock
 from kvstore.server.config import ServerConfig
+from kvstore.server.frames import FrameKeyDamaged, FrameKeyMissing
 from kvstore.server.header_cache import HeaderCache
 from kvstore.server.hot_keys import HotKeys
 from kvstore.server.hot_tier import HotTier
@@ -51,7 +52,7 @@ from kvstore.server.metrics import Metrics
 from kvstore.server.names import Names, Scope
 from kvstore.server.outcomes import Miss, MissStatus, PutResult
 from kvstore.server.promotion import GetsInFlight, Promoter
-from kvstore.server.recovery import open_index, reconcile, replace_damaged
+from kvstore.server.recovery import open_index, reconcile, replace_damaged, set_aside
 from kvstore.server.retention import Places, Retention, SegmentRecord
 from kvstore.server.segments import Placement, Segment, SegmentSet
 
@@ -121,17 +122,29 @@ class BlockStore:
             raise DataDirInUse(f"another kvstore-server is using {data_dir}; "
                                "give each daemon its own data_dir") from None
         fsync = self.config.durability == "fsync"
+        self.segments = self._open_segments(fsync)
         # A damaged index is moved aside and rebuilt (kvstore/server/recovery.py, docs/operations.md).
         self.index, rebuild_reason = open_index(data_dir / "index", self.config.lmdb_map_bytes,
                                                 self.config.lmdb_max_map_bytes, fsync)
-        self.segments = SegmentSet(data_dir / "segments", self.config.segment_bytes, fsync,
-                                   self.config.direct_io_min_bytes)
         self.accounting = Accounting(self.segments, self.config.tenant_max_share)
         self._reader = BlockReader(self.segments, self.hot, self.run_io, self.drop_corrupt,
                                    HeaderCache(self.config.header_cache_bytes))
         self.names.load(self.index)
         await asyncio.get_running_loop().run_in_executor(self._executor, self._recover, rebuild_reason)
         self.refresh_gauges()
+
+    def _open_segments(self, fsync: bool) -> SegmentSet:
+        """The segments, or none: segments whose frame key is gone (a data directory from before frames, or a
+        key lost) cannot tell their records from bytes a tenant sent, so they are moved aside, never deleted,
+        and the daemon starts without them (the index's entries into them are then dropped as stale)."""
+        path = self.config.data_dir / "segments"
+        args = (self.config.segment_bytes, fsync, self.config.direct_io_min_bytes)
+        try:
+            return SegmentSet(path, *args)
+        except (FrameKeyMissing, FrameKeyDamaged) as exc:
+            aside = set_aside(path, "unframed", exc)
+            log.error("%s; moved the segments aside to %s (kept, never deleted) and starting without them", exc, aside)
+            return SegmentSet(path, *args)
 
     def _recover(self, rebuild_reason: str = "") -> None:
         """Make the index agree with the segments (recovery.py), then account for what it holds."""
@@ -405,7 +418,7 @@ class BlockStore:
                       expires_ms: int) -> tuple[Segment, int]:
         try:
             with self.retention.appending():
-                return await self.run_io(self.segments.append, self.bucket_end(expires_ms), [header_bytes, *chunks])
+                return await self.run_io(self.segments.append, self.bucket_end(expires_ms), header_bytes, chunks)
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
                 self.retention.disk_filled()
@@ -568,10 +581,11 @@ class BlockStore:
 
     async def copy_forward(self, key: bytes, entry: Entry, segment: Segment) -> None:
         """Copy a live record into the open segment of its (extended) expiry, and point the index at the copy."""
-        data = await self.run_io(SegmentSet.read, segment, entry.offset, entry.record_len)
+        data = memoryview(await self.run_io(SegmentSet.read, segment, entry.offset, entry.record_len))
         expires_ms = self.access.expiry(key, entry)
         with self.retention.appending():
-            new_segment, new_offset = await self.run_io(self.segments.append, self.bucket_end(expires_ms), [data])
+            new_segment, new_offset = await self.run_io(self.segments.append, self.bucket_end(expires_ms),
+                                                        data[: entry.header_len], [data[entry.header_len :]])
         faults.hit("compaction.copied")  # the copy written, the index still at the old place
         sync = [new_segment] if self.config.durability == "fsync" else []
         moved = await self.commit(self.index.move_op(key, (segment.id, entry.offset),

@@ -23,6 +23,7 @@ import pytest
 from kvstore.block import Block, KVLayout, Namespace, chain_hash
 from kvstore.record import build_record, decode_header
 from kvstore.server.config import ServerConfig
+from kvstore.server.frames import FRAME_BYTES, KEY_FILE
 from kvstore.server.fsck import check
 from kvstore.server.index import Entry
 from kvstore.server.outcomes import Miss, PutResult
@@ -257,14 +258,14 @@ async def test_a_rebuild_skips_damaged_records_and_finds_the_whole_ones_after_th
     recs = records(3, seed=6, namespace=NS_SMALL)  # all in one segment
     await put_all(store, recs)
     await store.close()
-    path, = (tmp_path / "data" / "segments").iterdir()
-    record_len = len(recs[0][1]) + len(recs[0][3])
+    path, = (tmp_path / "data" / "segments").glob("*.sealed")
+    stored_len = FRAME_BYTES + len(recs[0][1]) + len(recs[0][3])  # each record behind its frame
     with open(path, "r+b") as f:
-        f.seek(record_len - 1)  # the last payload byte of the first record
+        f.seek(stored_len - 1)  # the last payload byte of the first record
         byte = f.read(1)
-        f.seek(record_len - 1)
+        f.seek(stored_len - 1)
         f.write(bytes([byte[0] ^ 0xFF]))
-        f.seek(record_len + 60)  # the second record's header (its key): its header checksum fails
+        f.seek(stored_len + FRAME_BYTES + 60)  # the second record's header (its key): its header checksum fails
         f.write(b"\x00" * 8)
     shutil.rmtree(tmp_path / "data" / "index")
 
@@ -286,3 +287,26 @@ async def test_a_deleted_block_stays_deleted_across_a_restart(store_at):
     assert isinstance(await read_all(store, recs[1][0].key), Miss)
     assert store.lookup([r[0].key for r in recs]) == 1
 
+
+
+async def test_segments_that_lost_their_frame_key_are_set_aside_never_deleted_and_the_daemon_starts_empty(
+        store_at, tmp_path, caplog):
+    """Without the key, nothing in the segments can be told from bytes a tenant sent (a data directory from before
+    frames, or a key lost): they are kept aside for the operator, and nothing in them is served."""
+    clock = Clock()
+    store = await store_at(clock)
+    recs = records(3, seed=8, namespace=NS_SMALL)
+    await put_all(store, recs)
+    await store.close()
+    segments_dir = tmp_path / "data" / "segments"
+    files = sorted(p.name for p in segments_dir.iterdir() if p.name != KEY_FILE)
+    (segments_dir / KEY_FILE).unlink()
+    with caplog.at_level(logging.ERROR):
+        store = await store_at(clock)
+    aside, = tmp_path.glob("data/segments.unframed-*")
+    assert sorted(p.name for p in aside.iterdir()) == files, "every segment kept as it was"
+    assert "moved the segments aside" in caplog.text
+    assert store.lookup([r[0].key for r in recs]) == 0
+    await put_all(store, recs[:1])  # and the daemon goes on, with a key of its own
+    assert await read_all(store, recs[0][0].key) == recs[0][3]
+    assert (segments_dir / KEY_FILE).exists()

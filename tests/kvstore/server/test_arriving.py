@@ -14,6 +14,7 @@ from kvstore.block import KVLayout, Namespace
 from kvstore.client import ClientConfig, KVClient
 from kvstore.proto import pb
 from kvstore.record import build_record
+from kvstore.server.frames import FRAME_BYTES
 from kvstore.server.fsck import check
 from kvstore.server.segments import ALIGN, SegmentSet
 from tests.faults.conftest import read_frame
@@ -68,7 +69,7 @@ def segment_contents(data_dir) -> tuple[dict[bytes, tuple[int, int]], list[bytes
             for offset, header in segments.scan(segment):
                 assert header.key not in found, "a key's record is held twice"
                 found[header.key] = (offset, header.header_len)
-                outside.append(data[at : offset])
+                outside.append(data[at : offset - FRAME_BYTES])  # the frame is the record's
                 at = offset + header.record_len
             outside.append(data[at:])
     finally:

@@ -11,6 +11,7 @@ import random
 import pytest
 
 from kvstore.record import CorruptRecord
+from kvstore.server.frames import FRAME_BYTES
 from kvstore.server.segments import ALIGN, DIRECT_READ_MIN_BYTES, VERIFY_PIECE_BYTES, SegmentSet, _resident_bytes
 
 SIZE = 3 * 2**20 + 777  # not a multiple of a page, so the file ends mid-page
@@ -18,11 +19,13 @@ SIZE = 3 * 2**20 + 777  # not a multiple of a page, so the file ends mid-page
 
 @pytest.fixture
 def segment(tmp_path):
-    """A segment holding SIZE random bytes, written buffered, then flushed and dropped from the page cache."""
+    """A segment holding a frame and SIZE random bytes, written buffered, then flushed and dropped from the page
+    cache; with the file's bytes."""
     segments = SegmentSet(tmp_path, 1 << 30, fsync=False, direct_min_bytes=DIRECT_READ_MIN_BYTES)
     data = random.Random(7).randbytes(SIZE)
-    written, _ = segments.append(100, [data[: SIZE // 2], data[SIZE // 2 :]])
+    written, _ = segments.append(100, data[: SIZE // 2], [data[SIZE // 2 :]])
     assert written.direct_reads
+    data = os.pread(written.fd, FRAME_BYTES, 0) + data
     os.fsync(written.fd)
     os.posix_fadvise(written.fd, 0, 0, os.POSIX_FADV_DONTNEED)
     yield written, data
@@ -59,7 +62,7 @@ def test_a_read_of_cached_bytes_comes_from_the_page_cache_and_a_partly_cached_on
     seg, data = segment
     os.pread(seg.fd, 256 * 1024, 0)  # the first stretch cached; what readahead adds varies
     assert cached(seg, 0, SIZE)
-    view = memoryview(bytearray(SIZE))
+    view = memoryview(bytearray(len(data)))
     SegmentSet.read_into(seg, 0, view)
     assert view == data
 
@@ -95,7 +98,7 @@ def test_a_read_past_the_end_of_the_file_is_a_truncated_record(segment, warm):
 def test_a_segment_deleted_under_a_reader_is_still_read_whole(tmp_path):
     segments = SegmentSet(tmp_path, 1 << 30, fsync=False, direct_min_bytes=DIRECT_READ_MIN_BYTES)
     data = os.urandom(2**20)
-    seg, offset = segments.append(100, [data])
+    seg, offset = segments.append(100, data, [])
     held = segments.acquire(seg.id)
     segments.delete(seg)  # unlinked; its descriptor stays open for the reader
     os.posix_fadvise(seg.fd, 0, 0, os.POSIX_FADV_DONTNEED)

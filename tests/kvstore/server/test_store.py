@@ -7,6 +7,7 @@ import pytest
 from kvstore.eviction import ReuseHint
 from kvstore.record import CorruptRecord
 from kvstore.server.access_times import POLICY_STATE
+from kvstore.server.frames import FRAME_BYTES, KEY_FILE  # each record stands behind a frame
 from kvstore.server.index import Index
 from kvstore.server.outcomes import Miss, MissStatus, PutResult
 from kvstore.server.store import DataDirInUse
@@ -83,7 +84,7 @@ async def test_expired_segments_are_deleted_and_hot_blocks_copied_forward(open_s
     store = await open_store(expiry_bucket_s=3600, segment_bytes=1 << 20)
     recs = records(6, "agent")
     await put_all(store, recs)
-    files_before = set(os.listdir(store.segments.directory))
+    files_before = set(os.listdir(store.segments.directory)) - {KEY_FILE}
     clock.advance(3 * DAY - 600)
     assert await store.touch([recs[0][0].key]) == 1  # hot: extended to ~6 days
     clock.advance(2 * 3600)
@@ -119,7 +120,8 @@ async def test_capacity_evicts_lru_down_to_the_low_watermark_at_the_put_that_cro
 
 async def test_compaction_reclaims_deleted_space(open_store):
     record_bytes = sum(map(len, records(1)[0][1::2]))
-    store = await open_store(segment_bytes=4 * record_bytes, compaction_min_garbage=0.5, hot_tier_bytes=0)
+    store = await open_store(segment_bytes=4 * (FRAME_BYTES + record_bytes),
+                             compaction_min_garbage=0.5, hot_tier_bytes=0)
     recs = records(12)
     await put_all(store, recs)
     disk_before = store.segments.disk_bytes
@@ -162,7 +164,7 @@ async def test_flipped_header_byte_on_disk_is_a_counted_miss(open_store):
 async def test_eviction_and_compaction_landing_inside_a_read_leave_the_read_intact(open_store):
     # The read holds its segment; eviction and compaction run in the window between open and read.
     record_bytes = sum(map(len, records(1)[0][1::2]))
-    store = await open_store(segment_bytes=2 * record_bytes, hot_tier_bytes=0)
+    store = await open_store(segment_bytes=2 * (FRAME_BYTES + record_bytes), hot_tier_bytes=0)
     recs = records(4)
     await put_all(store, recs)
     found = await store.open_block(recs[0][0].key)
@@ -205,7 +207,7 @@ async def test_restart_drops_index_entries_without_whole_records(open_store, clo
     reopened = await open_store()
     assert reopened.lookup([r[0].key for r in recs]) == 3
     assert isinstance(await reopened.open_block(recs[-1][0].key), Miss)
-    assert os.path.getsize(next(reopened.segments.directory.glob("*.sealed"))) == last.offset
+    assert os.path.getsize(next(reopened.segments.directory.glob("*.sealed"))) == last.offset - FRAME_BYTES
 
 
 async def test_dram_eviction_during_a_read_never_rewrites_what_the_reader_sends(open_store):
@@ -384,7 +386,8 @@ async def test_a_full_disk_lets_the_policy_choose_what_compaction_evicts(open_st
     policy's victims go first, and leave their segments dead: a little garbage (a copy the full disk cut
     short) in the segment of the newest blocks must not cost them all."""
     record_bytes = sum(map(len, records(1)[0][1::2]))
-    store = await open_store(segment_bytes=4 * record_bytes, compaction_min_garbage=0.5, hot_tier_bytes=0,
+    store = await open_store(segment_bytes=4 * (FRAME_BYTES + record_bytes),
+                             compaction_min_garbage=0.5, hot_tier_bytes=0,
                              eviction_policy="lru")
     recs = records(13)  # segments of four: three sealed, the newest open
     await put_all(store, recs)
@@ -401,7 +404,8 @@ async def test_a_full_disk_never_empties_a_mostly_dead_segment_of_the_newest_blo
     so the newest segment can be mostly dead while its live records are the newest blocks. On a full disk,
     emptying it would evict them: the policy's victims go first, however dead that segment is."""
     record_bytes = sum(map(len, records(1)[0][1::2]))
-    store = await open_store(segment_bytes=4 * record_bytes, compaction_min_garbage=0.5, hot_tier_bytes=0,
+    store = await open_store(segment_bytes=4 * (FRAME_BYTES + record_bytes),
+                             compaction_min_garbage=0.5, hot_tier_bytes=0,
                              eviction_policy="lru")
     recs = records(13)  # segments of four: three sealed, the newest open
     await put_all(store, recs)
