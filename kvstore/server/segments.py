@@ -76,12 +76,19 @@ class Segment:
     replaced_maps: list[tuple[int, int]] = field(default_factory=list)  # smaller ones, unmapped at close
     readers: int = 0
     writers: int = 0  # records placed in it (`place`) whose bytes are still being written
+    given_up: list[tuple[int, int]] = field(default_factory=list)  # [begin, end) of places given up, to reuse
+    hole_bytes: int = 0  # their bytes: holes, which hold nothing (not garbage, not disk bytes)
     deleted: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
+    def used_bytes(self) -> int:
+        """Bytes of records, live or dead: the size less the holes of places given up."""
+        return self.size - self.hole_bytes
+
+    @property
     def garbage_ratio(self) -> float:
-        return 1.0 - self.live_bytes / self.size if self.size else 0.0
+        return 1.0 - self.live_bytes / self.used_bytes if self.used_bytes else 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +98,7 @@ class Placement:
     ends there, in pages of its own, written last: until then the place holds no record."""
 
     segment: Segment
+    start: int  # where the place begins: the segment's end when it was taken, before the zeros that align it
     offset: int  # the record's first byte (its header); its frame is just before it
     payload_offset: int  # aligned
     payload_len: int
@@ -197,23 +205,23 @@ class SegmentSet:
 
         Only the placing holds the segment's lock: writers into different places never wait for one another,
         so a slow client holds up no one. A segment that fills is sealed at once; its O_DIRECT descriptor
-        stays open until its last placed record is finished.
+        stays open until its last placed record is finished. A place given up earlier in the open segment is
+        taken again where the record fits in it, before the segment grows (`finish`).
 
         The place's reservation frame is written before it is returned, so before any payload byte: whatever
         the payload holds, a scan after a crash skips the whole place."""
         if not 0 < self.direct_min_bytes <= header_len + payload_len:
             return None
         header_pages, payload_pages = align_up(FRAME_BYTES + header_len), align_up(payload_len)
-        while True:
+        placement = self._place_in_given_up(bucket_end, header_pages, header_len, payload_len)
+        while placement is None:
             segment = self._writable(bucket_end, header_pages + payload_pages + ALIGN)
             with segment.lock:
                 if segment.sealed or segment.deleted:
                     continue  # sealed by another writer meanwhile
                 if segment.direct_fd is None:
                     return None
-                payload_offset = align_up(segment.size) + header_pages
-                placement = Placement(segment, payload_offset - header_len, payload_offset, payload_len,
-                                      payload_offset + payload_pages)
+                placement = _placement(segment, segment.size, header_pages, header_len, payload_len)
                 segment.size = placement.end
                 segment.writers += 1  # first: sealing keeps the direct descriptor open for it
                 try:
@@ -222,13 +230,34 @@ class SegmentSet:
                 except BaseException:
                     segment.writers -= 1
                     raise
-            try:
-                self._write_header_pages(placement, self.frames.reserved(
-                    segment.id, placement.frame_offset, placement.end - placement.frame_offset), bytes(header_len))
-            except BaseException:
-                self.finish(placement, failed=True)  # the segment takes no more records, as after a failed write
-                raise
-            return placement
+        try:
+            self._write_header_pages(placement, self.frames.reserved(
+                placement.segment.id, placement.frame_offset, placement.end - placement.frame_offset),
+                bytes(header_len))
+        except BaseException:
+            self.finish(placement, failed=True, given_up=True)  # the segment takes no more records, as after a
+            raise  # failed write
+        return placement
+
+    def _place_in_given_up(self, bucket_end: int, header_pages: int, header_len: int,
+                           payload_len: int) -> Placement | None:
+        """A place in the first extent given up in the open segment of `bucket_end` that holds the record."""
+        needed = header_pages + align_up(payload_len)
+        with self._lock:
+            segment = self._active.get(bucket_end)
+        if segment is None:
+            return None
+        with segment.lock:
+            if segment.sealed or segment.deleted or segment.direct_fd is None:
+                return None
+            for i, (begin, end) in enumerate(segment.given_up):
+                if end - align_up(begin) >= needed:
+                    placement = _placement(segment, begin, header_pages, header_len, payload_len)
+                    segment.given_up[i : i + 1] = [(placement.end, end)] if end > placement.end else []
+                    segment.hole_bytes -= placement.end - begin
+                    segment.writers += 1
+                    return placement
+        return None
 
     def write_payload(self, placement: Placement, start: int, view: memoryview, last: bool) -> None:
         """Write payload bytes [start, start + len(view)) of a placed record; `start` is a multiple of 4 KiB,
@@ -258,21 +287,40 @@ class SegmentSet:
         self._write_direct(_placed_fd(placement), [bytes(pages - len(frame) - len(header)), frame, header],
                            placement.header_pages, refuse=True)
 
-    def finish(self, placement: Placement, failed: bool = False) -> None:
-        """The placed record is written (or given up: then the segment takes no more records, as after a
-        failed append). Its segment's direct descriptor closes with the last writer of a sealed segment."""
+    def finish(self, placement: Placement, failed: bool = False, given_up: bool = False) -> None:
+        """The placed record is written (or given up: then the segment takes no more records if `failed`, as
+        after a failed append). Its segment's direct descriptor closes with the last writer of a sealed segment.
+
+        A place `given_up` (erased first) is a hole, not a record: the segment is cut back where it ends the
+        segment, else the extent is kept for the next place it fits (`place`). Either way it is counted
+        in neither the disk's bytes nor the segment's garbage, so places a client abandons, one after another,
+        never fill a disk or make compaction rewrite the records around them."""
         segment = placement.segment
         with segment.lock:
             segment.writers -= 1
+            if given_up and not segment.deleted:
+                self._release_locked(segment, placement.start, placement.end)
             if failed:
                 self._seal_locked(segment, sync=False)
             if segment.sealed and segment.writers == 0:
                 _close_direct(segment)
 
-    def erase(self, placement: Placement, written: int) -> None:
-        """Overwrite with zeros the header pages and the first `written` payload bytes of a record that is
-        not to be one (given up, or not indexed: a second copy of a key), so that no scan finds a record
-        there, nor one inside a payload that never became one. Best effort."""
+    @staticmethod
+    def _release_locked(segment: Segment, begin: int, end: int) -> None:
+        segment.given_up.append((begin, end))
+        segment.given_up.sort()
+        segment.hole_bytes += end - begin
+        while segment.given_up and segment.given_up[-1][1] == segment.size:  # holes that end the file: cut off
+            begin, end = segment.given_up.pop()
+            segment.hole_bytes -= end - begin
+            segment.size = begin
+            os.ftruncate(segment.fd, begin)
+
+    def erase(self, placement: Placement, written: int) -> bool:
+        """Overwrite with zeros the header pages (its frame) and the first `written` payload bytes of a record
+        that is not to be one (given up, or not indexed: a second copy of a key), so that its place holds
+        nothing a later record placed there could be mistaken for. Best effort: whether it was erased (a place
+        not erased keeps its reservation, and is never placed again)."""
         end = placement.payload_offset + align_up(written)
         zeros = bytes(min(end - placement.header_pages, STAGING_BYTES))
         try:
@@ -280,6 +328,8 @@ class SegmentSet:
                 self._write_direct(_placed_fd(placement), [zeros[: end - start]], start, refuse=True)
         except OSError as exc:
             log.warning("could not erase a record given up in segment %d: %s", placement.segment.id, exc)
+            return False
+        return True
 
     def _write_direct(self, direct_fd: int, parts: Sequence[RecordBytes], offset: int,
                       refuse: bool = False) -> int | None:
@@ -447,7 +497,8 @@ class SegmentSet:
 
     @property
     def disk_bytes(self) -> int:
-        return sum(s.size for s in self.segments.values())
+        """Bytes the segments hold: the holes of places given up are sparse, and taken again or cut off."""
+        return sum(s.used_bytes for s in self.segments.values())
 
     def close(self) -> None:
         for segment in list(self.segments.values()):
@@ -457,6 +508,14 @@ class SegmentSet:
                 _close_files(segment)
                 segment.deleted = True
         self.segments.clear()
+
+
+def _placement(segment: Segment, start: int, header_pages: int, header_len: int, payload_len: int) -> Placement:
+    """The place of a record from `start`: from the next page, its frame and header end where its payload's page
+    starts."""
+    payload_offset = align_up(start) + header_pages
+    return Placement(segment, start, payload_offset - header_len, payload_offset, payload_len,
+                     payload_offset + align_up(payload_len))
 
 
 def segment_files(directory: Path) -> Iterator[tuple[Path, int, int]]:

@@ -328,11 +328,11 @@ class BlockStore:
         """Let a placed record's place go, on an I/O thread (the segment's lock may be held by an append): the
         record is indexed, or it is erased first (`erase`: its header pages and `written` payload bytes)."""
         def let_go() -> None:
+            erased = False
             try:
-                if erase:
-                    self.segments.erase(placement, written)
+                erased = erase and self.segments.erase(placement, written)
             finally:
-                self.segments.finish(placement, failed)
+                self.segments.finish(placement, failed, given_up=erased)
         try:
             self._executor.submit(let_go)
         except RuntimeError:  # the store has closed its I/O threads: finish here

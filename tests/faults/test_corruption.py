@@ -23,6 +23,7 @@ from kvstore.proto import pb
 from kvstore.record import FIXED_HEADER_BYTES, RecordHeader, build_record, decode_header
 from kvstore.server.fsck import check
 from kvstore.server.process import DaemonProcess
+from kvstore.server.segments import SegmentSet
 
 from .conftest import NS, client_for, items, misses_counted, raw_get
 
@@ -39,13 +40,15 @@ class Located:
 def locate_records(data_dir: Path) -> dict[bytes, Located]:
     """Every whole record of every segment, found from the records themselves (not from the index)."""
     found = {}
-    for path in sorted((data_dir / "segments").iterdir()):
-        data = path.read_bytes()
-        offset = 0
-        while offset + FIXED_HEADER_BYTES <= len(data):
-            header = decode_header(data[offset:])
-            found[header.key] = Located(path, offset, header)
-            offset += header.record_len
+    segments = SegmentSet(data_dir / "segments", 1 << 40, fsync=False)
+    segments.open_existing()
+    try:
+        for segment in segments.segments.values():
+            for offset, header in segments.scan(segment):
+                found[header.key] = Located(segment.path, offset, header)
+    finally:
+        for segment in segments.segments.values():
+            os.close(segment.fd)
     return found
 
 
