@@ -142,3 +142,27 @@ def test_segments_without_their_frame_key_cannot_be_opened_and_an_empty_director
     key_file.write_bytes(b"short")
     with pytest.raises(FrameKeyDamaged):
         SegmentSet(tmp_path, 1 << 30, fsync=False)
+
+
+def test_a_place_is_reserved_on_disk_before_it_is_returned_and_its_record_frame_replaces_the_reservation(tmp_path):
+    """Before any payload byte, the place's frame already spans it whole (a scan after a crash jumps over it
+    without reading inside); the record's own frame and header replace it last."""
+    segments = SegmentSet(tmp_path, 1 << 30, fsync=False, direct_min_bytes=DIRECT_MIN)
+    header, payload = record(1, 2 * DIRECT_MIN)
+    placement = segments.place(100, len(header), len(payload))
+    segment = placement.segment
+    frame = os.pread(segment.fd, FRAME_BYTES, placement.frame_offset)
+    assert segments.frames.check_reserved(segment.id, placement.frame_offset, frame) == \
+        placement.end - placement.frame_offset
+    assert segments.frames.check_reserved(segment.id, placement.frame_offset + ALIGN, frame) is None, \
+        "a reservation is bound to its place"
+    aligned = mmap.mmap(-1, len(payload))
+    aligned[:] = payload
+    segments.write_payload(placement, 0, memoryview(aligned), last=True)
+    segments.write_header(placement, header)
+    frame = os.pread(segment.fd, FRAME_BYTES, placement.frame_offset)
+    assert segments.frames.check_reserved(segment.id, placement.frame_offset, frame) is None
+    assert segments.frames.check_record(segment.id, placement.frame_offset, frame, header, len(header) + len(payload))
+    assert [(offset, h.key) for offset, h in segments.scan(segment)] == [(placement.offset, decode_header(header).key)]
+    segments.finish(placement)
+    segments.close()
