@@ -65,6 +65,10 @@ class Metrics:
         self.verify_corrupt = Counter("kvstore_verify_corrupt", "Corrupt copies Verify found and dropped, by copy: "
                                       "dram (discarded from the DRAM tier) or ssd (the block removed)", ["copy"],
                                       registry=r)
+        self.verify_skipped = Counter("kvstore_verify_skipped", "Keys a Verify named and did not check, by reason: "
+                                      "rate (the caller's verify_bytes_per_s spent) or recent (checked within "
+                                      "verify_recheck_s, not moved since: answered from that check)", ["reason"],
+                                      registry=r)
         self.scrub_bytes = Counter("kvstore_scrub_bytes", "Record bytes the scrub read back and checked", registry=r)
         self.scrub_corrupt = Counter("kvstore_scrub_corrupt", "Corrupt blocks the scrub found and removed",
                                      registry=r)

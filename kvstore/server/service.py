@@ -93,7 +93,7 @@ class KVStoreService:
 
     async def verify(self, request: pb.KeysRequest, context) -> pb.CountResponse:
         check_keys(request.keys, self.config)
-        return pb.CountResponse(count=await self.store.verify(request.keys, self.caller_scope()))
+        return pb.CountResponse(count=await self.store.verify(request.keys, self.caller_scope(), grpc_caller(context)))
 
     async def stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
         self.store.refresh_gauges()
