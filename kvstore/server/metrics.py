@@ -58,7 +58,10 @@ class Metrics:
         self.promoted_unread_bytes = Gauge("kvstore_promoted_unread_bytes", "Bytes of promoted blocks in the DRAM "
                                            "tier not read yet (at most promote_bytes)", registry=r)
         self.gets_in_flight = Gauge("kvstore_gets_in_flight", "Gets being served, both transports (promotion "
-                                    "waits for none)", registry=r)
+                                    "waits until all of them are waiting on their clients)", registry=r)
+        self.gets_waiting_on_client = Gauge("kvstore_gets_waiting_on_client", "Gets being served that wait for "
+                                            "their client to take bytes (promotion does not wait for them)",
+                                            registry=r)
         # Checks of the daemon's own copies: a client's report (Verify) and the scrub (scrub.py)
         self.verified_blocks = Counter("kvstore_verified_blocks", "Held blocks checked again because a client "
                                        "found their bytes corrupt (Verify)", registry=r)

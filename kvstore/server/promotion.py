@@ -10,8 +10,12 @@ is (block_reader.py), and keeps it in the DRAM tier flagged as prefetched until 
 already in the DRAM tier is flagged there (`HotTier.hold`), within the same budget: plain traffic passes
 flagged entries over, so the read they are kept for still finds them.
 
-* Reads come first: the worker starts a block only while no Get is being served (`GetsInFlight`,
-  counted around every Get on both transports) and otherwise waits on an event, never on a timer.
+* Reads come first: the worker starts a block only while no Get is making progress (`GetsInFlight`,
+  counted around every Get on both transports) and otherwise waits on an event, never on a timer. A Get
+  waiting for its client to take bytes (the data channel's socket full, a gRPC write not yet taken) is not
+  making progress: it reads nothing meanwhile, and one client that opens a Get and never reads it would
+  otherwise stop everyone's promotions. While every Get waits on its client the worker may start one
+  block; a Get that goes on meets at most that one read.
 * Bounded: the queue holds at most `promote_queue_keys` keys (more are dropped); the DRAM tier holds at
   most `promote_bytes` of promoted blocks not read yet, and a promotion evicts only entries no reader
   pins and that are not unread promotions themselves, or is refused (HotTier.put_prefetched).
@@ -25,7 +29,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Literal, Protocol
 
 from prometheus_client import Gauge
@@ -40,31 +45,61 @@ Reason = Literal["advice", "lookup"]
 
 
 class GetsInFlight:
-    """The Gets being served now; `with gets:` around serving one. Promotion waits until there are none."""
+    """The Gets being served now: `with gets:` around serving one, and `with gets.waiting_on_client():` around
+    each wait for its client to take bytes. Promotion waits until no Get is making progress: a Get waiting on
+    its client reads nothing meanwhile, and a client that never reads must not hold everyone's promotions
+    back for as long as it keeps its Get open."""
 
-    def __init__(self, gauge: Gauge | None = None) -> None:
-        self.count = 0
+    def __init__(self, gauge: Gauge | None = None, waiting_gauge: Gauge | None = None) -> None:
+        self.count = 0  # Gets being served
+        self.waiting = 0  # of those, Gets waiting for their client to take bytes
         self._gauge = gauge
-        self._none = asyncio.Event()
+        self._waiting_gauge = waiting_gauge
+        self._none = asyncio.Event()  # set while no Get is making progress
         self._none.set()
+
+    @property
+    def progressing(self) -> int:
+        """Gets being served and not waiting on their client."""
+        return self.count - self.waiting
 
     def __enter__(self) -> GetsInFlight:
         self.count += 1
-        self._none.clear()
         if self._gauge is not None:
             self._gauge.inc()
+        self._changed()
         return self
 
     def __exit__(self, *exc) -> None:
         self.count -= 1
         if self._gauge is not None:
             self._gauge.dec()
-        if self.count == 0:
+        self._changed()
+
+    @contextmanager
+    def waiting_on_client(self) -> Iterator[None]:
+        """Around a wait of a Get being served for its client to take bytes (a full socket or HTTP/2 window)."""
+        self.waiting += 1
+        if self._waiting_gauge is not None:
+            self._waiting_gauge.inc()
+        self._changed()
+        try:
+            yield
+        finally:
+            self.waiting -= 1
+            if self._waiting_gauge is not None:
+                self._waiting_gauge.dec()
+            self._changed()
+
+    def _changed(self) -> None:
+        if self.progressing:
+            self._none.clear()
+        else:
             self._none.set()
 
     async def none(self) -> None:
-        """Return once no Get is being served (at once if none is)."""
-        while self.count:  # a Get may start again between the event and this task running
+        """Return once no Get is making progress (at once if none is)."""
+        while self.progressing:  # a Get may go on again between the event and this task running
             await self._none.wait()
 
 

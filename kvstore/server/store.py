@@ -87,7 +87,8 @@ class BlockStore:
         self.policy = policy or make_policy(config.eviction_policy, config.capacity_bytes)
         self.hot = HotTier(config.hot_tier_bytes, prefetch_bytes=config.promote_budget_bytes,
                            on_prefetch_end=self.metrics.prefetch_ended)
-        self.gets_in_flight = GetsInFlight(self.metrics.gets_in_flight)  # the transports count each Get they serve
+        self.gets_in_flight = GetsInFlight(self.metrics.gets_in_flight,  # the transports count each Get they serve
+                                           self.metrics.gets_waiting_on_client)
         self.promoter = Promoter(self, self.hot, self.gets_in_flight, self.metrics, config.promote_queue_keys)
         self.verify_meter = VerifyMeter(config.verify_bytes_per_s, config.verify_recheck_s, clock)
         self.hot_keys = HotKeys(config.hot_reads, config.hot_window_s) if config.hot_replicas > 1 else None

@@ -2,8 +2,8 @@
 
 In-process stores (conftest.py) hold the worker where a test needs it to wait: a Get in flight is
 `with store.gets_in_flight:`, as the transports count theirs. Real daemons check the rest end to end:
-Advise and Lookup over gRPC, the next Get's tier, and Gets held open on either transport holding promotion
-back. The only clocks are hang guards: every wait is for a condition.
+Advise and Lookup over gRPC, the next Get's tier, and a Get whose client never reads, on either transport,
+not holding promotion back. The only clocks are hang guards: every wait is for a condition.
 """
 
 from __future__ import annotations
@@ -127,6 +127,26 @@ async def test_a_get_in_flight_holds_promotion_and_advice_that_ended_or_a_delete
 
 
 @pytest.mark.unit
+async def test_a_get_waiting_on_its_client_does_not_hold_promotion_back_and_one_making_progress_does(promoting):
+    store = await promoting()
+    keys = await on_ssd_only(store, records(4))
+    gets = store.gets_in_flight
+    with gets:  # a Get whose client has stopped reading
+        with gets.waiting_on_client():
+            with gets:  # and another, making progress
+                store.advise(keys[:2], continues=True)
+                await let_others_run()
+                assert metric(store, "kvstore_promoted_blocks_total") == 0
+            await wait_for_async(lambda: metric(store, "kvstore_promoted_blocks_total") == 2,
+                                 "promotion while the only Get waits on its client")
+        store.advise(keys[2:], continues=True)  # its client reads again: the Get goes on
+        await let_others_run()
+        assert metric(store, "kvstore_promoted_blocks_total") == 2
+    await wait_for_async(lambda: metric(store, "kvstore_promoted_blocks_total") == 4, "promotion once it ended")
+    assert (gets.count, gets.waiting) == (0, 0)
+
+
+@pytest.mark.unit
 async def test_lookup_with_promote_promotes_the_hit_prefix(promoting):
     store = await promoting()
     keys = await on_ssd_only(store, records(5))
@@ -235,7 +255,7 @@ class HeldGet:
 
 
 @pytest.mark.integration
-def test_a_get_in_flight_on_either_transport_holds_promotion_back_and_delete_cancels(daemons):
+def test_a_get_whose_client_never_reads_does_not_hold_promotion_back_on_either_transport(daemons):
     daemon, = daemons(1, "--rpc-stream-timeout-s", "60", "--data-frame-timeout-s", "60")
     big, = chain(BIG, 1, seed=3)
     chains = {"grpc": chain(NS, 4, seed=4), "data": chain(NS, 4, seed=5)}
@@ -248,24 +268,22 @@ def test_a_get_in_flight_on_either_transport_holds_promotion_back_and_delete_can
     promoted = 0
     with KVClient([daemon.address]) as client:
         for transport, items in chains.items():
-            blocks = [b for b, _ in items]
             held = HeldGet(daemon, big[0].key, transport)
             try:
                 wait_for(lambda: stats(client, daemon).value("kvstore_gets_in_flight") == 1,
                          f"the {transport} Get being served")
-                assert client.advise(blocks, continues=True) == 4
-                assert client.delete(blocks[3:]) == 1  # taken out of the queue too
+                assert client.advise([b for b, _ in items], continues=True) == 4
+                promoted += 4
+                wait_for(lambda: stats(client, daemon).value("kvstore_promoted_blocks_total") == promoted,
+                         f"promotion while the {transport} Get waits for its client")
                 now = stats(client, daemon)
-                assert now.value("kvstore_promotion_queued_blocks") == 3, "the worker waits for the Get"
-                assert now.value("kvstore_promoted_blocks_total") == promoted
+                assert now.value("kvstore_gets_in_flight") == 1, "the Get is still open, its answer not taken"
+                assert now.value("kvstore_gets_waiting_on_client") == 1
             finally:
                 held.release()
-            promoted += 3
-            wait_for(lambda: stats(client, daemon).value("kvstore_promoted_blocks_total") == promoted,
-                     f"promotion once the {transport} Get ended")
-            assert stats(client, daemon).value("kvstore_gets_in_flight") == 0
-        assert stats(client, daemon).value("kvstore_promotion_cancelled_blocks_total") == 2
+            wait_for(lambda: stats(client, daemon).value("kvstore_gets_in_flight") == 0, f"the {transport} Get ended")
+            assert stats(client, daemon).value("kvstore_gets_waiting_on_client") == 0
         before = stats(client, daemon).value("kvstore_hits_total", tier="dram")
-        got = client.get([b for b, _ in chains["data"][:3]])
-        assert [bytes(g.payload) for g in got] == [p for _, p in chains["data"][:3]]
-        assert stats(client, daemon).value("kvstore_hits_total", tier="dram") == before + 3
+        got = client.get([b for b, _ in chains["data"]])
+        assert [bytes(g.payload) for g in got] == [p for _, p in chains["data"]]
+        assert stats(client, daemon).value("kvstore_hits_total", tier="dram") == before + 4
