@@ -61,6 +61,9 @@ class ServerConfig:
     # not yet read the tier holds at once; "off" (unset): a quarter of hot_tier_bytes; 0: no promotion.
     promote_bytes: int | None = None
     promote_queue_keys: int = 4096  # blocks waiting to be promoted, at most; more are dropped (counted)
+    # A promoted block not read within this long stops being held for its read: its part of promote_bytes is
+    # freed (counted wasted); the block stays in the DRAM tier as any other entry.
+    promote_max_age_s: float = 60.0
     # lru, s3fifo, sieve, prefix-lfu, prefix-reuse or adaptive (kvstore/eviction/; adaptive is the one
     # recommended: never below LRU across the measured workloads; lru stays the default until the fault
     # suite has run with adaptive, see docs/performance.md)
@@ -254,7 +257,8 @@ class ServerConfig:
         if self.max_data_connections_per_peer > self.max_data_connections:
             raise ValueError("max_data_connections_per_peer must be <= max_data_connections")
         for name in ("expiry_bucket_s", "sweep_interval_s", "access_flush_interval_s", "grace_s",
-                     "data_frame_timeout_s", "data_idle_timeout_s", "hot_window_s", "scrub_pause_s"):
+                     "data_frame_timeout_s", "data_idle_timeout_s", "hot_window_s", "scrub_pause_s",
+                     "promote_max_age_s"):
             if not 0 < getattr(self, name) < math.inf:
                 raise ValueError(f"{name} must be a positive number of seconds, got {getattr(self, name)}")
         self._check_caller_limits()

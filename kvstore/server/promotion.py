@@ -19,6 +19,9 @@ flagged entries over, so the read they are kept for still finds them.
 * Bounded: the queue holds at most `promote_queue_keys` keys (more are dropped); the DRAM tier holds at
   most `promote_bytes` of promoted blocks not read yet, and a promotion evicts only entries no reader
   pins and that are not unread promotions themselves, or is refused (HotTier.put_prefetched).
+* Shared: each tenant (the block's) holding unread promotions may hold an equal part of `promote_bytes`,
+  and a promotion unread for `promote_max_age_s` stops being held (HotTier), so one caller promoting its
+  own blocks and never reading them cannot keep everyone else's out.
 * Cancellable: Advise(continues=False) and Delete take their keys out of the queue.
 * Counted (metrics.py): promoted blocks and bytes by reason, used (read while flagged) and wasted (left
   the tier unread), dropped by cause, already in the DRAM tier, cancelled.
@@ -110,6 +113,10 @@ class PromotionSource(Protocol):
         """The size of the indexed record of `key`; None if it is gone or expired."""
         ...
 
+    def tenant_of(self, key: bytes) -> int:
+        """The tenant (index id) whose share of the promotion budget a promotion of `key` counts against."""
+        ...
+
     async def read_for_promotion(self, key: bytes) -> tuple[bytes, RecordBytes] | Literal["gone", "unreadable"]:
         """The whole record of `key` from its segment file, verified (header bytes, payload in a buffer the
         DRAM tier can keep); else why not. Not a use of the block: nothing is counted as read or retained."""
@@ -147,7 +154,7 @@ class Promoter:
             if key in self._queue:
                 continue
             if key in self._hot:  # held there until read instead, within the budget
-                self._hot.hold(key)
+                self._hot.hold(key, self._source.tenant_of(key))
                 self._metrics.promotion_in_dram.inc()
             elif len(self._queue) >= self._queue_keys:
                 self._metrics.promotion_dropped.labels(cause="queue_full").inc()
@@ -187,15 +194,16 @@ class Promoter:
         size = self._source.record_bytes(key)
         if size is None:
             return self._dropped("gone")
-        refusal = self._hot.prefetch_refusal(key, size)  # checked before the read, which may be for nothing
+        owner = self._source.tenant_of(key)
+        refusal = self._hot.prefetch_refusal(key, size, owner)  # checked before the read, which may be for nothing
         if refusal is None:
             record = await self._source.read_for_promotion(key)
             if isinstance(record, str):
                 return self._dropped(record)
             header, payload = record
-            refusal = self._hot.put_prefetched(key, header, payload)  # Gets or deletes ran during the read
+            refusal = self._hot.put_prefetched(key, header, payload, owner)  # Gets or deletes ran during the read
         if refusal == "in_dram":
-            self._hot.hold(key)
+            self._hot.hold(key, owner)
             self._metrics.promotion_in_dram.inc()
             return False
         if refusal is not None:

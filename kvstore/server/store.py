@@ -86,7 +86,8 @@ class BlockStore:
         self.clock = clock
         self.policy = policy or make_policy(config.eviction_policy, config.capacity_bytes)
         self.hot = HotTier(config.hot_tier_bytes, prefetch_bytes=config.promote_budget_bytes,
-                           on_prefetch_end=self.metrics.prefetch_ended)
+                           on_prefetch_end=self.metrics.prefetch_ended,
+                           prefetch_max_age_s=config.promote_max_age_s, clock=clock)
         self.gets_in_flight = GetsInFlight(self.metrics.gets_in_flight,  # the transports count each Get they serve
                                            self.metrics.gets_waiting_on_client)
         self.promoter = Promoter(self, self.hot, self.gets_in_flight, self.metrics, config.promote_queue_keys)
@@ -498,6 +499,10 @@ class BlockStore:
         entry = self._live_entry(key)
         return None if entry is None else entry.record_len
 
+    def tenant_of(self, key: bytes) -> int:
+        entry = self.index.get(key)
+        return 0 if entry is None else entry.tenant_id
+
     async def read_for_promotion(self, key: bytes) -> tuple[bytes, RecordBytes] | Literal["gone", "unreadable"]:
         entry = self._live_entry(key)
         if entry is None:
@@ -642,6 +647,7 @@ class BlockStore:
         m.capacity_bytes.set(self.retention.limit())
         m.hot_bytes.set(self.hot.bytes)
         m.promotion_queued.set(len(self.promoter))
+        self.hot.release_aged()
         m.promoted_unread_bytes.set(self.hot.prefetched_bytes)
         if self.access_log is not None:
             m.access_log_dropped.set(self.access_log.dropped)

@@ -176,6 +176,42 @@ async def test_past_the_queue_bound_keys_are_dropped_and_counted(promoting):
         assert metric(store, "kvstore_promotion_dropped_blocks_total", cause="queue_full") == 3
 
 
+def tenant_namespace(salt: str) -> Namespace:
+    return Namespace("promotion-test", KVLayout(num_layers=4, kv_heads=1, head_dim=16, dtype="float16"),
+                     block_tokens=8, salt=salt)
+
+
+@pytest.mark.unit
+async def test_one_tenants_unread_promotions_take_only_its_share_and_are_let_go_with_age(promoting, clock):
+    mallory_recs = records(6, seed=1, namespace=tenant_namespace("mallory"))
+    victim_recs = records(2, seed=2, namespace=tenant_namespace("victim"))
+    record_bytes = len(mallory_recs[0][1]) + len(mallory_recs[0][3])
+    store = await promoting(promote_bytes=4 * record_bytes, promote_max_age_s=60)
+    mallory = await on_ssd_only(store, mallory_recs)
+    victim = await on_ssd_only(store, victim_recs)
+
+    def settled() -> float:
+        return metric(store, "kvstore_promoted_blocks_total") + metric(store, "kvstore_promotion_dropped_blocks_total")
+
+    assert store.lookup(mallory, promote=True) == 6  # its own blocks, never to be read
+    await wait_for_async(lambda: settled() == 6, "the first tenant's promotions")
+    assert metric(store, "kvstore_promotion_dropped_blocks_total", cause="budget") == 2, "alone: the whole budget"
+    assert store.lookup(victim, promote=True) == 2
+    await wait_for_async(lambda: settled() == 8, "the second tenant's promotions")
+    assert metric(store, "kvstore_promoted_blocks_total") == 6, "the second tenant's are not dropped"
+    assert metric(store, "kvstore_promotion_released_blocks_total", cause="share") == 2
+    assert [await tier_of(store, key) for key in victim[:1]] == ["dram"]
+    store.refresh_gauges()
+    assert metric(store, "kvstore_promoted_unread_bytes") == 3 * record_bytes
+
+    clock.advance(60)  # nobody reads the rest: they stop being held
+    store.refresh_gauges()
+    assert metric(store, "kvstore_promoted_unread_bytes") == 0
+    assert metric(store, "kvstore_promotion_released_blocks_total", cause="age") == 3
+    assert metric(store, "kvstore_promoted_wasted_blocks_total") == 5 and metric(
+        store, "kvstore_promoted_used_blocks_total") == 1
+
+
 # -- real daemons ----------------------------------------------------------------------------------------------
 
 NS = Namespace("promotion-test", KVLayout(num_layers=4, kv_heads=1, head_dim=64, dtype="float16"), block_tokens=64)
@@ -287,3 +323,29 @@ def test_a_get_whose_client_never_reads_does_not_hold_promotion_back_on_either_t
         got = client.get([b for b, _ in chains["data"]])
         assert [bytes(g.payload) for g in got] == [p for _, p in chains["data"]]
         assert stats(client, daemon).value("kvstore_hits_total", tier="dram") == before + 4
+
+
+@pytest.mark.integration
+def test_one_tokens_lookup_promote_of_its_own_blocks_leaves_another_tenants_promotions_room(daemons):
+    attacker, victim = (Namespace("promotion-test", NS.layout, block_tokens=64, salt=salt)
+                        for salt in ("mallory", "victim"))
+    mallory, theirs = chain(attacker, 6, seed=6), chain(victim, 2, seed=7)
+    daemon, = daemons(1, "--promote-bytes", str(4 * record_bytes(mallory[:1])))
+    with KVClient([daemon.address]) as writer:
+        assert writer.put(mallory, NS.num_layers).stored == 6
+        assert writer.put(theirs, NS.num_layers).stored == 2
+    daemon.stop()
+    daemon.start()  # every block on SSD alone
+
+    with KVClient([daemon.address]) as client:
+        def settled() -> float:
+            now = stats(client, daemon)
+            return now.value("kvstore_promoted_blocks_total") + now.value("kvstore_promotion_dropped_blocks_total")
+
+        assert client.lookup([b for b, _ in mallory], promote=True) == 6  # and never read
+        wait_for(lambda: settled() == 6, "the first tenant's promotions")
+        assert client.lookup([b for b, _ in theirs], promote=True) == 2
+        wait_for(lambda: settled() == 8, "the second tenant's promotions")
+        assert stats(client, daemon).value("kvstore_promoted_blocks_total") == 6, "none of the second's dropped"
+        assert [bytes(got.payload) for got in client.get([b for b, _ in theirs])] == [p for _, p in theirs]
+        assert stats(client, daemon).by("kvstore_hits_total", "tier") == {"dram": 2}
