@@ -192,3 +192,24 @@ def test_an_unread_prefetch_stops_being_held_at_the_age_limit():
     assert ended == [("aged", 100)] * 2 and tier.prefetched_bytes == 100
     tier.unpin(tier.pin(b"a"))  # a read of a block let go is not a promotion used
     assert ended == [("aged", 100)] * 2
+
+
+def test_room_is_taken_back_only_from_tenants_past_their_share_oldest_first():
+    tier = HotTier(capacity_bytes=10_000, prefetch_bytes=400)
+    assert prefetch(tier, b"b", owner=2) is None  # the oldest, and its tenant ends exactly at its share
+    assert prefetch(tier, b"e", owner=3) is None and prefetch(tier, b"f", owner=3) is None  # two of four
+    assert prefetch(tier, b"g", owner=4) is None
+    assert tier.prefetched_bytes == 400
+    assert prefetch(tier, b"x", owner=1) is None  # four tenants: 100 each
+    assert [key for key, entry in tier._entries.items() if entry.prefetched] == [b"b", b"f", b"g", b"x"]
+
+
+def test_a_prefetch_let_go_leaves_room_a_later_one_may_evict():
+    clock = Clock()
+    tier = HotTier(capacity_bytes=300, prefetch_bytes=300, prefetch_max_age_s=60, clock=clock)
+    for key in (b"a", b"b", b"c"):
+        assert prefetch(tier, key, owner=1) is None
+    assert prefetch(tier, b"d", owner=1) == "budget"
+    clock.now += 60
+    assert prefetch(tier, b"d", owner=1) is None, "the aged ones are plain entries, evicted for it"
+    assert b"a" not in tier and len(tier) == 3

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import ssl
 import struct
 
 import grpc
@@ -18,11 +19,12 @@ import pytest
 
 from kvstore import wire
 from kvstore.block import KVLayout, Namespace
-from kvstore.client import KVClient
+from kvstore.client import ClientConfig, KVClient
 from kvstore.proto import method, pb
 from kvstore.record import build_record
 from kvstore.server.block_reader import OpenBlock
 from kvstore.stats import Stats
+from tests.pki import make_pki
 from tests.waiting import wait_for, wait_for_async
 
 from .conftest import put_all, records
@@ -269,7 +271,7 @@ class HeldGet:
     """A Get of one block read HELD_READS times whose answer is never taken, on gRPC or the data channel: the
     daemon serves it, blocked on flow control, until `release` ends it from this side."""
 
-    def __init__(self, daemon, key: bytes, transport: str) -> None:
+    def __init__(self, daemon, key: bytes, transport: str, tls: ssl.SSLContext | None = None) -> None:
         request = pb.GetRequest(keys=[key] * HELD_READS)
         self._stream = self._socket = self._channel = None
         if transport == "grpc":
@@ -280,6 +282,8 @@ class HeldGet:
         else:
             self._socket = socket.create_connection(("127.0.0.1", daemon.data_port), timeout=HANG_GUARD_S)
             self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close: reset
+            if tls is not None:
+                self._socket = tls.wrap_socket(self._socket, server_hostname="127.0.0.1")
             self._socket.sendall(wire.frame(wire.GET, request.SerializeToString()))
 
     def release(self) -> None:
@@ -349,3 +353,52 @@ def test_one_tokens_lookup_promote_of_its_own_blocks_leaves_another_tenants_prom
         assert stats(client, daemon).value("kvstore_promoted_blocks_total") == 6, "none of the second's dropped"
         assert [bytes(got.payload) for got in client.get([b for b, _ in theirs])] == [p for _, p in theirs]
         assert stats(client, daemon).by("kvstore_hits_total", "tier") == {"dram": 2}
+
+
+def promoted_while_held(client: KVClient, daemon, held: list[HeldGet], items, gets: int) -> None:
+    """Advise `items` while the `held` Gets are open (`gets` Gets in all), and see them promoted meanwhile."""
+    before = stats(client, daemon).value("kvstore_promoted_blocks_total")
+    try:
+        wait_for(lambda: stats(client, daemon).value("kvstore_gets_in_flight") == gets, "the Gets being served")
+        assert client.advise([b for b, _ in items], continues=True) == len(items)
+        wait_for(lambda: stats(client, daemon).value("kvstore_promoted_blocks_total") == before + len(items),
+                 "promotion while the Gets wait for their clients")
+        assert stats(client, daemon).value("kvstore_gets_in_flight") == gets, "the Gets are still open"
+    finally:
+        for get in held:
+            get.release()
+
+
+@pytest.mark.integration
+def test_grpc_gets_waiting_for_their_principals_send_budget_do_not_hold_promotion_back(daemons):
+    # One 2 MiB payload takes a principal's whole 4 MiB (it is charged twice): the first Get's write waits
+    # for its client, the second Get of the same peer waits for the budget that write holds.
+    daemon, = daemons(1, "--rpc-stream-timeout-s", "60", "--max-grpc-send-bytes-per-principal", str(4 * 2**20))
+    big, = chain(BIG, 1, seed=8)
+    items = chain(NS, 4, seed=9)
+    with KVClient([daemon.address]) as writer:
+        assert writer.put([big], BIG.num_layers).stored == 1
+        assert writer.put(items, NS.num_layers).stored == 4
+    daemon.stop()
+    daemon.start()
+    with KVClient([daemon.address]) as client:
+        held = [HeldGet(daemon, big[0].key, "grpc") for _ in range(2)]
+        promoted_while_held(client, daemon, held, items, gets=2)
+
+
+@pytest.mark.integration
+def test_a_tls_data_channel_get_whose_client_never_reads_does_not_hold_promotion_back(daemons, tmp_path):
+    pki = make_pki(tmp_path / "pki")
+    daemon, = daemons(1, "--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key),
+                      "--data-frame-timeout-s", "60")
+    config = ClientConfig((daemon.address,), tls_ca=str(pki.ca))
+    big, = chain(BIG, 1, seed=10)
+    items = chain(NS, 4, seed=11)
+    with KVClient(config) as writer:
+        assert writer.put([big], BIG.num_layers).stored == 1
+        assert writer.put(items, NS.num_layers).stored == 4
+    daemon.stop()
+    daemon.start()
+    with KVClient(config) as client:
+        held = [HeldGet(daemon, big[0].key, "data", tls=ssl.create_default_context(cafile=str(pki.ca)))]
+        promoted_while_held(client, daemon, held, items, gets=1)
