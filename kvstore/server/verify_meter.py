@@ -22,11 +22,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import Literal
 
 from kvstore.server.index import Entry
 from kvstore.server.pace import TokenBucket
 
-SkipReason = str  # "rate" (the caller's budget is spent) or "recent" (checked in the last verify_recheck_s)
+# Why a key named in a Verify is not checked: the caller's budget is spent, or it was checked lately
+SkipReason = Literal["rate", "recent"]
 MAX_PRINCIPALS = 1024  # idle buckets are forgotten past this many (a full bucket is the same as a new one)
 MAX_REMEMBERED = 65536  # recent checks remembered at most; the oldest are forgotten first
 
