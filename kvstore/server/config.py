@@ -61,6 +61,9 @@ class ServerConfig:
     # not yet read the tier holds at once; "off" (unset): a quarter of hot_tier_bytes; 0: no promotion.
     promote_bytes: int | None = None
     promote_queue_keys: int = 4096  # blocks waiting to be promoted, at most; more are dropped (counted)
+    # A promoted block not read within this long stops being held for its read: its part of promote_bytes is
+    # freed (counted wasted); the block stays in the DRAM tier as any other entry.
+    promote_max_age_s: float = 60.0
     # lru, s3fifo, sieve, prefix-lfu, prefix-reuse or adaptive (kvstore/eviction/; adaptive is the one
     # recommended: never below LRU across the measured workloads; lru stays the default until the fault
     # suite has run with adaptive, see docs/performance.md)
@@ -82,6 +85,13 @@ class ServerConfig:
     # own memory and checked, at most this many bytes a second; a corrupt block is dropped (counted). 0: no scrub.
     scrub_bytes_per_s: int = 32 * 2**20
     scrub_pause_s: float = 60.0  # rest between scrub passes, and before the first (start-up's reads come first)
+    # Verify (a client's report of blocks that failed its checks; docs/operations.md, "Scrub") re-reads them: each
+    # principal's checks are held to this many record bytes a second, at most one second of it saved up; keys past
+    # it are passed over (counted, not an error; the client's next report is checked once the budget refills).
+    verify_bytes_per_s: int = 32 * 2**20
+    # A block checked this recently (and not moved since) is not read again for a report: the answer is that
+    # check's. 0: every report is checked.
+    verify_recheck_s: float = 60.0
 
     durability: str = "os"  # "os": page cache, survives a process crash; "fsync": synced before ack
     # Records at least this large are appended with O_DIRECT, 4 KiB-aligned, through a reused buffer, so
@@ -215,7 +225,8 @@ class ServerConfig:
         for name in ("capacity_bytes", "segment_bytes", "max_block_bytes", "max_message_bytes",
                      "max_inflight_put_bytes", "lmdb_map_bytes", "max_keys_per_request", "max_region_bytes",
                      "max_concurrent_rpcs", "io_threads", "access_log_max_bytes", "max_data_connections",
-                     "max_data_connections_per_peer", "max_unfinished_frame_bytes", "hot_replicas", "hot_reads"):
+                     "max_data_connections_per_peer", "max_unfinished_frame_bytes", "hot_replicas", "hot_reads",
+                     "verify_bytes_per_s"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.direct_io_min_bytes < 0:
@@ -233,6 +244,9 @@ class ServerConfig:
         if self.promote_queue_keys < 1:
             raise ValueError(f"promote_queue_keys must be positive (promote_bytes = 0 turns promotion off), "
                              f"got {self.promote_queue_keys}")
+        if not 0 <= self.verify_recheck_s < math.inf:
+            raise ValueError(f"verify_recheck_s must be >= 0 seconds (0: every report is checked), "
+                             f"got {self.verify_recheck_s}")
         if self.lmdb_max_map_bytes < self.lmdb_map_bytes:
             raise ValueError("lmdb_max_map_bytes must be >= lmdb_map_bytes")
         if self.max_block_bytes > self.max_inflight_put_bytes:
@@ -243,7 +257,8 @@ class ServerConfig:
         if self.max_data_connections_per_peer > self.max_data_connections:
             raise ValueError("max_data_connections_per_peer must be <= max_data_connections")
         for name in ("expiry_bucket_s", "sweep_interval_s", "access_flush_interval_s", "grace_s",
-                     "data_frame_timeout_s", "data_idle_timeout_s", "hot_window_s", "scrub_pause_s"):
+                     "data_frame_timeout_s", "data_idle_timeout_s", "hot_window_s", "scrub_pause_s",
+                     "promote_max_age_s"):
             if not 0 < getattr(self, name) < math.inf:
                 raise ValueError(f"{name} must be a positive number of seconds, got {getattr(self, name)}")
         self._check_caller_limits()

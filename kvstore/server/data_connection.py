@@ -13,6 +13,8 @@ import os
 import socket
 import ssl
 import struct
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 from kvstore import wire
@@ -23,6 +25,8 @@ from kvstore.server.requests import RequestError
 # most this much per read; a payload up to this size gets a plain buffer, a larger one a mapping.
 READ_STEP = 256 * 1024
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14; Python 3.11 lacks the name
+# What a send enters while it waits for the client to make room (GetsInFlight.waiting_on_client for a Get)
+Blocked = Callable[[], AbstractContextManager[object]]
 POPULATE_STEP = 1 << 20  # bytes of a fresh mapping faulted in ahead of the bytes arriving into it
 
 
@@ -107,15 +111,17 @@ class Connection:
         """Until bytes can be read; Closed past `deadline`."""
         await self._wait(self._loop.add_reader, self._loop.remove_reader, deadline)
 
-    async def send(self, data: RecordBytes) -> None:
-        """Send it all; Closed if the client takes none of it for `data_frame_timeout_s` (a stuck reader)."""
+    async def send(self, data: RecordBytes, while_blocked: Blocked = nullcontext) -> None:
+        """Send it all; Closed if the client takes none of it for `data_frame_timeout_s` (a stuck reader).
+        Each wait for the client to make room is inside `while_blocked()`."""
         view = memoryview(data).cast("B")
         deadline = self._loop.time() + self.frame_timeout_s
         while len(view):
             try:
                 sent = self.sock.send(view)
             except (BlockingIOError, InterruptedError):
-                await self._wait(self._loop.add_writer, self._loop.remove_writer, deadline)
+                with while_blocked():
+                    await self._wait(self._loop.add_writer, self._loop.remove_writer, deadline)
                 deadline = self._loop.time() + self.frame_timeout_s
                 continue
             view = view[sent:]
@@ -257,18 +263,20 @@ class TlsConnection(Connection):
             raise Closed()
         return received
 
-    async def send(self, data: RecordBytes) -> None:
+    async def send(self, data: RecordBytes, while_blocked: Blocked = nullcontext) -> None:
         view = memoryview(data).cast("B")
         deadline = self._loop.time() + self.frame_timeout_s
         while len(view):
             try:
                 sent = self.sock.send(view[: 1 << 20])  # a TLS record layer write of bounded size
             except (ssl.SSLWantWriteError, BlockingIOError, InterruptedError):
-                await self._wait(self._loop.add_writer, self._loop.remove_writer, deadline)
+                with while_blocked():
+                    await self._wait(self._loop.add_writer, self._loop.remove_writer, deadline)
                 deadline = self._loop.time() + self.frame_timeout_s
                 continue
             except ssl.SSLWantReadError:
-                await self._ready(deadline)
+                with while_blocked():
+                    await self._ready(deadline)
                 continue
             except ssl.SSLError as exc:
                 raise Closed() from exc

@@ -306,11 +306,13 @@ class DataPlaneServer:
                 return region.view[offset : offset + nbytes]
         heads: list[bytes] = []  # heads of layer-major parts already in the client's memory, sent a layer at a time
         layer = request.layer_begin
-        with self.store.gets_in_flight:  # promotion waits while any Get is served
+        # promotion waits while any Get is served and not waiting for its client to take bytes
+        send = functools.partial(connection.send, while_blocked=self.store.gets_in_flight.waiting_on_client)
+        with self.store.gets_in_flight:
             async for head, payload in get_parts(self.store, request, target, scope):
                 in_region = region is not None and isinstance(payload, memoryview) and payload.obj is region.mapping
                 if heads and (not in_region or head.layer_begin != layer):
-                    await connection.send(b"".join(heads))
+                    await send(b"".join(heads))
                     heads.clear()
                 layer = head.layer_begin
                 if in_region:  # the bytes are already in the client's memory: only the head travels
@@ -321,13 +323,13 @@ class DataPlaneServer:
                                                      head.payload_bytes)[0]
                     heads.append(wire.frame(wire.PART, head.SerializeToString()))
                     if request.order != pb.LAYER_MAJOR:  # a whole block: checked by the client as later ones are read
-                        await connection.send(heads.pop())
+                        await send(heads.pop())
                     continue
-                await connection.send(wire.frame(wire.PART, head.SerializeToString()))
+                await send(wire.frame(wire.PART, head.SerializeToString()))
                 if payload is not None:
-                    await connection.send(payload)
+                    await send(payload)
             heads.append(wire.frame(wire.DONE))
-            await connection.send(b"".join(heads))
+            await send(b"".join(heads))
         self.metrics.rpc_latency.labels(method="data.Get").observe(time.perf_counter() - started)
 
     @staticmethod

@@ -12,13 +12,23 @@ evicting entries that no reader pins and that are not themselves unread prefetch
 make room it refuses. `hold` flags an entry already here the same way. A plain put (a read, a Put)
 passes unread prefetches over while anything else can go, so that ordinary traffic does not push them
 out before the read they were brought in for.
-How each prefetched entry ended, read ("used") or evicted or discarded unread ("wasted"), is told to
-`on_prefetch_end`.
+
+The budget is shared fairly between the tenants (the owners) of the prefetched blocks: with n tenants
+holding unread prefetches, counting the one asking, each may hold at most prefetch_bytes / n. A tenant
+within its share is never refused for the budget: where the budget is spent, the oldest unread prefetches
+of tenants past their share stop being held ("reclaimed"). A prefetch unread for `prefetch_max_age_s`
+stops being held too ("aged"), so what a tenant never reads cannot keep its share forever. Either way the
+entry stays in the tier as a plain one, which a later put may evict.
+How each prefetched entry ended, read ("used"), evicted or discarded unread ("wasted"), or no longer held
+("aged", "reclaimed"), is told to `on_prefetch_end`.
 """
 
 from __future__ import annotations
 
+import math
 import mmap
+import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -30,19 +40,23 @@ from kvstore.record import RecordBytes
 FREE_BUFFERS_PER_SIZE = 8
 FREE_BYTES_FLOOR = 64 * 2**20  # free buffers kept at most: this, or a quarter of the tier if that is more
 Recyclable = bytearray | mmap.mmap  # a payload buffer the tier hands to the next put or read of its size
-PrefetchEnd = Literal["used", "wasted"]
-# Why put_prefetched did not keep a record: the key is held already, the prefetch budget is spent, or no
-# room can be made without evicting a pinned entry or another unread prefetch.
-PrefetchRefusal = Literal["in_dram", "budget", "no_room"]
+PrefetchEnd = Literal["used", "wasted", "aged", "reclaimed"]
+# Why put_prefetched did not keep a record: the key is held already, the prefetch budget is spent (by this
+# owner alone), this owner's share of it is spent (other owners hold unread prefetches too), or no room can
+# be made without evicting a pinned entry or another unread prefetch.
+PrefetchRefusal = Literal["in_dram", "budget", "tenant_share", "no_room"]
 
 
 @dataclass(eq=False, slots=True)
 class HotEntry:
     header: bytes
     payload: RecordBytes
+    key: bytes = b""
     pins: int = 0
     evicted: bool = False
-    prefetched: bool = False  # put by put_prefetched and not read since
+    prefetched: bool = False  # put by put_prefetched (or flagged by hold) and not read since
+    owner: int = 0  # while prefetched: the tenant whose share it counts against
+    prefetched_at: float = 0.0  # while prefetched: when it was flagged, in the tier's clock
 
     @property
     def size(self) -> int:
@@ -56,9 +70,12 @@ class HotEntry:
 
 class HotTier:
     def __init__(self, capacity_bytes: int, policy: EvictionPolicy | None = None, prefetch_bytes: int = 0,
-                 on_prefetch_end: Callable[[PrefetchEnd, int], None] | None = None) -> None:
+                 on_prefetch_end: Callable[[PrefetchEnd, int], None] | None = None,
+                 prefetch_max_age_s: float = math.inf, clock: Callable[[], float] = time.monotonic) -> None:
         self.capacity_bytes = capacity_bytes
         self.prefetch_bytes = prefetch_bytes  # the most bytes of unread prefetched entries at a time; 0: none
+        self.prefetch_max_age_s = prefetch_max_age_s
+        self.clock = clock
         self._on_prefetch_end = on_prefetch_end
         self._policy = policy or LRU()
         self._entries: dict[bytes, HotEntry] = {}
@@ -66,6 +83,8 @@ class HotTier:
         self._free_bytes = 0
         self._free_limit = max(FREE_BYTES_FLOOR, capacity_bytes // 4)
         self.prefetched_bytes = 0  # bytes of entries put by put_prefetched and not read yet
+        self._unread: OrderedDict[bytes, HotEntry] = OrderedDict()  # the prefetched entries, oldest first
+        self._unread_by_owner: dict[int, int] = {}  # owner -> bytes of its prefetched entries
         self._held_bytes = 0  # bytes of the entries in the tier that are `held`
 
     def __contains__(self, key: object) -> bool:
@@ -118,7 +137,7 @@ class HotTier:
         if old is not None:
             self._drop(old)
         payload = faults.damaged("hot_tier.put", payload)  # the tests' memory gone bad; off: a dictionary miss
-        self._entries[key] = HotEntry(header, payload)
+        self._entries[key] = HotEntry(header, payload, key)
         self._policy.insert(key, size)
         # Unread prefetches are passed over: they were brought in (or held) for a read known to be coming,
         # and ordinary traffic would otherwise push them out before it. They are at most prefetch_bytes;
@@ -146,39 +165,45 @@ class HotTier:
 
     # -- prefetched entries (promotion.py) ------------------------------------------------------------
 
-    def hold(self, key: bytes) -> bool:
-        """Flag an entry already here as a prefetch until its next read (a read known to be coming), within
-        the prefetch budget; whether it is flagged now."""
+    def hold(self, key: bytes, owner: int = 0) -> bool:
+        """Flag an entry already here as a prefetch of `owner` until its next read (a read known to be coming),
+        within the prefetch budget and the owner's share; whether it is flagged now."""
+        self.release_aged()
         entry = self._entries.get(key)
         if entry is None or entry.prefetched:
             return entry is not None
-        if self.prefetched_bytes + entry.size > self.prefetch_bytes:
+        if self._budget_refusal(entry.size, owner) is not None:
             return False
+        self._reclaim(entry.size, owner)
         was_held = entry.held
-        entry.prefetched = True
-        self.prefetched_bytes += entry.size
+        self._flag(entry, owner)
         self._held_changed(entry, was_held)
         return True
 
-    def prefetch_refusal(self, key: bytes, size: int) -> PrefetchRefusal | None:
-        """Why put_prefetched would refuse a record of `size` bytes for `key` now; None if it would keep it."""
+    def prefetch_refusal(self, key: bytes, size: int, owner: int = 0) -> PrefetchRefusal | None:
+        """Why put_prefetched would refuse a record of `size` bytes for `key` of `owner` now; None if it would
+        keep it."""
+        self.release_aged()
         if key in self._entries:
             return "in_dram"
-        if self.prefetched_bytes + size > self.prefetch_bytes:
-            return "budget"
+        refusal = self._budget_refusal(size, owner)
+        if refusal is not None:
+            return refusal
         if size > self.capacity_bytes - self._held_bytes:  # what evicting every entry not held would leave
             return "no_room"
         return None
 
-    def put_prefetched(self, key: bytes, header: bytes, payload: RecordBytes) -> PrefetchRefusal | None:
-        """Keep a record nobody has asked for yet, flagged until its first read; None once kept, else why
-        not. Room is made by evicting only entries that are not `held`; the tier takes `payload` either way
-        (a refused buffer is recycled)."""
+    def put_prefetched(self, key: bytes, header: bytes, payload: RecordBytes,
+                       owner: int = 0) -> PrefetchRefusal | None:
+        """Keep a record of `owner` nobody has asked for yet, flagged until its first read; None once kept,
+        else why not. Room is made by evicting only entries that are not `held`; the tier takes `payload`
+        either way (a refused buffer is recycled)."""
         size = len(header) + len(payload)
-        refusal = self.prefetch_refusal(key, size)
+        refusal = self.prefetch_refusal(key, size, owner)
         if refusal is not None:
             self._recycle(payload)
             return refusal
+        self._reclaim(size, owner)
         needed = self._policy.tracked_bytes + size - self.capacity_bytes
         passed_over: list[tuple[bytes, int]] = []
         try:
@@ -197,15 +222,75 @@ class HotTier:
         finally:
             for held_key, held_size in passed_over:  # they stay, as the most recent (HostTier does the same)
                 self._policy.insert(held_key, held_size)
-        self._entries[key] = HotEntry(header, payload, prefetched=True)
+        entry = HotEntry(header, payload, key)
+        self._entries[key] = entry
         self._policy.insert(key, size)
-        self.prefetched_bytes += size
+        self._flag(entry, owner)
         self._held_bytes += size
         return None
+
+    def release_aged(self) -> None:
+        """Stop holding the prefetches unread for `prefetch_max_age_s` or longer."""
+        oldest_kept = self.clock() - self.prefetch_max_age_s
+        while self._unread:
+            entry = next(iter(self._unread.values()))
+            if entry.prefetched_at > oldest_kept:
+                break
+            self._release(entry, "aged")
+
+    def share(self, owner: int) -> int:
+        """The most bytes of unread prefetches `owner` may hold now: an equal part of the budget for each owner
+        holding some, counting `owner`."""
+        owners = len(self._unread_by_owner) + (owner not in self._unread_by_owner)
+        return self.prefetch_bytes // owners
+
+    def unread_bytes_of(self, owner: int) -> int:
+        return self._unread_by_owner.get(owner, 0)
+
+    def _budget_refusal(self, size: int, owner: int) -> PrefetchRefusal | None:
+        """Whether `size` more bytes of `owner` are past its share (then nothing is reclaimed for them). Within
+        it they always fit once other owners past theirs are reclaimed (`_reclaim`)."""
+        if self.unread_bytes_of(owner) + size <= self.share(owner):
+            return None
+        return "budget" if self.share(owner) == self.prefetch_bytes else "tenant_share"
+
+    def _reclaim(self, size: int, owner: int) -> None:
+        """Make room in the budget for `size` bytes of `owner` (within its share): the oldest prefetches of
+        other owners past their share stop being held, until it fits."""
+        needed = self.prefetched_bytes + size - self.prefetch_bytes
+        if needed <= 0:
+            return
+        share = self.share(owner)
+        for entry in list(self._unread.values()):
+            if needed <= 0:
+                break
+            if entry.owner != owner and self.unread_bytes_of(entry.owner) > share:
+                needed -= entry.size
+                self._release(entry, "reclaimed")
+
+    def _flag(self, entry: HotEntry, owner: int) -> None:
+        entry.prefetched = True
+        entry.owner = owner
+        entry.prefetched_at = self.clock()
+        self.prefetched_bytes += entry.size
+        self._unread[entry.key] = entry
+        self._unread_by_owner[owner] = self.unread_bytes_of(owner) + entry.size
+
+    def _release(self, entry: HotEntry, how: PrefetchEnd) -> None:
+        """An unread prefetch stops being held; it stays in the tier as a plain entry."""
+        was_held = entry.held
+        self._end_prefetch(entry, how)
+        self._held_changed(entry, was_held)
 
     def _end_prefetch(self, entry: HotEntry, how: PrefetchEnd) -> None:
         entry.prefetched = False
         self.prefetched_bytes -= entry.size
+        del self._unread[entry.key]
+        left = self._unread_by_owner[entry.owner] - entry.size
+        if left:
+            self._unread_by_owner[entry.owner] = left
+        else:
+            del self._unread_by_owner[entry.owner]
         if self._on_prefetch_end is not None:
             self._on_prefetch_end(how, entry.size)
 

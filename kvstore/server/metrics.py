@@ -10,6 +10,9 @@ from kvstore.stats import Sample
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 
 
+RELEASE_CAUSES = {"aged": "age", "reclaimed": "share"}  # HotTier's PrefetchEnd -> kvstore_promotion_released cause
+
+
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
@@ -42,12 +45,19 @@ class Metrics:
         self.promoted_used_bytes = Counter("kvstore_promoted_used_bytes", "Record bytes of promoted blocks read",
                                            registry=r)
         self.promoted_wasted = Counter("kvstore_promoted_wasted_blocks", "Promoted blocks evicted or discarded from "
-                                       "the DRAM tier before any read", registry=r)
+                                       "the DRAM tier, or no longer held for a read, before any read", registry=r)
         self.promoted_wasted_bytes = Counter("kvstore_promoted_wasted_bytes", "Record bytes of promoted blocks "
-                                             "that left the DRAM tier unread", registry=r)
+                                             "that left the DRAM tier, or stopped being held, unread", registry=r)
+        self.promotion_released = Counter("kvstore_promotion_released_blocks", "Unread promoted blocks no longer "
+                                          "held for their read (left in the DRAM tier as plain entries; counted "
+                                          "wasted too), by cause: age (unread for promote_max_age_s) or share "
+                                          "(their tenant past its share while another's promotion needed room)",
+                                          ["cause"], registry=r)
         self.promotion_dropped = Counter("kvstore_promotion_dropped_blocks", "Blocks asked for promotion and not "
                                          "promoted, by cause: queue_full, budget (promote_bytes of unread promoted "
-                                         "blocks held), no_room (only pinned or unread promoted blocks to evict), "
+                                         "blocks held), tenant_share (the block's tenant holds its share of "
+                                         "promote_bytes, other tenants holding theirs), no_room (only pinned or "
+                                         "unread promoted blocks to evict), "
                                          "gone (deleted, evicted or expired), unreadable (failed verification or "
                                          "an I/O error)", ["cause"], registry=r)
         self.promotion_in_dram = Counter("kvstore_promotion_in_dram_blocks", "Blocks asked for promotion that were "
@@ -58,12 +68,19 @@ class Metrics:
         self.promoted_unread_bytes = Gauge("kvstore_promoted_unread_bytes", "Bytes of promoted blocks in the DRAM "
                                            "tier not read yet (at most promote_bytes)", registry=r)
         self.gets_in_flight = Gauge("kvstore_gets_in_flight", "Gets being served, both transports (promotion "
-                                    "waits for none)", registry=r)
+                                    "waits until all of them are waiting on their clients)", registry=r)
+        self.gets_waiting_on_client = Gauge("kvstore_gets_waiting_on_client", "Gets being served that wait for "
+                                            "their client to take bytes (promotion does not wait for them)",
+                                            registry=r)
         # Checks of the daemon's own copies: a client's report (Verify) and the scrub (scrub.py)
         self.verified_blocks = Counter("kvstore_verified_blocks", "Held blocks checked again because a client "
                                        "found their bytes corrupt (Verify)", registry=r)
         self.verify_corrupt = Counter("kvstore_verify_corrupt", "Corrupt copies Verify found and dropped, by copy: "
                                       "dram (discarded from the DRAM tier) or ssd (the block removed)", ["copy"],
+                                      registry=r)
+        self.verify_skipped = Counter("kvstore_verify_skipped", "Keys a Verify named and did not check, by reason: "
+                                      "rate (the caller's verify_bytes_per_s spent) or recent (checked within "
+                                      "verify_recheck_s, not moved since: answered from that check)", ["reason"],
                                       registry=r)
         self.scrub_bytes = Counter("kvstore_scrub_bytes", "Record bytes the scrub read back and checked", registry=r)
         self.scrub_corrupt = Counter("kvstore_scrub_corrupt", "Corrupt blocks the scrub found and removed",
@@ -90,13 +107,16 @@ class Metrics:
                                   registry=r)
 
     def prefetch_ended(self, how: str, nbytes: int) -> None:
-        """A promoted block left the DRAM tier's unread state (HotTier's on_prefetch_end): "used" or "wasted"."""
+        """A promoted block left the DRAM tier's unread state (HotTier's on_prefetch_end): "used", or else wasted:
+        "wasted" (evicted or discarded), "aged" or "reclaimed" (no longer held, left in the tier)."""
         if how == "used":
             self.promoted_used.inc()
             self.promoted_used_bytes.inc(nbytes)
-        else:
-            self.promoted_wasted.inc()
-            self.promoted_wasted_bytes.inc(nbytes)
+            return
+        self.promoted_wasted.inc()
+        self.promoted_wasted_bytes.inc(nbytes)
+        if how in RELEASE_CAUSES:
+            self.promotion_released.labels(cause=RELEASE_CAUSES[how]).inc()
 
     def samples(self) -> list[Sample]:
         """Every sample, labels as they are (histogram buckets and creation times left out)."""

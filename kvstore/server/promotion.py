@@ -10,11 +10,18 @@ is (block_reader.py), and keeps it in the DRAM tier flagged as prefetched until 
 already in the DRAM tier is flagged there (`HotTier.hold`), within the same budget: plain traffic passes
 flagged entries over, so the read they are kept for still finds them.
 
-* Reads come first: the worker starts a block only while no Get is being served (`GetsInFlight`,
-  counted around every Get on both transports) and otherwise waits on an event, never on a timer.
+* Reads come first: the worker starts a block only while no Get is making progress (`GetsInFlight`,
+  counted around every Get on both transports) and otherwise waits on an event, never on a timer. A Get
+  waiting for its client to take bytes (the data channel's socket full, a gRPC write not yet taken) is not
+  making progress: it reads nothing meanwhile, and one client that opens a Get and never reads it would
+  otherwise stop everyone's promotions. While every Get waits on its client the worker may start one
+  block; a Get that goes on meets at most that one read.
 * Bounded: the queue holds at most `promote_queue_keys` keys (more are dropped); the DRAM tier holds at
   most `promote_bytes` of promoted blocks not read yet, and a promotion evicts only entries no reader
   pins and that are not unread promotions themselves, or is refused (HotTier.put_prefetched).
+* Shared: each tenant (the block's) holding unread promotions may hold an equal part of `promote_bytes`,
+  and a promotion unread for `promote_max_age_s` stops being held (HotTier), so one caller promoting its
+  own blocks and never reading them cannot keep everyone else's out.
 * Cancellable: Advise(continues=False) and Delete take their keys out of the queue.
 * Counted (metrics.py): promoted blocks and bytes by reason, used (read while flagged) and wasted (left
   the tier unread), dropped by cause, already in the DRAM tier, cancelled.
@@ -25,7 +32,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Literal, Protocol
 
 from prometheus_client import Gauge
@@ -40,31 +48,61 @@ Reason = Literal["advice", "lookup"]
 
 
 class GetsInFlight:
-    """The Gets being served now; `with gets:` around serving one. Promotion waits until there are none."""
+    """The Gets being served now: `with gets:` around serving one, and `with gets.waiting_on_client():` around
+    each wait for its client to take bytes. Promotion waits until no Get is making progress: a Get waiting on
+    its client reads nothing meanwhile, and a client that never reads must not hold everyone's promotions
+    back for as long as it keeps its Get open."""
 
-    def __init__(self, gauge: Gauge | None = None) -> None:
-        self.count = 0
+    def __init__(self, gauge: Gauge | None = None, waiting_gauge: Gauge | None = None) -> None:
+        self.count = 0  # Gets being served
+        self.waiting = 0  # of those, Gets waiting for their client to take bytes
         self._gauge = gauge
-        self._none = asyncio.Event()
+        self._waiting_gauge = waiting_gauge
+        self._none = asyncio.Event()  # set while no Get is making progress
         self._none.set()
+
+    @property
+    def progressing(self) -> int:
+        """Gets being served and not waiting on their client."""
+        return self.count - self.waiting
 
     def __enter__(self) -> GetsInFlight:
         self.count += 1
-        self._none.clear()
         if self._gauge is not None:
             self._gauge.inc()
+        self._changed()
         return self
 
     def __exit__(self, *exc) -> None:
         self.count -= 1
         if self._gauge is not None:
             self._gauge.dec()
-        if self.count == 0:
+        self._changed()
+
+    @contextmanager
+    def waiting_on_client(self) -> Iterator[None]:
+        """Around a wait of a Get being served for its client to take bytes (a full socket or HTTP/2 window)."""
+        self.waiting += 1
+        if self._waiting_gauge is not None:
+            self._waiting_gauge.inc()
+        self._changed()
+        try:
+            yield
+        finally:
+            self.waiting -= 1
+            if self._waiting_gauge is not None:
+                self._waiting_gauge.dec()
+            self._changed()
+
+    def _changed(self) -> None:
+        if self.progressing:
+            self._none.clear()
+        else:
             self._none.set()
 
     async def none(self) -> None:
-        """Return once no Get is being served (at once if none is)."""
-        while self.count:  # a Get may start again between the event and this task running
+        """Return once no Get is making progress (at once if none is)."""
+        while self.progressing:  # a Get may go on again between the event and this task running
             await self._none.wait()
 
 
@@ -73,6 +111,10 @@ class PromotionSource(Protocol):
 
     def record_bytes(self, key: bytes) -> int | None:
         """The size of the indexed record of `key`; None if it is gone or expired."""
+        ...
+
+    def tenant_of(self, key: bytes) -> int:
+        """The tenant (index id) whose share of the promotion budget a promotion of `key` counts against."""
         ...
 
     async def read_for_promotion(self, key: bytes) -> tuple[bytes, RecordBytes] | Literal["gone", "unreadable"]:
@@ -112,7 +154,7 @@ class Promoter:
             if key in self._queue:
                 continue
             if key in self._hot:  # held there until read instead, within the budget
-                self._hot.hold(key)
+                self._hot.hold(key, self._source.tenant_of(key))
                 self._metrics.promotion_in_dram.inc()
             elif len(self._queue) >= self._queue_keys:
                 self._metrics.promotion_dropped.labels(cause="queue_full").inc()
@@ -152,15 +194,16 @@ class Promoter:
         size = self._source.record_bytes(key)
         if size is None:
             return self._dropped("gone")
-        refusal = self._hot.prefetch_refusal(key, size)  # checked before the read, which may be for nothing
+        owner = self._source.tenant_of(key)
+        refusal = self._hot.prefetch_refusal(key, size, owner)  # checked before the read, which may be for nothing
         if refusal is None:
             record = await self._source.read_for_promotion(key)
             if isinstance(record, str):
                 return self._dropped(record)
             header, payload = record
-            refusal = self._hot.put_prefetched(key, header, payload)  # Gets or deletes ran during the read
+            refusal = self._hot.put_prefetched(key, header, payload, owner)  # Gets or deletes ran during the read
         if refusal == "in_dram":
-            self._hot.hold(key)
+            self._hot.hold(key, owner)
             self._metrics.promotion_in_dram.inc()
             return False
         if refusal is not None:

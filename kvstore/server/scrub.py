@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from kvstore.server.block_reader import CopyCheck
 from kvstore.server.index import Entry
+from kvstore.server.pace import TokenBucket
 
 if TYPE_CHECKING:
     from kvstore.server.config import ServerConfig
@@ -48,7 +49,7 @@ class Scrubber:
         self.pause_s = config.scrub_pause_s
         self.metrics = metrics
         self.clock = clock
-        self._next_read = 0.0  # when the next record may be read, to keep the pace
+        self._pace: TokenBucket | None = None  # set per pass; saves nothing up, so a pass never bursts
 
     async def run(self) -> None:
         """Background loop: rest, a pass, rest, a pass...; never raises but CancelledError. Returns at once
@@ -65,7 +66,7 @@ class Scrubber:
     async def scrub_pass(self) -> None:
         """Check every record the index points at, once, at the configured pace."""
         start = b""
-        self._next_read = self.clock()
+        self._pace = TokenBucket(self.bytes_per_s, burst=0, clock=self.clock)
         while batch := await self.store.index_batch(start, BATCH_KEYS):
             start = batch[-1][0] + b"\0"  # the least key after the batch's last
             for key, entry in sorted(batch, key=lambda item: (item[1].segment, item[1].offset)):
@@ -81,11 +82,13 @@ class Scrubber:
         self.metrics.scrub_passes.inc()
 
     async def _keep_pace(self) -> None:
-        delay = self._next_read - self.clock()
+        assert self._pace is not None
+        delay = self._pace.wait_s()
         if delay > 0:
             await asyncio.sleep(delay)
 
     def _spent(self, nbytes: int) -> None:
         """`nbytes` were read: the next read waits the time they take at `bytes_per_s`. Time spent idle
         earlier is not saved up for a burst."""
-        self._next_read = max(self._next_read, self.clock()) + nbytes / self.bytes_per_s
+        assert self._pace is not None
+        self._pace.spend(nbytes)

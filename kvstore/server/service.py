@@ -93,7 +93,7 @@ class KVStoreService:
 
     async def verify(self, request: pb.KeysRequest, context) -> pb.CountResponse:
         check_keys(request.keys, self.config)
-        return pb.CountResponse(count=await self.store.verify(request.keys, self.caller_scope()))
+        return pb.CountResponse(count=await self.store.verify(request.keys, self.caller_scope(), grpc_caller(context)))
 
     async def stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
         self.store.refresh_gauges()
@@ -114,7 +114,7 @@ class KVStoreService:
             raise RequestError("shared-memory regions are only served on the data channel")
         who = grpc_caller(context)
         scope = self.caller_scope()
-        with self.store.gets_in_flight:  # promotion waits while any Get is served
+        with self.store.gets_in_flight:  # promotion waits while any Get is served and not waiting on its client
             async for head, payload in get_parts(self.store, request, scope=scope):
                 await self._send(context, head.SerializeToString())
                 if payload is not None:
@@ -126,16 +126,22 @@ class KVStoreService:
         Until then gRPC holds it twice: the bytes object its API takes and its core's own copy. A payload
         larger than a principal's share takes the whole share."""
         charge = min(2 * len(payload), self.send_budget.per_principal)
-        await self.send_budget.acquire(charge, who, self.config.rpc_stream_timeout_s)
+        with self.store.gets_in_flight.waiting_on_client():  # for bytes of Gets that clients have not taken
+            await self.send_budget.acquire(charge, who, self.config.rpc_stream_timeout_s)
         try:
             await self._send(context, payload if isinstance(payload, bytes) else bytes(payload))
         finally:
             await self.send_budget.release(charge, who)
 
     async def _send(self, context, message: bytes) -> None:
-        """Hand `message` to gRPC; StalledReader if the client takes nothing for `rpc_stream_timeout_s`."""
+        """Hand `message` to gRPC; StalledReader if the client takes nothing for `rpc_stream_timeout_s`.
+
+        gRPC does not tell whether a write waits for the client's HTTP/2 window, so every write counts as
+        waiting on the client (GetsInFlight); one the transport takes at once ends within a round of its
+        completion queue."""
         try:
-            await asyncio.wait_for(context.write(message), self.config.rpc_stream_timeout_s)
+            with self.store.gets_in_flight.waiting_on_client():
+                await asyncio.wait_for(context.write(message), self.config.rpc_stream_timeout_s)
         except TimeoutError:
             raise StalledReader() from None
 

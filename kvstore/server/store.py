@@ -55,6 +55,7 @@ from kvstore.server.promotion import GetsInFlight, Promoter
 from kvstore.server.recovery import open_index, reconcile, replace_damaged, set_aside
 from kvstore.server.retention import Places, Retention, SegmentRecord
 from kvstore.server.segments import Placement, Segment, SegmentSet
+from kvstore.server.verify_meter import VerifyMeter
 
 log = logging.getLogger(__name__)
 # Evict once the LMDB map is this full at its maximum size: deleting needs free pages as well.
@@ -86,9 +87,12 @@ class BlockStore:
         self.clock = clock
         self.policy = policy or make_policy(config.eviction_policy, config.capacity_bytes)
         self.hot = HotTier(config.hot_tier_bytes, prefetch_bytes=config.promote_budget_bytes,
-                           on_prefetch_end=self.metrics.prefetch_ended)
-        self.gets_in_flight = GetsInFlight(self.metrics.gets_in_flight)  # the transports count each Get they serve
+                           on_prefetch_end=self.metrics.prefetch_ended,
+                           prefetch_max_age_s=config.promote_max_age_s, clock=clock)
+        self.gets_in_flight = GetsInFlight(self.metrics.gets_in_flight,  # the transports count each Get they serve
+                                           self.metrics.gets_waiting_on_client)
         self.promoter = Promoter(self, self.hot, self.gets_in_flight, self.metrics, config.promote_queue_keys)
+        self.verify_meter = VerifyMeter(config.verify_bytes_per_s, config.verify_recheck_s, clock)
         self.hot_keys = HotKeys(config.hot_reads, config.hot_window_s) if config.hot_replicas > 1 else None
         self.names = Names(config)
         self.access = AccessTimes(self.policy, self.names.ttl_ms)
@@ -508,6 +512,10 @@ class BlockStore:
         entry = self._live_entry(key)
         return None if entry is None else entry.record_len
 
+    def tenant_of(self, key: bytes) -> int:
+        entry = self.index.get(key)
+        return 0 if entry is None else entry.tenant_id
+
     async def read_for_promotion(self, key: bytes) -> tuple[bytes, RecordBytes] | Literal["gone", "unreadable"]:
         entry = self._live_entry(key)
         if entry is None:
@@ -600,10 +608,11 @@ class BlockStore:
 
     # -- for Verify and the scrub (scrub.Scrubbed) --------------------------------------------------
 
-    async def verify(self, keys: Sequence[bytes], scope: Scope = None) -> int:
+    async def verify(self, keys: Sequence[bytes], scope: Scope = None, who: str = "") -> int:
         """Check again the copies of blocks a client found corrupt, in memory no client can write: the DRAM
         tier's (a corrupt one is discarded from the tier) and the segment file's (a corrupt one drops the
-        block, as a Get's read does). Keys of tenants outside `scope`, and absent ones, are passed over.
+        block, as a Get's read does). Keys of tenants outside `scope`, and absent ones, are passed over, as
+        are keys past the budget of the principal `who` or checked recently (verify_meter.py, counted).
         How many of the blocks had a corrupt copy.
 
         A client's report proves nothing by itself (its own memory may have changed, or it may lie): only
@@ -613,13 +622,20 @@ class BlockStore:
             entry = self.index.get(key)
             if entry is None:
                 continue
+            skipped = self.verify_meter.skip_reason(who, key, entry)
+            if skipped is not None:
+                self.metrics.verify_skipped.labels(reason=skipped).inc()
+                continue
             self.metrics.verified_blocks.inc()
             checks = {"dram": await self._reader.check_dram_copy(key),
                       "ssd": await self._reader.check_segment_copy(key, entry)}
             for copy, outcome in checks.items():
                 if outcome == "corrupt":
                     self.metrics.verify_corrupt.labels(copy=copy).inc()
-            found += "corrupt" in checks.values()
+            if "corrupt" in checks.values():
+                found += 1
+            elif checks["ssd"] == "good":  # not an I/O error, which says nothing of the bytes
+                self.verify_meter.checked_good(key, entry)
         return found
 
     async def index_batch(self, start: bytes, limit: int) -> list[tuple[bytes, Entry]]:
@@ -645,6 +661,7 @@ class BlockStore:
         m.capacity_bytes.set(self.retention.limit())
         m.hot_bytes.set(self.hot.bytes)
         m.promotion_queued.set(len(self.promoter))
+        self.hot.release_aged()
         m.promoted_unread_bytes.set(self.hot.prefetched_bytes)
         if self.access_log is not None:
             m.access_log_dropped.set(self.access_log.dropped)

@@ -198,3 +198,35 @@ def test_verify_reaches_only_the_callers_tenants(daemons, tmp_path):
     with KVClient(ClientConfig((daemon.address,), token=TOKENS["bob"])) as client:
         assert client.present([block]) == [False]
 
+
+
+MALLORY = Namespace("verify", LAYOUT, block_tokens=16, salt="mallory")
+
+
+def test_one_principals_verify_loop_is_held_to_its_budget_and_anothers_report_is_still_checked(daemons, tmp_path):
+    # A rate of one byte a second: each principal's bucket allows one check, then none for hours; what is
+    # checked here is decided by the budget alone, never by how fast the test runs.
+    path = tmp_path / "tokens.toml"
+    path.write_text(token_entry("mallory", TOKENS["alice"], [MALLORY.tenant], ["read"])
+                    + token_entry("bob", TOKENS["bob"], [BOB.tenant], ["read"])
+                    + token_entry("writer", TOKENS["writer"], [MALLORY.tenant, BOB.tenant], ["write"])
+                    + token_entry("ops", TOKENS["ops"], None, ["admin"]))
+    daemon, = daemons(1, "--auth-tokens", str(path), "--hot-tier-bytes", "0", "--verify-bytes-per-s", "1",
+                      "--verify-recheck-s", "0")
+    own = MALLORY.blocks(range(8 * 16))
+    (reported,) = BOB.blocks(range(16))
+    with KVClient(ClientConfig((daemon.address,), token=TOKENS["writer"])) as client:
+        assert client.put([(block, bytes(MALLORY.block_bytes)) for block in own], LAYOUT.num_layers).stored == 8
+        assert client.put([(reported, bytes(BOB.block_bytes))], LAYOUT.num_layers).stored == 1
+    daemon.stop()
+    flip_payload(daemon, reported.key, layer=1)
+    daemon.start()
+
+    for _ in range(4):  # a read-only token naming its own good blocks in a loop
+        assert verify(daemon, [block.key for block in own], TOKENS["alice"]) == 0
+    assert verified_blocks(daemon) == 1, "one check's worth of budget, whatever the loop asked"
+    skipped = Stats.from_pb(call(daemon, "Stats", pb.StatsRequest(), pb.StatsResponse, TOKENS["ops"]))
+    assert skipped.value("kvstore_verify_skipped_total", reason="rate") == 31
+    assert verify(daemon, [reported.key], TOKENS["bob"]) == 1, "another principal's report is checked"
+    with KVClient(ClientConfig((daemon.address,), token=TOKENS["bob"])) as client:
+        assert client.present([reported]) == [False], "and the corrupt block dropped"

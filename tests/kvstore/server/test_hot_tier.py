@@ -127,3 +127,89 @@ def test_with_nothing_else_to_evict_plain_traffic_takes_the_oldest_unread_prefet
         assert tier.put_prefetched(key, b"h", bytearray(99)) is None
     tier.put(b"plain", b"h", b"y" * 99)
     assert b"a" not in tier and b"b" in tier and b"plain" in tier
+
+
+# -- the prefetch budget shared between tenants, and unread prefetches let go with age ---------------------------
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def prefetch(tier: HotTier, key: bytes, owner: int):
+    return tier.put_prefetched(key, b"h", bytearray(99), owner)  # 100 bytes a record
+
+
+def test_a_lone_tenant_may_use_the_whole_budget_and_a_second_one_takes_its_share_back():
+    ended: list[tuple[str, int]] = []
+    tier = HotTier(capacity_bytes=10_000, prefetch_bytes=400, on_prefetch_end=lambda how, n: ended.append((how, n)))
+    for key in (b"m1", b"m2", b"m3", b"m4"):
+        assert prefetch(tier, key, owner=1) is None
+    assert prefetch(tier, b"m5", owner=1) == "budget", "alone, a tenant may fill the budget, not more"
+
+    assert prefetch(tier, b"v1", owner=2) is None, "another tenant's first promotion is never shut out"
+    assert ended == [("reclaimed", 100)], "the first tenant's oldest, past its half, stops being held"
+    assert b"m1" in tier and not tier._entries[b"m1"].prefetched, "it stays in the tier as a plain entry"
+    assert prefetch(tier, b"v2", owner=2) is None
+    assert ended == [("reclaimed", 100)] * 2
+    assert (tier.unread_bytes_of(1), tier.unread_bytes_of(2), tier.prefetched_bytes) == (200, 200, 400)
+    assert prefetch(tier, b"v3", owner=2) == "tenant_share"
+    assert prefetch(tier, b"m5", owner=1) == "tenant_share"
+
+    tier.unpin(tier.pin(b"v1"))  # a read: the second tenant holds less, and both share the room it left
+    assert prefetch(tier, b"m5", owner=1) == "tenant_share", "the first is at its share still"
+    assert prefetch(tier, b"v3", owner=2) is None
+
+
+def test_a_tenant_holding_a_held_entry_counts_it_against_its_share():
+    tier = HotTier(capacity_bytes=10_000, prefetch_bytes=200)
+    tier.put(b"plain", b"h", bytearray(99))
+    assert prefetch(tier, b"m1", owner=1) is None and prefetch(tier, b"m2", owner=1) is None
+    assert tier.hold(b"plain", owner=2), "within the second tenant's share: the first's oldest is let go"
+    assert tier.unread_bytes_of(1) == 100 and tier.unread_bytes_of(2) == 100
+    assert not tier._entries[b"m1"].prefetched and tier._entries[b"m2"].prefetched
+
+
+def test_an_unread_prefetch_stops_being_held_at_the_age_limit():
+    clock = Clock()
+    ended: list[tuple[str, int]] = []
+    tier = HotTier(capacity_bytes=10_000, prefetch_bytes=200, prefetch_max_age_s=60, clock=clock,
+                   on_prefetch_end=lambda how, n: ended.append((how, n)))
+    assert prefetch(tier, b"a", owner=1) is None
+    clock.now += 30
+    assert prefetch(tier, b"b", owner=1) is None
+    clock.now += 29.5
+    assert prefetch(tier, b"c", owner=1) == "budget", "younger than the limit: still held"
+    clock.now += 0.5
+    assert prefetch(tier, b"c", owner=1) is None, "the oldest one's budget is free at the limit"
+    assert ended == [("aged", 100)] and b"a" in tier and not tier._entries[b"a"].prefetched
+    clock.now += 30
+    tier.release_aged()
+    assert ended == [("aged", 100)] * 2 and tier.prefetched_bytes == 100
+    tier.unpin(tier.pin(b"a"))  # a read of a block let go is not a promotion used
+    assert ended == [("aged", 100)] * 2
+
+
+def test_room_is_taken_back_only_from_tenants_past_their_share_oldest_first():
+    tier = HotTier(capacity_bytes=10_000, prefetch_bytes=400)
+    assert prefetch(tier, b"b", owner=2) is None  # the oldest, and its tenant ends exactly at its share
+    assert prefetch(tier, b"e", owner=3) is None and prefetch(tier, b"f", owner=3) is None  # two of four
+    assert prefetch(tier, b"g", owner=4) is None
+    assert tier.prefetched_bytes == 400
+    assert prefetch(tier, b"x", owner=1) is None  # four tenants: 100 each
+    assert [key for key, entry in tier._entries.items() if entry.prefetched] == [b"b", b"f", b"g", b"x"]
+
+
+def test_a_prefetch_let_go_leaves_room_a_later_one_may_evict():
+    clock = Clock()
+    tier = HotTier(capacity_bytes=300, prefetch_bytes=300, prefetch_max_age_s=60, clock=clock)
+    for key in (b"a", b"b", b"c"):
+        assert prefetch(tier, key, owner=1) is None
+    assert prefetch(tier, b"d", owner=1) == "budget"
+    clock.now += 60
+    assert prefetch(tier, b"d", owner=1) is None, "the aged ones are plain entries, evicted for it"
+    assert b"a" not in tier and len(tier) == 3

@@ -2,8 +2,8 @@
 
 In-process stores (conftest.py) hold the worker where a test needs it to wait: a Get in flight is
 `with store.gets_in_flight:`, as the transports count theirs. Real daemons check the rest end to end:
-Advise and Lookup over gRPC, the next Get's tier, and Gets held open on either transport holding promotion
-back. The only clocks are hang guards: every wait is for a condition.
+Advise and Lookup over gRPC, the next Get's tier, and a Get whose client never reads, on either transport,
+not holding promotion back. The only clocks are hang guards: every wait is for a condition.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import ssl
 import struct
 
 import grpc
@@ -18,11 +19,12 @@ import pytest
 
 from kvstore import wire
 from kvstore.block import KVLayout, Namespace
-from kvstore.client import KVClient
+from kvstore.client import ClientConfig, KVClient
 from kvstore.proto import method, pb
 from kvstore.record import build_record
 from kvstore.server.block_reader import OpenBlock
 from kvstore.stats import Stats
+from tests.pki import make_pki
 from tests.waiting import wait_for, wait_for_async
 
 from .conftest import put_all, records
@@ -127,6 +129,26 @@ async def test_a_get_in_flight_holds_promotion_and_advice_that_ended_or_a_delete
 
 
 @pytest.mark.unit
+async def test_a_get_waiting_on_its_client_does_not_hold_promotion_back_and_one_making_progress_does(promoting):
+    store = await promoting()
+    keys = await on_ssd_only(store, records(4))
+    gets = store.gets_in_flight
+    with gets:  # a Get whose client has stopped reading
+        with gets.waiting_on_client():
+            with gets:  # and another, making progress
+                store.advise(keys[:2], continues=True)
+                await let_others_run()
+                assert metric(store, "kvstore_promoted_blocks_total") == 0
+            await wait_for_async(lambda: metric(store, "kvstore_promoted_blocks_total") == 2,
+                                 "promotion while the only Get waits on its client")
+        store.advise(keys[2:], continues=True)  # its client reads again: the Get goes on
+        await let_others_run()
+        assert metric(store, "kvstore_promoted_blocks_total") == 2
+    await wait_for_async(lambda: metric(store, "kvstore_promoted_blocks_total") == 4, "promotion once it ended")
+    assert (gets.count, gets.waiting) == (0, 0)
+
+
+@pytest.mark.unit
 async def test_lookup_with_promote_promotes_the_hit_prefix(promoting):
     store = await promoting()
     keys = await on_ssd_only(store, records(5))
@@ -154,6 +176,42 @@ async def test_past_the_queue_bound_keys_are_dropped_and_counted(promoting):
     with store.gets_in_flight:
         assert store.promoter.enqueue(keys, "advice") == 2
         assert metric(store, "kvstore_promotion_dropped_blocks_total", cause="queue_full") == 3
+
+
+def tenant_namespace(salt: str) -> Namespace:
+    return Namespace("promotion-test", KVLayout(num_layers=4, kv_heads=1, head_dim=16, dtype="float16"),
+                     block_tokens=8, salt=salt)
+
+
+@pytest.mark.unit
+async def test_one_tenants_unread_promotions_take_only_its_share_and_are_let_go_with_age(promoting, clock):
+    mallory_recs = records(6, seed=1, namespace=tenant_namespace("mallory"))
+    victim_recs = records(2, seed=2, namespace=tenant_namespace("victim"))
+    record_bytes = len(mallory_recs[0][1]) + len(mallory_recs[0][3])
+    store = await promoting(promote_bytes=4 * record_bytes, promote_max_age_s=60)
+    mallory = await on_ssd_only(store, mallory_recs)
+    victim = await on_ssd_only(store, victim_recs)
+
+    def settled() -> float:
+        return metric(store, "kvstore_promoted_blocks_total") + metric(store, "kvstore_promotion_dropped_blocks_total")
+
+    assert store.lookup(mallory, promote=True) == 6  # its own blocks, never to be read
+    await wait_for_async(lambda: settled() == 6, "the first tenant's promotions")
+    assert metric(store, "kvstore_promotion_dropped_blocks_total", cause="budget") == 2, "alone: the whole budget"
+    assert store.lookup(victim, promote=True) == 2
+    await wait_for_async(lambda: settled() == 8, "the second tenant's promotions")
+    assert metric(store, "kvstore_promoted_blocks_total") == 6, "the second tenant's are not dropped"
+    assert metric(store, "kvstore_promotion_released_blocks_total", cause="share") == 2
+    assert [await tier_of(store, key) for key in victim[:1]] == ["dram"]
+    store.refresh_gauges()
+    assert metric(store, "kvstore_promoted_unread_bytes") == 3 * record_bytes
+
+    clock.advance(60)  # nobody reads the rest: they stop being held
+    store.refresh_gauges()
+    assert metric(store, "kvstore_promoted_unread_bytes") == 0
+    assert metric(store, "kvstore_promotion_released_blocks_total", cause="age") == 3
+    assert metric(store, "kvstore_promoted_wasted_blocks_total") == 5 and metric(
+        store, "kvstore_promoted_used_blocks_total") == 1
 
 
 # -- real daemons ----------------------------------------------------------------------------------------------
@@ -213,7 +271,7 @@ class HeldGet:
     """A Get of one block read HELD_READS times whose answer is never taken, on gRPC or the data channel: the
     daemon serves it, blocked on flow control, until `release` ends it from this side."""
 
-    def __init__(self, daemon, key: bytes, transport: str) -> None:
+    def __init__(self, daemon, key: bytes, transport: str, tls: ssl.SSLContext | None = None) -> None:
         request = pb.GetRequest(keys=[key] * HELD_READS)
         self._stream = self._socket = self._channel = None
         if transport == "grpc":
@@ -224,6 +282,8 @@ class HeldGet:
         else:
             self._socket = socket.create_connection(("127.0.0.1", daemon.data_port), timeout=HANG_GUARD_S)
             self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close: reset
+            if tls is not None:
+                self._socket = tls.wrap_socket(self._socket, server_hostname="127.0.0.1")
             self._socket.sendall(wire.frame(wire.GET, request.SerializeToString()))
 
     def release(self) -> None:
@@ -235,7 +295,7 @@ class HeldGet:
 
 
 @pytest.mark.integration
-def test_a_get_in_flight_on_either_transport_holds_promotion_back_and_delete_cancels(daemons):
+def test_a_get_whose_client_never_reads_does_not_hold_promotion_back_on_either_transport(daemons):
     daemon, = daemons(1, "--rpc-stream-timeout-s", "60", "--data-frame-timeout-s", "60")
     big, = chain(BIG, 1, seed=3)
     chains = {"grpc": chain(NS, 4, seed=4), "data": chain(NS, 4, seed=5)}
@@ -248,24 +308,97 @@ def test_a_get_in_flight_on_either_transport_holds_promotion_back_and_delete_can
     promoted = 0
     with KVClient([daemon.address]) as client:
         for transport, items in chains.items():
-            blocks = [b for b, _ in items]
             held = HeldGet(daemon, big[0].key, transport)
             try:
                 wait_for(lambda: stats(client, daemon).value("kvstore_gets_in_flight") == 1,
                          f"the {transport} Get being served")
-                assert client.advise(blocks, continues=True) == 4
-                assert client.delete(blocks[3:]) == 1  # taken out of the queue too
+                assert client.advise([b for b, _ in items], continues=True) == 4
+                promoted += 4
+                wait_for(lambda: stats(client, daemon).value("kvstore_promoted_blocks_total") == promoted,
+                         f"promotion while the {transport} Get waits for its client")
                 now = stats(client, daemon)
-                assert now.value("kvstore_promotion_queued_blocks") == 3, "the worker waits for the Get"
-                assert now.value("kvstore_promoted_blocks_total") == promoted
+                assert now.value("kvstore_gets_in_flight") == 1, "the Get is still open, its answer not taken"
+                assert now.value("kvstore_gets_waiting_on_client") == 1
             finally:
                 held.release()
-            promoted += 3
-            wait_for(lambda: stats(client, daemon).value("kvstore_promoted_blocks_total") == promoted,
-                     f"promotion once the {transport} Get ended")
-            assert stats(client, daemon).value("kvstore_gets_in_flight") == 0
-        assert stats(client, daemon).value("kvstore_promotion_cancelled_blocks_total") == 2
+            wait_for(lambda: stats(client, daemon).value("kvstore_gets_in_flight") == 0, f"the {transport} Get ended")
+            assert stats(client, daemon).value("kvstore_gets_waiting_on_client") == 0
         before = stats(client, daemon).value("kvstore_hits_total", tier="dram")
-        got = client.get([b for b, _ in chains["data"][:3]])
-        assert [bytes(g.payload) for g in got] == [p for _, p in chains["data"][:3]]
-        assert stats(client, daemon).value("kvstore_hits_total", tier="dram") == before + 3
+        got = client.get([b for b, _ in chains["data"]])
+        assert [bytes(g.payload) for g in got] == [p for _, p in chains["data"]]
+        assert stats(client, daemon).value("kvstore_hits_total", tier="dram") == before + 4
+
+
+@pytest.mark.integration
+def test_one_tokens_lookup_promote_of_its_own_blocks_leaves_another_tenants_promotions_room(daemons):
+    attacker, victim = (Namespace("promotion-test", NS.layout, block_tokens=64, salt=salt)
+                        for salt in ("mallory", "victim"))
+    mallory, theirs = chain(attacker, 6, seed=6), chain(victim, 2, seed=7)
+    daemon, = daemons(1, "--promote-bytes", str(4 * record_bytes(mallory[:1])))
+    with KVClient([daemon.address]) as writer:
+        assert writer.put(mallory, NS.num_layers).stored == 6
+        assert writer.put(theirs, NS.num_layers).stored == 2
+    daemon.stop()
+    daemon.start()  # every block on SSD alone
+
+    with KVClient([daemon.address]) as client:
+        def settled() -> float:
+            now = stats(client, daemon)
+            return now.value("kvstore_promoted_blocks_total") + now.value("kvstore_promotion_dropped_blocks_total")
+
+        assert client.lookup([b for b, _ in mallory], promote=True) == 6  # and never read
+        wait_for(lambda: settled() == 6, "the first tenant's promotions")
+        assert client.lookup([b for b, _ in theirs], promote=True) == 2
+        wait_for(lambda: settled() == 8, "the second tenant's promotions")
+        assert stats(client, daemon).value("kvstore_promoted_blocks_total") == 6, "none of the second's dropped"
+        assert [bytes(got.payload) for got in client.get([b for b, _ in theirs])] == [p for _, p in theirs]
+        assert stats(client, daemon).by("kvstore_hits_total", "tier") == {"dram": 2}
+
+
+def promoted_while_held(client: KVClient, daemon, held: list[HeldGet], items, gets: int) -> None:
+    """Advise `items` while the `held` Gets are open (`gets` Gets in all), and see them promoted meanwhile."""
+    before = stats(client, daemon).value("kvstore_promoted_blocks_total")
+    try:
+        wait_for(lambda: stats(client, daemon).value("kvstore_gets_in_flight") == gets, "the Gets being served")
+        assert client.advise([b for b, _ in items], continues=True) == len(items)
+        wait_for(lambda: stats(client, daemon).value("kvstore_promoted_blocks_total") == before + len(items),
+                 "promotion while the Gets wait for their clients")
+        assert stats(client, daemon).value("kvstore_gets_in_flight") == gets, "the Gets are still open"
+    finally:
+        for get in held:
+            get.release()
+
+
+@pytest.mark.integration
+def test_grpc_gets_waiting_for_their_principals_send_budget_do_not_hold_promotion_back(daemons):
+    # One 2 MiB payload takes a principal's whole 4 MiB (it is charged twice): the first Get's write waits
+    # for its client, the second Get of the same peer waits for the budget that write holds.
+    daemon, = daemons(1, "--rpc-stream-timeout-s", "60", "--max-grpc-send-bytes-per-principal", str(4 * 2**20))
+    big, = chain(BIG, 1, seed=8)
+    items = chain(NS, 4, seed=9)
+    with KVClient([daemon.address]) as writer:
+        assert writer.put([big], BIG.num_layers).stored == 1
+        assert writer.put(items, NS.num_layers).stored == 4
+    daemon.stop()
+    daemon.start()
+    with KVClient([daemon.address]) as client:
+        held = [HeldGet(daemon, big[0].key, "grpc") for _ in range(2)]
+        promoted_while_held(client, daemon, held, items, gets=2)
+
+
+@pytest.mark.integration
+def test_a_tls_data_channel_get_whose_client_never_reads_does_not_hold_promotion_back(daemons, tmp_path):
+    pki = make_pki(tmp_path / "pki")
+    daemon, = daemons(1, "--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key),
+                      "--data-frame-timeout-s", "60")
+    config = ClientConfig((daemon.address,), tls_ca=str(pki.ca))
+    big, = chain(BIG, 1, seed=10)
+    items = chain(NS, 4, seed=11)
+    with KVClient(config) as writer:
+        assert writer.put([big], BIG.num_layers).stored == 1
+        assert writer.put(items, NS.num_layers).stored == 4
+    daemon.stop()
+    daemon.start()
+    with KVClient(config) as client:
+        held = [HeldGet(daemon, big[0].key, "data", tls=ssl.create_default_context(cafile=str(pki.ca)))]
+        promoted_while_held(client, daemon, held, items, gets=1)

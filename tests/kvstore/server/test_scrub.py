@@ -138,3 +138,98 @@ async def test_the_scrub_is_off_at_zero_and_stops_at_once_when_cancelled(open_st
     with pytest.raises(asyncio.CancelledError):
         await asyncio.wait_for(task, timeout=5)
     assert all(segment.readers == 0 for segment in store.segments.segments.values())
+
+
+# -- what a Verify may cost (verify_meter.py) ---------------------------------------------------------------
+
+
+def verified(store) -> float:
+    return store.metrics.verified_blocks._value.get()
+
+
+def skipped(store, reason: str) -> float:
+    return store.metrics.verify_skipped.labels(reason=reason)._value.get()
+
+
+async def test_verify_reads_a_block_at_most_once_per_recheck_interval(open_store, clock):
+    store = await open_store(verify_recheck_s=60)
+    recs = records(3)
+    await put_all(store, recs)
+    keys = [block.key for block, *_ in recs]
+    for _ in range(4):  # a client naming its own good blocks in a loop
+        assert await store.verify(keys, who="mallory") == 0
+    assert verified(store) == 3 and skipped(store, "recent") == 9, "read once, then answered from memory"
+    assert await store.verify(keys[:1], who="bob") == 0
+    assert verified(store) == 3, "the memory is the block's, whoever asks"
+
+    flip_on_disk(store, keys[0], payload_byte(1, recs[0][2].header_len))  # damage after the check
+    clock.advance(59)
+    assert await store.verify(keys[:1], who="bob") == 0, "within the interval the last check answers"
+    clock.advance(1)
+    assert await store.verify(keys[:1], who="bob") == 1, "once it has passed, the block is read again"
+    assert store.lookup(keys[:1]) == 0 and verified(store) == 4
+
+
+async def test_verify_holds_each_principal_to_its_own_rate_and_a_key_passed_over_is_checked_later(
+        open_store, clock):
+    recs = records(6)
+    record_bytes = recs[0][2].header_len + len(recs[0][3])
+    store = await open_store(verify_bytes_per_s=2 * record_bytes, verify_recheck_s=0)
+    await put_all(store, recs)
+    keys = [block.key for block, *_ in recs]
+    assert await store.verify(keys, who="mallory") == 0
+    assert verified(store) == 2 and skipped(store, "rate") == 4, "one second of the rate, saved up"
+
+    flip_on_disk(store, keys[5], payload_byte(2, recs[5][2].header_len))
+    assert await store.verify(keys[5:], who="mallory") == 0 and skipped(store, "rate") == 5
+    assert await store.verify(keys[5:], who="bob") == 1, "another principal's budget is its own"
+    assert store.lookup(keys[5:]) == 0
+
+    flip_on_disk(store, keys[4], payload_byte(0, recs[4][2].header_len))
+    clock.advance(0.5)  # half a second: one record's worth back, spent at once
+    assert await store.verify(keys[4:5], who="mallory") == 1, "a key passed over was not taken as checked"
+    assert await store.verify(keys[:1], who="mallory") == 0 and skipped(store, "rate") == 6
+    assert verified(store) == 4
+
+
+async def test_verify_reads_a_block_again_once_its_record_moved(open_store, clock):
+    store = await open_store(verify_recheck_s=60)
+    recs = records(1)
+    await put_all(store, recs)
+    key = recs[0][0].key
+    assert await store.verify([key]) == 0
+    before = store.index.get(key)
+    await store.copy_forward(key, before, store.segments.segments[before.segment])  # as compaction moves it
+    assert (store.index.get(key).segment, store.index.get(key).offset) != (before.segment, before.offset)
+    assert await store.verify([key]) == 0
+    assert verified(store) == 2, "the last check was of another record"
+
+
+async def test_a_check_that_could_not_read_the_block_is_not_remembered(open_store, monkeypatch):
+    store = await open_store(verify_recheck_s=60)
+    recs = records(1)
+    await put_all(store, recs)
+    key = recs[0][0].key
+    checks = store._reader.check_segment_copy
+
+    async def unreadable(*args):
+        return "unreadable"
+
+    monkeypatch.setattr(store._reader, "check_segment_copy", unreadable)  # an I/O error says nothing of the bytes
+    assert await store.verify([key]) == 0
+    monkeypatch.setattr(store._reader, "check_segment_copy", checks)
+    assert await store.verify([key]) == 0 and verified(store) == 2
+
+
+async def test_past_the_principals_remembered_only_idle_buckets_are_forgotten(open_store, clock, monkeypatch):
+    monkeypatch.setattr("kvstore.server.verify_meter.MAX_PRINCIPALS", 2)
+    recs = records(3)
+    record_bytes = recs[0][2].header_len + len(recs[0][3])
+    store = await open_store(verify_bytes_per_s=record_bytes // 2, verify_recheck_s=0)  # one check, then a debt
+    await put_all(store, recs)
+    keys = [block.key for block, *_ in recs]
+    assert await store.verify(keys[:1], who="bob") == 0 and verified(store) == 1
+    clock.advance(2)  # bob's bucket is full again
+    assert await store.verify(keys, who="mallory") == 0 and verified(store) == 2
+    assert await store.verify(keys[:1], who="carol") == 0 and verified(store) == 3
+    assert await store.verify(keys, who="mallory") == 0 and verified(store) == 3, "a bucket in debt is kept"
