@@ -276,12 +276,21 @@ class Result:
     lost: list[str] = field(default_factory=list)
     over_capacity: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)  # the daemon's end: exit code, tracebacks
+    errors: list[str] = field(default_factory=list)  # operations a live daemon refused (reported, not failed)
+    first_wrong_s: float | None = None  # wall seconds into the seed when the first wrong, the first lost, was seen
+    first_lost_s: float | None = None
     let_go: Counter = field(default_factory=Counter)
     seconds: float = 0.0
 
     @property
     def failed(self) -> bool:
         return bool(self.wrong or self.lost or self.over_capacity or self.problems)
+
+    def note_times(self, started: float, wrong: int, lost: int) -> None:
+        if wrong and self.first_wrong_s is None:
+            self.first_wrong_s = time.monotonic() - started
+        if lost and self.first_lost_s is None:
+            self.first_lost_s = time.monotonic() - started
 
     def line(self) -> str:
         return (f"crashes: {self.crashes}  operations: {self.operations}  wrong: {len(self.wrong)}  "
@@ -326,12 +335,14 @@ class Simulation:
                     if self.result.operations >= self.result.steps or not self._alive():
                         break
                     self._step()
+                    self.result.note_times(started, len(self.oracle.wrong), len(self.oracle.lost))
                 self._stop(epoch.end)
                 self._recover(epoch.recovery)
                 before = "; ".join(self.life)
                 epoch = self._draw_epoch()
                 self._start(epoch.fault)  # the next life's fault point is armed from its start-up on
-                self._check_all(f"after restart [the life before: {before}]")
+                self._check_all(f"after restart [the life before: {before}] [this life: {'; '.join(self.life)}]")
+                self.result.note_times(started, len(self.oracle.wrong), len(self.oracle.lost))
         finally:
             self._close_connections()
             self.result.problems += stop_clean(self.daemon, killed_on_purpose=True)
@@ -360,9 +371,8 @@ class Simulation:
         try:
             op()
         except (grpc.RpcError, OSError) as exc:  # ConnectionError is an OSError
-            if not self._died():
-                raise AssertionError(f"operation {self.result.operations}: the daemon is up and failed {op.__name__}: "
-                                     f"{exc!r}") from exc
+            if not self._died():  # refused by a daemon that is up: not acknowledged, and worth a look
+                self.result.errors.append(f"{self._when()} ({self.doing}): {exc!r}")
         if self.result.operations % 10 == 0 and self._alive():
             self._judged(lambda: self.oracle.check_capacity(self.daemon.address, self._when(), len(self.stalled)))
         if self.progress and self.result.operations % 100 == 0:
@@ -376,15 +386,16 @@ class Simulation:
 
     def _start(self, fault: str) -> None:
         env = {"KVSTORE_FAULTS": fault} if fault else {}
+        self.life = [f"started at {self._when()}" + (f" with {fault}" if fault else "")]
         try:
             self.daemon.start(extra_env=env)
         except RuntimeError:  # a fault point armed for this life fired during start-up's recovery
             if not fault:
                 raise
             self.result.crashes += 1
+            self.life.append("killed by it during start-up, started again without it")
             self.daemon.start()
         self.result.restarts += 1
-        self.life = [f"started at {self._when()}" + (f" with {fault}" if fault else "")]
         self.oracle.learn_digests(self.daemon.data_dir)
         self.channel = grpc.insecure_channel(self.daemon.address)
 
@@ -584,9 +595,11 @@ def run_seed(seed: int, steps: int = DEFAULT_STEPS, progress: bool = False, keep
 
 
 def report(result: Result, limit: int = 5) -> None:
-    print(f"seed {result.seed}: {result.line()}  ({result.seconds:.1f} s; let go: {dict(result.let_go)})")
+    firsts = "".join(f"; first {what} after {at:.1f} s" for what, at in (("wrong", result.first_wrong_s),
+                                                                       ("lost", result.first_lost_s)) if at is not None)
+    print(f"seed {result.seed}: {result.line()}  ({result.seconds:.1f} s; let go: {dict(result.let_go)}{firsts})")
     for what, found in (("wrong", result.wrong), ("lost", result.lost), ("over capacity", result.over_capacity),
-                        ("problem", result.problems)):
+                        ("problem", result.problems), ("refused", result.errors)):
         for detail in found[:limit]:
             print(f"  {what}: {detail}")
         if len(found) > limit:
@@ -614,7 +627,7 @@ def main(argv: list[str] | None = None) -> int:
         report(result)
         for name in ("operations", "crashes", "restarts", "rebuilds", "hostile_puts"):
             setattr(totals, name, getattr(totals, name) + getattr(result, name))
-        for name in ("wrong", "lost", "over_capacity", "problems"):
+        for name in ("wrong", "lost", "over_capacity", "problems", "errors"):
             getattr(totals, name).extend(getattr(result, name))
         if result.failed:
             failing.append(result)
