@@ -81,7 +81,7 @@ DAEMON_ARGS = [
 HOSTILE_LAYERS = 8
 HOSTILE_LAYER_BYTES = 256 * KiB
 HOSTILE_SENT_LAYERS = 5
-BARE_HEADERS = 50  # finding 2: headers of the attacker's own blocks declaring ever shorter huge lengths
+BARE_HEADERS = 50  # the review's finding 2: headers of the attacker's own blocks declaring ever shorter huge lengths
 BARE_HEADER_STEP = 64 * KiB  # how far apart their declared ends lie, past the attacker's own payload
 
 FAULT_POINTS = [  # every KVSTORE_FAULTS point a put, a read or compaction passes (grep 'faults.hit(')
@@ -89,7 +89,7 @@ FAULT_POINTS = [  # every KVSTORE_FAULTS point a put, a read or compaction passe
     "index.after_commit", "segment.read", "compaction.copied", "compaction.moved", "compaction.before_delete",
 ]
 DEFAULT_STEPS = 300
-ATTACKS = ("embedded", "bare")  # finding 1's records inside a payload, finding 2's bare headers
+ATTACKS = ("embedded", "bare")  # the review's finding 1 (records inside a payload) and 2 (bare headers)
 KEYS_PER_GET = 64
 RPC_TIMEOUT_S = 30.0  # a hang guard only
 CAPACITY_GUARD_S = 10.0  # twenty background passes
@@ -116,6 +116,11 @@ def make_tenants() -> list[Tenant]:
 def payload_of(key: bytes) -> bytes:
     """The KV a tenant puts under `key`: a function of the key (the same prefix always has the same KV)."""
     return hashlib.shake_128(b"kv\0" + key).digest(BLOCK_BYTES)
+
+
+def planted_payload(key: bytes) -> bytes:
+    """What the attacker's records for another tenant's `key` hold instead."""
+    return hashlib.shake_128(b"attacker\0" + key).digest(BLOCK_BYTES)
 
 
 # -- the oracle -------------------------------------------------------------------------------------
@@ -173,6 +178,8 @@ class Oracle:
 
     def check(self, address: str, keys: list[bytes], log_path: Path, when: str) -> None:
         """Read `keys` back unverified and judge each answer. Raises grpc.RpcError if the daemon is gone."""
+        if not keys:
+            return
         served = []
         for start in range(0, len(keys), KEYS_PER_GET):
             served += raw_get(address, keys[start : start + KEYS_PER_GET], timeout_s=RPC_TIMEOUT_S)
@@ -181,8 +188,9 @@ class Oracle:
             if answer.status == pb.OK:
                 if answer.payload != self.bytes_of(key) and key not in self.wrong_keys:
                     self.wrong_keys.add(key)
+                    whose = "the attacker's" if answer.payload == planted_payload(key) else "unknown"
                     self.wrong.append(f"{when}: {self.owner[key]}'s key {key.hex()} served {len(answer.payload)} "
-                                      f"bytes that are not what {self.owner[key]} put")
+                                      f"bytes that are not what {self.owner[key]} put: {whose} bytes")
             elif answer.status == pb.EXPIRED:
                 self.acked.pop(key, None)  # the daemon says its retention ended
             elif key in self.acked:
@@ -529,7 +537,7 @@ class Simulation:
         return self.attacker.namespace.blocks(tokens)[0]
 
     def _hostile_embedded(self) -> None:
-        """Finding 1's attack: the attacker's payload holds whole, well-formed records of a victim's keys
+        """The review's finding 1: the attacker's payload holds whole, well-formed records of a victim's keys
         (of a prompt both send), with the attacker's bytes. As the attacker's record they are only payload;
         as records of their own they would serve the victim the attacker's KV."""
         embedded = b""
@@ -537,8 +545,7 @@ class Simulation:
         while True:
             victim, prompt = self.rng.choice(self.victims), self.rng.choice(self.prompts)
             for block in victim.blocks(prompt):
-                header, payload = build_record(block, hashlib.shake_128(b"attacker\0" + block.key).digest(
-                    BLOCK_BYTES), LAYOUT.num_layers, "chat")
+                header, payload = build_record(block, planted_payload(block.key), LAYOUT.num_layers, "chat")
                 if len(embedded) + len(header) + len(payload) > room:
                     self._hostile_put(embedded)
                     return
@@ -546,7 +553,7 @@ class Simulation:
                 embedded += header + payload
 
     def _hostile_bare(self) -> None:
-        """Finding 2's attack: the attacker's payload holds bare headers of its own blocks declaring huge
+        """The review's finding 2: the attacker's payload holds bare headers of its own blocks declaring huge
         lengths, each ending further past the attacker's record than the next: a scan that takes one as a
         record jumps over what other tenants appended after it."""
         total = HOSTILE_LAYERS * HOSTILE_LAYER_BYTES

@@ -14,7 +14,7 @@ from tests.simulation.crash import Simulation
 
 pytestmark = pytest.mark.crash
 
-SEEDS = (1, 2, 3)  # about 10 s each on a busy 2-core machine
+SEEDS = (1, 2, 3)  # 13-15 s each on 2 cores that another test run was using
 STEPS = 120
 
 
