@@ -269,11 +269,13 @@ def data_put(daemon: DaemonProcess, records: list[Record], piece: int) -> list[i
 
 @dataclass
 class Epoch:
-    """One daemon life: its fault point, how many operations it runs, how it ends and how it comes back."""
+    """A stretch of the schedule: the fault point armed at its start, the operation it ends at, how it
+    ends and how the daemon comes back. A fault point that fires early ends the daemon's life there; the
+    epoch then goes on to its end in a new life without it, so planned kills stay at their operations."""
 
-    steps: int
+    ends_at: int  # the operation count at which it ends
     fault: str  # KVSTORE_FAULTS, "" for none
-    end: str  # "kill" (SIGKILL) or "stop" (SIGTERM) once the steps are done, if a fault did not end it first
+    end: str  # "kill" (SIGKILL) or "stop" (SIGTERM)
     recovery: str  # "restart", "delete_index" or "fsck_rebuild"
 
 
@@ -319,8 +321,12 @@ class Result:
 
 class Simulation:
     def __init__(self, seed: int, steps: int, workdir: Path, progress: bool = False,
-                 attacks: tuple[str, ...] = ATTACKS) -> None:
-        self.rng = random.Random(seed)
+                 attacks: tuple[str, ...] = ATTACKS, trace: bool = False) -> None:
+        self.trace = trace  # print every operation and every event of the daemon's lives
+        # Two streams, so that neither depends on the other's draws: the workload draws the same operations
+        # whatever the faults do, and the schedule the same epochs.
+        self.rng = random.Random(f"{seed}/workload")
+        self.schedule = random.Random(f"{seed}/faults")
         self.attacks = attacks
         self.result = Result(seed, steps, attacks)
         self.progress = progress
@@ -344,19 +350,20 @@ class Simulation:
     def run(self) -> Result:
         started = self.started = time.monotonic()
         try:
-            epoch = self._draw_epoch()
+            epoch = self._draw_epoch(0)
             self._start(epoch.fault)
             while self.result.operations < self.result.steps:
-                for _ in range(epoch.steps):
-                    if self.result.operations >= self.result.steps or not self._alive():
-                        break
+                while self.result.operations < min(epoch.ends_at, self.result.steps) and self._alive():
                     self._step()
                     self.result.note_times(started, len(self.oracle.wrong), len(self.oracle.lost))
                 self._stop(epoch.end)
                 self._recover(epoch.recovery)
                 before = "; ".join(self.life)
-                epoch = self._draw_epoch()
-                self._start(epoch.fault)  # the next life's fault point is armed from its start-up on
+                fault = ""  # a fault point fired before the epoch's end: the rest of it without one
+                if self.result.operations >= epoch.ends_at:
+                    epoch = self._draw_epoch(epoch.ends_at)
+                    fault = epoch.fault
+                self._start(fault)  # a life's fault point is armed from its start-up on
                 self._check_all(f"after restart [the life before: {before}] [this life: {'; '.join(self.life)}]")
                 self.result.note_times(started, len(self.oracle.wrong), len(self.oracle.lost))
         finally:
@@ -368,12 +375,12 @@ class Simulation:
             self.result.over_capacity, self.result.let_go = oracle.over_capacity, oracle.let_go
         return self.result
 
-    def _draw_epoch(self) -> Epoch:
-        rng = self.rng
-        fault = ""
-        if rng.random() < 0.5:
-            fault = f"{rng.choice(FAULT_POINTS)}=kill@{rng.randint(1, 40)}"
-        return Epoch(steps=rng.randint(6, 30), fault=fault, end="kill" if rng.random() < 0.8 else "stop",
+    def _draw_epoch(self, starts_at: int) -> Epoch:
+        rng = self.schedule
+        point, nth = rng.choice(FAULT_POINTS), rng.randint(1, 40)
+        fault = f"{point}=kill@{nth}" if rng.random() < 0.5 else ""
+        return Epoch(ends_at=starts_at + rng.randint(6, 30), fault=fault,
+                     end="kill" if rng.random() < 0.8 else "stop",
                      recovery=rng.choices(["restart", "delete_index", "fsck_rebuild"], [2, 1, 1])[0])
 
     def _step(self) -> None:
@@ -386,6 +393,8 @@ class Simulation:
         self.doing = op.__name__.strip("_")
         try:
             op()
+            if self.trace:
+                print(f"  {self._when()}: {self.doing}", flush=True)
         except (grpc.RpcError, OSError, Refused) as exc:  # ConnectionError is an OSError
             answered = isinstance(exc, Refused) or (isinstance(exc, grpc.RpcError)
                                                     and exc.code() != grpc.StatusCode.UNAVAILABLE)
@@ -397,6 +406,11 @@ class Simulation:
             print(f"  seed {self.result.seed}: {self.result.operations}/{self.result.steps} operations, "
                   f"{self.result.line()}", flush=True)
 
+    def _event(self, what: str) -> None:
+        self.life.append(what)
+        if self.trace:
+            print(f"  {what}", flush=True)
+
     def _when(self) -> str:
         return f"operation {self.result.operations} ({time.monotonic() - self.started:.1f} s in)"
 
@@ -404,14 +418,15 @@ class Simulation:
 
     def _start(self, fault: str) -> None:
         env = {"KVSTORE_FAULTS": fault} if fault else {}
-        self.life = [f"started at {self._when()}" + (f" with {fault}" if fault else "")]
+        self.life = []
+        self._event(f"started at {self._when()}" + (f" with {fault}" if fault else ""))
         try:
             self.daemon.start(extra_env=env)
         except RuntimeError:  # a fault point armed for this life fired during start-up's recovery
             if not fault:
                 raise
             self.result.crashes += 1
-            self.life.append("killed by it during start-up, started again without it")
+            self._event("killed by it during start-up, started again without it")
             self.daemon.start()
         self.result.restarts += 1
         self.oracle.learn_digests(self.daemon.data_dir)
@@ -436,11 +451,11 @@ class Simulation:
             self._close_connections()  # first: a graceful stop would wait for the stalled puts
             code = self.daemon.stop()
             if code == 0:
-                self.life.append(f"stopped at {self._when()}")
+                self._event(f"stopped at {self._when()}")
                 return
             assert code == -signal.SIGKILL, f"the daemon exited with {code} on SIGTERM"  # a fault point, stopping
         else:
-            self.life.append(f"{'killed' if self._alive() else 'its fault point fired'} at {self._when()}")
+            self._event(f"{'killed' if self._alive() else 'its fault point fired'} at {self._when()}")
             self.daemon.kill()  # before the stalled puts close: the daemon must not see them end
             self._close_connections()
         self.result.crashes += 1
@@ -455,7 +470,7 @@ class Simulation:
 
     def _recover(self, how: str) -> None:
         data_dir = self.daemon.data_dir
-        self.life.append({"restart": "restarted", "delete_index": "index deleted",
+        self._event({"restart": "restarted", "delete_index": "index deleted",
                           "fsck_rebuild": "kvstore fsck --rebuild"}[how])
         if how == "delete_index":
             shutil.rmtree(data_dir / "index", ignore_errors=True)
@@ -580,7 +595,7 @@ class Simulation:
         if how == "stall" and len(self.stalled) >= 2:
             how = "whole"
         self.doing = f"{self.doing}, {how}"
-        self.life.append(f"{self.doing} at {self._when()}")
+        self._event(f"{self.doing} at {self._when()}")
         sock = data_connect(self.daemon)
         try:
             send_put_start(sock, header, len(header) + len(payload))
@@ -600,10 +615,10 @@ class Simulation:
 
 
 def run_seed(seed: int, steps: int = DEFAULT_STEPS, progress: bool = False, keep: bool = False,
-             attacks: tuple[str, ...] = ATTACKS) -> Result:
+             attacks: tuple[str, ...] = ATTACKS, trace: bool = False) -> Result:
     workdir = Path(tempfile.mkdtemp(prefix=f"crash-sim-{seed}-"))
     try:
-        return Simulation(seed, steps, workdir, progress, attacks).run()
+        return Simulation(seed, steps, workdir, progress, attacks, trace).run()
     finally:
         if keep:
             print(f"kept {workdir}")
@@ -631,6 +646,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="operations per seed")
     parser.add_argument("--seconds", type=float, help="run successive seeds until this much time has passed")
     parser.add_argument("--keep", action="store_true", help="keep each seed's data directory and logs")
+    parser.add_argument("--trace", action="store_true", help="print every operation and daemon life event")
     parser.add_argument("--attacks", default=",".join(ATTACKS),
                         help=f"the attacker's hostile puts, of {','.join(ATTACKS)} (empty: none; a control run)")
     args = parser.parse_args(argv)
@@ -640,7 +656,8 @@ def main(argv: list[str] | None = None) -> int:
     seed = args.seed
     while True:
         attacks = tuple(filter(None, args.attacks.split(",")))
-        result = run_seed(seed, args.steps, progress=args.seconds is None, keep=args.keep, attacks=attacks)
+        result = run_seed(seed, args.steps, progress=args.seconds is None, keep=args.keep, attacks=attacks,
+                          trace=args.trace)
         report(result)
         for name in ("operations", "crashes", "restarts", "rebuilds", "hostile_puts"):
             setattr(totals, name, getattr(totals, name) + getattr(result, name))
