@@ -14,7 +14,7 @@ from tests.simulation.crash import Simulation
 
 pytestmark = pytest.mark.crash
 
-SEEDS = (1, 2, 3)  # 13-15 s each on 2 cores that another test run was using
+SEEDS = (1, 2, 3)  # 5-8 s each on 2 quiet cores, 13-15 s while another test run uses them
 STEPS = 120
 
 
