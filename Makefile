@@ -90,6 +90,13 @@ test-vllm: install
 	KVSTORE_VLLM_MODEL=$$($(BIN)/python -m engine.checkpoints) .venvs/$(VLLM_LOCK)/bin/python -m pytest -q \
 		-m 'connectors or vllm_serve' tests/connectors/test_vllm_connector.py tests/connectors/test_vllm_serve.py
 
+# the crash simulator (tests/simulation/crash.py) over successive seeds for SECONDS, from SEED (default: the
+# time); each failing seed prints the command that replays it, and the last line sums them all
+.PHONY: soak-crash
+SECONDS ?= 1800
+soak-crash: install
+	$(BIN)/python -m tests.simulation.crash --seconds $(SECONDS) --seed $(if $(SEED),$(SEED),$$(date +%s))
+
 bench: install
 	$(BIN)/python bench/dataplane.py
 	$(BIN)/python bench/lookup.py

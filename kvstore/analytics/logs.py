@@ -20,8 +20,8 @@ def read_access_log(path: Path, skip_bad: bool = False, errors: list[str] | None
                 if len(fields) != 7:
                     raise ValueError(f"{len(fields)} fields; an access log line has 7")
                 time_ms, op, key, traffic_class, result, tier, nbytes = fields
-                if op not in ("lookup", "get", "put"):
-                    raise ValueError(f"op must be lookup, get or put, got {op!r}")
+                if op not in ("lookup", "get", "put", "remove"):
+                    raise ValueError(f"op must be lookup, get, put or remove, got {op!r}")
                 yield int(time_ms), op, bytes.fromhex(key), traffic_class, result, tier, int(nbytes)
             except ValueError as exc:
                 if not skip_bad:
@@ -48,6 +48,8 @@ def summarize(paths: Sequence[Path], skip_bad: bool = False, block_tokens: int =
         for time_ms, op, key, traffic_class, result, tier, nbytes in read_access_log(path, skip_bad, errors):
             first = time_ms if first is None else min(first, time_ms)
             last = time_ms if last is None else max(last, time_ms)
+            if op == "remove":  # the daemon let the block go (evicted, expired, deleted, corrupt): not an access
+                continue
             if op == "put":
                 puts[traffic_class][result] += 1
                 stored_bytes += nbytes if result == "stored" else 0

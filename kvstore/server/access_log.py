@@ -8,7 +8,12 @@
 
 `key` is the daemon's keyed digest of the block key (kvstore/server/key_digest.py), never the key.
 `op` is lookup (every key asked: the leading run "hit", the rest "missing"), get (each block read: hit
-with its tier, or a miss cause such as expired or checksum) or put (stored or exists).
+with its tier, or a miss cause such as expired or checksum), put (stored or exists) or remove (why the
+block went: evicted, expired, deleted or corrupt).
+
+A remove line is written through to the file (the OS) before the removal commits, not queued: a crash of
+the daemon never loses the line of a removal that took effect, so the log tells every block the daemon
+let go from one it lost. A removal the crash stopped may be logged although its block stays.
 
 The event loop only queues a line's fields; a thread of its own digests, formats and writes them, so a
 call of 65,536 keys costs the loop a few milliseconds, not a fifth of a second. What one call may log is
@@ -40,6 +45,7 @@ class AccessLog:
         self.dropped = 0  # lines not logged: past a call's cap, or with the queue full
         self._queue: collections.deque[Line] = collections.deque()
         self._wake = threading.Condition()
+        self._file_lock = threading.Lock()  # the writer thread's lines and `write_through`'s, one at a time
         self._flush_wanted = self._closing = False
         self._writer = threading.Thread(target=self._run, name="kvstore-access-log", daemon=True)
         self._writer.start()
@@ -52,6 +58,17 @@ class AccessLog:
         if len(self._queue) == 1:
             with self._wake:
                 self._wake.notify()
+
+    def write_through(self, time_ms: int, op: str, keys: list[tuple[bytes, str]], result: str) -> None:
+        """One line per (key, traffic class), written to the file before this returns (on the caller's
+        thread: a removal's few lines, once per commit)."""
+        if not keys:
+            return
+        lines = "".join(f"{time_ms}\t{op}\t{self.digest(key)}\t{traffic_class or '-'}\t{result}\t-\t0\n"
+                        for key, traffic_class in keys)
+        with self._file_lock:
+            self._write(lines)
+            self._file.flush()
 
     def skipped(self, lines: int) -> None:
         """`lines` a call did not log, being past its cap."""
@@ -69,7 +86,8 @@ class AccessLog:
             self._closing = True
             self._wake.notify()
         self._writer.join()
-        self._file.close()
+        with self._file_lock:
+            self._file.close()
 
     # -- the writer thread ---------------------------------------------------------------------------
 
@@ -81,7 +99,8 @@ class AccessLog:
                 closing = self._closing
             self._drain()
             if flush or closing:
-                self._file.flush()
+                with self._file_lock:
+                    self._file.flush()
             if closing:
                 return
 
@@ -90,10 +109,14 @@ class AccessLog:
             time_ms, op, key, traffic_class, result, tier, nbytes = self._queue.popleft()
             line = (f"{time_ms}\t{op}\t{self.digest(key)}\t{traffic_class or '-'}\t{result}\t{tier or '-'}\t"
                     f"{nbytes}\n")
-            self._file.write(line)
-            self._size += len(line)
-            if self._size >= self.max_bytes:
-                self._rotate()
+            with self._file_lock:
+                self._write(line)
+
+    def _write(self, lines: str) -> None:
+        self._file.write(lines)
+        self._size += len(lines)
+        if self._size >= self.max_bytes:
+            self._rotate()
 
     def _rotate(self) -> None:
         self._file.close()

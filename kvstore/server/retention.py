@@ -71,7 +71,8 @@ class Retained(Protocol):
     # blocks
     def next_victim(self) -> tuple[bytes, int] | None: ...  # taken out of the eviction policy, with its bytes
     def track_again(self, keys: Sequence[bytes]) -> None: ...  # victims whose removal did not commit
-    async def remove(self, keys: Sequence[bytes], only_at: Places | None = None) -> list[tuple[bytes, Entry]]: ...
+    async def remove(self, keys: Sequence[bytes], only_at: Places | None = None,
+                     reason: str = "deleted") -> list[tuple[bytes, Entry]]: ...
     def segment_of(self, key: bytes) -> Segment | None: ...
 
     # segments
@@ -243,7 +244,7 @@ class Retention:
             for tenant_id in shares.tenants() if tenant_ids is None else tenant_ids:
                 victims = shares.victims(tenant_id, self.limit())
                 if victims:
-                    removed = await self.store.remove(victims)
+                    removed = await self.store.remove(victims, reason="evicted")
                     self.metrics.evictions.inc(len(removed))
                     self.metrics.share_evictions.inc(len(removed))
 
@@ -263,7 +264,7 @@ class Retention:
                 victims.append(victim[0])
             if not victims:
                 break
-            removed = await self._remove(victims)
+            removed = await self._remove(victims, "evicted")
             if removed is None:
                 self._stuck_victim = victims[0]  # the pass gives its segment back (not a put: passes own segments)
                 break
@@ -271,12 +272,13 @@ class Retention:
             self.metrics.evictions.inc(len(removed))
         return evicted
 
-    async def _remove(self, keys: Sequence[bytes], only_at: Places | None = None) -> list[tuple[bytes, Entry]] | None:
+    async def _remove(self, keys: Sequence[bytes], reason: str,
+                      only_at: Places | None = None) -> list[tuple[bytes, Entry]] | None:
         """`store.remove`, given the reserve's room if the index has none; None if even that is not
         enough, and then the keys stay where they were, in the index and in the policy."""
         for attempt in range(2):
             try:
-                return await self.store.remove(keys, only_at)
+                return await self.store.remove(keys, only_at, reason)
             except IndexNoSpace:
                 if attempt or not await self.make_room():
                     break
@@ -301,17 +303,17 @@ class Retention:
                     "entries", self.config.data_dir, segment.id, segment.size)
         store.delete_segment(segment)
         self.metrics.compactions.labels(reason="disk_full").inc()
-        removed, _ = await self._remove_all(places)
+        removed, _ = await self._remove_all(places, "evicted")
         self.metrics.evictions.inc(removed)
 
-    async def _remove_all(self, places: Places) -> tuple[int, bool]:
+    async def _remove_all(self, places: Places, reason: str) -> tuple[int, bool]:
         """Remove the blocks still at the given places, in commits sized for the disk: how many went,
         and whether every commit went through."""
         keys = list(places)
         removed = 0
         while keys:
             batch = keys[: FULL_DISK_BATCH if self.disk_full else EVICTION_BATCH]
-            done = await self._remove(batch, only_at=places)
+            done = await self._remove(batch, reason, only_at=places)
             if done is None:
                 return removed, False
             removed += len(done)
@@ -398,8 +400,9 @@ class Retention:
 
     async def _drop(self, segment: Segment, expired: Places, evicted: Places) -> bool:
         """Remove the segment's expired and evicted blocks; False if the segment is not to be deleted now."""
-        for places, counter in ((expired, self.metrics.expiries), (evicted, self.metrics.evictions)):
-            removed, complete = await self._remove_all(places)
+        for places, counter, reason in ((expired, self.metrics.expiries, "expired"),
+                                        (evicted, self.metrics.evictions, "evicted")):
+            removed, complete = await self._remove_all(places, reason)
             counter.inc(removed)
             if complete:
                 continue

@@ -296,7 +296,7 @@ class BlockStore:
 
     async def drop_corrupt(self, key: bytes, entry: Entry) -> None:
         log.warning("dropping corrupt block %s in segment %d at %d", self.key_digest(key), entry.segment, entry.offset)
-        await self.remove([key], only_at={key: (entry.segment, entry.offset)})
+        await self.remove([key], only_at={key: (entry.segment, entry.offset)}, reason="corrupt")
 
     # -- writes -----------------------------------------------------------------------------------
 
@@ -445,14 +445,21 @@ class BlockStore:
                                   new.record_len)
         self.metrics.bytes_written.inc(new.record_len)
 
-    async def remove(self, keys: Sequence[bytes], only_at: Places | None = None) -> list[tuple[bytes, Entry]]:
+    async def remove(self, keys: Sequence[bytes], only_at: Places | None = None,
+                     reason: str = "deleted") -> list[tuple[bytes, Entry]]:
         """Remove the blocks of `keys` (a key in `only_at` only while it is still at that place); returns
-        those removed. Raises IndexNoSpace: what earlier commits removed is accounted for all the same."""
+        those removed. `reason` (deleted, evicted, expired, corrupt) goes to the access log. Raises
+        IndexNoSpace: what earlier commits removed is accounted for all the same."""
         # Hashed keys are spread over every leaf page and a delete copies each page it touches, so in a
         # nearly full map one big delete would need a free copy of the tree: use small transactions.
         batch = 8 if len(keys) > 8 and self.index.fill_ratio() > INDEX_HIGH_FILL * 0.8 else 256
         removed = []
         for start in range(0, len(keys), batch):
+            if self.access_log is not None:  # before the commit, so that a crash never loses the line of a removal
+                chunk = keys[start : start + batch]
+                held = [(key, self.class_name(entry)) for key, entry in zip(chunk, self.index.get_many(chunk))
+                        if entry is not None]
+                self.access_log.write_through(self.now_ms(), "remove", held, reason)
             done = await self.commit(self.index.remove_op(keys[start : start + batch], only_at))
             for key, entry in done:
                 self.accounting.removed(key, entry)

@@ -10,6 +10,7 @@ import pytest
 
 from kvstore.proto import method, pb
 from kvstore.server.access_log import KEYS_PER_CALL
+from kvstore.server.key_digest import KeyDigest
 
 from .conftest import NS, client_for, items, raw_get, stats
 
@@ -35,3 +36,21 @@ def test_one_lookup_logs_at_most_its_cap_and_counts_the_rest(daemons, tmp_path):
     assert [line[4] for line in lookups[:5]] == ["hit"] * 4 + ["missing"]
     assert sum(1 for line in lines if line[1] == "get" and line[4] == "hit") == 4, "every other line is written"
     assert sum(1 for line in lines if line[1] == "put" and line[4] == "stored") == 4
+
+
+def test_a_removal_is_logged_before_it_commits_and_survives_kill_9(daemons, tmp_path):
+    """A removal's line is written through, not queued: after kill -9 the log still names the deleted block."""
+    log = tmp_path / "access.log"
+    daemon, = daemons(1, "--access-log", str(log), "--durability", "fsync")
+    stored = items(seed=2113, n=3)
+    with client_for(daemon) as client:
+        assert client.put(stored, NS.num_layers).stored == 3
+    with grpc.insecure_channel(daemon.address) as channel:
+        delete = channel.unary_unary(method("Delete"), pb.KeysRequest.SerializeToString, pb.CountResponse.FromString)
+        assert delete(pb.KeysRequest(keys=[stored[1][0].key, b"x" * 16]), timeout=10).count == 1
+    daemon.kill()
+    digest = KeyDigest(daemon.data_dir / "log-digest.key")
+    removes = [line.split("\t") for line in log.read_text().splitlines() if line.split("\t")[1] == "remove"]
+    assert [(line[2], line[4]) for line in removes] == [(digest(stored[1][0].key), "deleted")], \
+        "one line, for the block that was held, with why"
+    daemon.start()
