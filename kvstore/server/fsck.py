@@ -25,7 +25,18 @@ from kvstore.record import CorruptRecord, decode_header
 from kvstore.server.config import ServerConfig
 from kvstore.server.frames import FRAME_BYTES, FrameKeyDamaged, FrameKeyMissing, Frames
 from kvstore.server.index import Entry, Index, IndexDamaged, is_damage, structural_damage
-from kvstore.server.recovery import RebuildStats, drop_stale, rebuild_index, replace_damaged, set_aside, verify_entries
+from kvstore.server.recovery import (
+    REBUILDING,
+    RebuildStats,
+    begin_rebuild,
+    discard_unfinished,
+    drop_stale,
+    end_rebuild,
+    rebuild_index,
+    replace_damaged,
+    set_aside,
+    verify_entries,
+)
 from kvstore.server.segments import Segment, SegmentSet, scan, segment_files
 
 
@@ -104,6 +115,10 @@ def _check_index(index_dir: Path, segments: dict[int, Path], frames: Frames | No
     fds: dict[int, int] = {}
     try:
         report.index_used = _named_classes(env)
+        if _rebuild_unfinished(env):
+            report.problems.append("the index's last rebuild was cut short: it lacks records it must hold; "
+                                   + _REBUILD_ADVICE.format(data_dir=index_dir.parent))
+            return
         try:
             blocks = env.open_db(b"blocks", create=False)
         except lmdb.NotFoundError:  # created, never written
@@ -134,6 +149,15 @@ def _named_classes(env: lmdb.Environment) -> bool:
         return False
     with env.begin(db=meta) as txn:
         return any(key.startswith(b"class:") for key, _ in txn.cursor())
+
+
+def _rebuild_unfinished(env: lmdb.Environment) -> bool:
+    try:
+        meta = env.open_db(b"meta", create=False)
+    except lmdb.NotFoundError:
+        return False
+    with env.begin(db=meta) as txn:
+        return bool(txn.get(REBUILDING))
 
 
 def _check_unindexed(txn: lmdb.Transaction | None, segments: dict[int, Path], frames: Frames | None,
@@ -233,9 +257,12 @@ def _rebuild_locked(data_dir: Path) -> RebuildResult:
     except IndexDamaged as exc:
         aside = set_aside(index_dir, "damaged", exc)
         index = Index(index_dir, *sizes)
+    if index.meta(REBUILDING):  # a rebuild cut short: its part holds nothing the segments do not
+        index = discard_unfinished(index, index_dir, *sizes)
     segments = SegmentSet(data_dir / "segments", defaults.segment_bytes, fsync=True)
     try:
         segments.open_existing()
+        begin_rebuild(index)  # cut short, the next start (or fsck) rebuilds whole rather than trust a part
         try:
             _, stale = verify_entries(index, segments, {})
         except IndexDamaged as exc:
@@ -243,6 +270,7 @@ def _rebuild_locked(data_dir: Path) -> RebuildResult:
             stale = {}
         drop_stale(index, stale)
         _, stats = rebuild_index(index, segments)
+        end_rebuild(index)
     finally:
         for segment in list(segments.segments.values()):
             os.close(segment.fd)

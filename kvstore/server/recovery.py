@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -54,33 +55,69 @@ class RebuildStats:
                 f"by a newer copy or an existing entry, {self.unverified:,} failed verification)")
 
 
+REBUILDING = b"rebuilding"  # index meta key: set before a rebuild writes anything into the index, cleared once whole
+
+
 def open_index(path: Path, map_bytes: int, max_map_bytes: int, fsync: bool) -> tuple[Index, str]:
     """Open a daemon's index at start-up; returns it and why it must be rebuilt ("" when it need not).
 
-    A damaged index is moved aside to `index.damaged-<UTC time>` and a fresh one created in its place.
+    A damaged index is moved aside to `index.damaged-<UTC time>` and a fresh one created in its place; the part
+    of an index whose rebuild was cut short (a crash during start-up) is discarded, for it holds nothing the
+    segments do not. An index returned for a rebuild is marked so before anything is written into it (the
+    traffic classes a daemon names first included), so a crash at any point of the rebuild is seen at the next
+    start: a partial index trusted as whole would take every record it lacks for dead, segments included.
     Raises IndexUnavailable when the index cannot be opened and is not damaged (no space, no permission)."""
     try:
         index = Index(path, map_bytes, max_map_bytes, fsync)
     except IndexDamaged as exc:
         aside = set_aside(path, "damaged", exc)
         log.error("%s; moved it aside to %s (kept, never deleted) and rebuilding it from the segments", exc, aside)
-        return Index(path, map_bytes, max_map_bytes, fsync), f"the index was damaged and moved aside to {aside}"
+        return _fresh(path, map_bytes, max_map_bytes, fsync), f"the index was damaged and moved aside to {aside}"
+    if index.meta(REBUILDING):
+        return (discard_unfinished(index, path, map_bytes, max_map_bytes, fsync),
+                "a rebuild of the index was cut short (the daemon stopped during it)")
     # Every daemon names its traffic classes in the index as it opens it, so an index without them has
     # never been used: created just now because index/ was missing or emptied.
     if not index.classes() and not index.stat()["entries"]:
+        begin_rebuild(index)
         return index, "the index is missing or empty"
     return index, ""
 
 
+def discard_unfinished(index: Index, path: Path, map_bytes: int, max_map_bytes: int, fsync: bool) -> Index:
+    """A fresh index, marked for a rebuild, in place of one whose rebuild was cut short."""
+    index.close()
+    log.warning("the last rebuild of %s was cut short: discarding its part and rebuilding from the segments", path)
+    shutil.rmtree(path)
+    return _fresh(path, map_bytes, max_map_bytes, fsync)
+
+
+def begin_rebuild(index: Index) -> None:
+    """Mark the index as being rebuilt (durably, before the rebuild writes anything)."""
+    index.submit(index.set_meta_op(REBUILDING, b"1")).result()
+
+
+def end_rebuild(index: Index) -> None:
+    """The rebuild is whole: from now on the index is the proof that a record it lacks is dead."""
+    if index.meta(REBUILDING):
+        index.submit(index.set_meta_op(REBUILDING, b"")).result()
+
+
+def _fresh(path: Path, map_bytes: int, max_map_bytes: int, fsync: bool) -> Index:
+    index = Index(path, map_bytes, max_map_bytes, fsync)
+    begin_rebuild(index)
+    return index
+
+
 def replace_damaged(index: Index, path: Path, map_bytes: int, max_map_bytes: int, fsync: bool,
                     damage: IndexDamaged) -> tuple[Index, Path]:
-    """Close an index found damaged while reading it, move it aside and open a fresh one in its place;
-    returns the fresh one and where the damaged one went."""
+    """Close an index found damaged while reading it, move it aside and open a fresh one in its place (marked
+    for a rebuild); returns the fresh one and where the damaged one went."""
     with contextlib.suppress(Exception):  # a damaged environment may fail to sync; it is kept as it is
         index.close()
     aside = set_aside(path, "damaged", damage)
     log.error("%s; moved it aside to %s (kept, never deleted) and rebuilding it from the segments", damage, aside)
-    return Index(path, map_bytes, max_map_bytes, fsync), aside
+    return _fresh(path, map_bytes, max_map_bytes, fsync), aside
 
 
 def set_aside(index_dir: Path, why: str, cause: Exception | None = None) -> Path:
@@ -126,11 +163,13 @@ def reconcile(index: Index, segments: SegmentSet, rebuild_reason: str,
         live, stats = rebuild_index(index, segments, now_ms=now_ms)
         log.warning("index rebuilt in %.1f s: %s", time.perf_counter() - started, stats)
     elif stale:
+        begin_rebuild(index)  # cut short between the drop and the re-indexing, the next start rebuilds whole
         drop_stale(index, stale)
         found, _ = rebuild_index(index, segments, only=set(stale), now_ms=now_ms)
         if found:
             log.warning("re-indexed %d of the dropped keys from verified records found in the segments", len(found))
         live += found
+    end_rebuild(index)
     # After a rebuild every verifiable record has an entry, so a segment without one holds only superseded
     # copies or damage; with a trusted index, a record it lacks was deleted, evicted or expired
     # (docs/operations.md).

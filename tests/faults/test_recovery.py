@@ -128,6 +128,33 @@ def test_a_damaged_meta_page_is_reported_by_fsck_and_rebuilt_by_the_daemon(daemo
     assert check(daemon.data_dir).ok
 
 
+@pytest.mark.kills_daemons
+@pytest.mark.parametrize("nth", [1, 2, 3, 5])
+@pytest.mark.parametrize("rebuilder", ["daemon", "fsck --rebuild"])
+def test_a_rebuild_cut_short_by_a_crash_is_done_again_whole_and_deletes_no_segment(daemons, rebuilder, nth):
+    """Killed at its nth index commit (the mark of the rebuild, the traffic classes, the tenants, the entries):
+    the partial index is never trusted as whole, which would make every record it lacks dead."""
+    daemon, = daemons(1, *SMALL_SEGMENTS)
+    stored = fill(daemon)
+    assert daemon.stop() == 0
+    segments = segment_files(daemon.data_dir)
+    lose_index(daemon.data_dir, "deleted")
+    kill = {"KVSTORE_FAULTS": f"index.after_commit=kill@{nth}"}
+    if rebuilder == "daemon":
+        with pytest.raises(RuntimeError):  # killed during start-up: it never answers
+            daemon.start(extra_env=kill)
+    else:
+        cut = subprocess.run([sys.executable, "-m", "kvstore.cli", "fsck", "--rebuild", str(daemon.data_dir)],
+                             capture_output=True, text=True, timeout=60, env={**os.environ, **kill})
+        assert cut.returncode == -9
+        report = check(daemon.data_dir)
+        assert not report.ok and "cut short" in report.problems[0], "fsck tells a partial index from a whole one"
+    daemon.start()
+    assert segment_files(daemon.data_dir) == segments, "a segment holding verifiable records was deleted"
+    assert served_all(daemon, stored)
+    assert "rebuild of the index was cut short" in daemon.log() or "the index is missing" in daemon.log()
+
+
 @pytest.mark.parametrize("how", ["deleted", "damaged"])
 def test_fsck_rebuild_of_a_stopped_daemon_then_a_start_serves_everything(daemons, how):
     daemon, = daemons(1, *SMALL_SEGMENTS)
