@@ -25,7 +25,7 @@ from kvstore.record import build_record, decode_header
 from kvstore.server.config import ServerConfig
 from kvstore.server.frames import FRAME_BYTES, KEY_FILE
 from kvstore.server.fsck import check
-from kvstore.server.index import Entry
+from kvstore.server.index import Entry, Index
 from kvstore.server.outcomes import Miss, PutResult
 from kvstore.server.store import BlockStore
 from tests.kvstore.server.conftest import Clock, put_all, read_all, records
@@ -337,3 +337,27 @@ async def test_segments_that_lost_their_frame_key_are_set_aside_never_deleted_an
     await put_all(store, recs[:1])  # and the daemon goes on, with a key of its own
     assert await read_all(store, recs[0][0].key) == recs[0][3]
     assert (segments_dir / KEY_FILE).exists()
+
+
+async def test_an_entry_pointing_into_a_payload_at_a_well_formed_record_is_no_record(store_at, tmp_path):
+    """An index that points where a tenant's payload holds a whole, well-formed record of the key (a stale or
+    foreign index) is trusted no more than a scan would be: without the daemon's frame there, the entry is
+    dropped at start-up and `kvstore fsck` names it."""
+    clock = Clock()
+    store = await store_at(clock)
+    (victim, victim_header, _, _), = records(1, seed=9, namespace=NS_SMALL)
+    forged_payload = b"\xaa" * NS_SMALL.block_bytes
+    forged_header, _ = build_record(victim, forged_payload, NS_SMALL.num_layers, "chat")
+    (carrier, carrier_header, carrier_parsed, payload), = records(1, seed=10, namespace=NS)
+    inside = forged_header + forged_payload
+    await put_all(store, [(carrier, carrier_header, carrier_parsed, inside + payload[len(inside) :])])
+    entry = store.index.get(carrier.key)
+    await store.close()
+    index = Index(tmp_path / "data" / "index", 1 << 24, 1 << 30, fsync=True)
+    forged_entry = replace(entry, offset=entry.offset + entry.header_len, header_len=len(forged_header),
+                           payload_len=len(forged_payload), parent=victim.parent)
+    index.submit(index.put_op(victim.key, forged_entry)).result()
+    index.close()
+    assert any("no frame" in problem for problem in check(tmp_path / "data").problems)
+    store = await store_at(clock)
+    assert store.lookup([victim.key]) == 0 and store.lookup([carrier.key]) == 1
