@@ -9,9 +9,9 @@ it finds for a record because it checksums: it takes one only behind a frame the
 
 * kind RECORD: the record's header follows at once, and `length` is the record's (header and payload).
 * kind RESERVED: a place set aside for a record written as it arrives (`SegmentSet.place`), `length` bytes from
-  the frame on. It is written when the place is taken, before any payload byte, and the record's own frame
-  replaces it last; so after any process crash an unfinished place is skipped whole, and its payload is never
-  looked into.
+  the frame on. It goes to disk in the same write as the place's first payload bytes, ahead of them, and the
+  record's own frame replaces it last; so after a process crash an unfinished place is skipped whole, and its
+  payload is never looked into.
 * tag = keyed BLAKE2b-128 of (segment id, the frame's offset, kind, length, and for a record its whole header:
   the header commits to every layer's checksum). The key is made at a data directory's first start
   (`segments/frame.key`, 0600), never leaves the daemon and is never sent, so no tenant can compute a tag;

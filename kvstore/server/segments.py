@@ -208,8 +208,9 @@ class SegmentSet:
         stays open until its last placed record is finished. A place given up earlier in the open segment is
         taken again where the record fits in it, before the segment grows (`finish`).
 
-        The place's reservation frame is written before it is returned, so before any payload byte: whatever
-        the payload holds, a scan after a crash skips the whole place."""
+        The place's reservation frame goes to disk with its first payload bytes, in the same write
+        (`write_payload`): from then on, whatever the payload holds, a scan after a crash skips the whole
+        place; before it, the place holds nothing."""
         if not 0 < self.direct_min_bytes <= header_len + payload_len:
             return None
         header_pages, payload_pages = align_up(FRAME_BYTES + header_len), align_up(payload_len)
@@ -230,13 +231,6 @@ class SegmentSet:
                 except BaseException:
                     segment.writers -= 1
                     raise
-        try:
-            self._write_header_pages(placement, self.frames.reserved(
-                placement.segment.id, placement.frame_offset, placement.end - placement.frame_offset),
-                bytes(header_len))
-        except BaseException:
-            self.finish(placement, failed=True, given_up=True)  # the segment takes no more records, as after a
-            raise  # failed write
         return placement
 
     def _place_in_given_up(self, bucket_end: int, header_pages: int, header_len: int,
@@ -266,12 +260,18 @@ class SegmentSet:
         direct_fd = _placed_fd(placement)
         whole = len(view) - len(view) % ALIGN
         offset = placement.payload_offset + start
+        ahead: list[RecordBytes] = []
+        if start == 0:  # the place's reservation, in the same write as the first payload bytes (no extra I/O)
+            ahead = [self._header_pages(placement, self.frames.reserved(
+                placement.segment.id, placement.frame_offset, placement.end - placement.frame_offset),
+                bytes(placement.payload_offset - placement.offset))]
+            offset = placement.header_pages
         if whole and _address(view) % ALIGN == 0:
-            _write_all(direct_fd, [view[:whole]], offset)
-            view, offset = view[whole:], offset + whole
-        if len(view):
+            _write_all(direct_fd, [*ahead, view[:whole]], offset)
+            view, offset, ahead = view[whole:], offset + sum(map(len, ahead)) + whole, []
+        if len(view) or ahead:
             assert last or len(view) % ALIGN == 0
-            self._write_direct(direct_fd, [view], offset, refuse=True)
+            self._write_direct(direct_fd, [*ahead, view], offset, refuse=True)
 
     def write_header(self, placement: Placement, header: bytes) -> None:
         """Write the header and its frame over the place's reservation, after the whole payload: from now on the
@@ -283,9 +283,14 @@ class SegmentSet:
         faults.hit("segment.after_write")
 
     def _write_header_pages(self, placement: Placement, frame: bytes, header: bytes) -> None:
-        pages = placement.payload_offset - placement.header_pages
-        self._write_direct(_placed_fd(placement), [bytes(pages - len(frame) - len(header)), frame, header],
-                           placement.header_pages, refuse=True)
+        _write_all(_placed_fd(placement), [self._header_pages(placement, frame, header)], placement.header_pages)
+
+    @staticmethod
+    def _header_pages(placement: Placement, frame: bytes, header: bytes) -> mmap.mmap:
+        """The pages before a placed record's payload, in page-aligned memory: zeros, `frame`, `header`."""
+        pages = mmap.mmap(-1, placement.payload_offset - placement.header_pages)
+        pages[len(pages) - len(frame) - len(header) :] = frame + header
+        return pages
 
     def finish(self, placement: Placement, failed: bool = False, given_up: bool = False) -> None:
         """The placed record is written (or given up: then the segment takes no more records if `failed`, as

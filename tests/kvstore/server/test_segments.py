@@ -144,25 +144,33 @@ def test_segments_without_their_frame_key_cannot_be_opened_and_an_empty_director
         SegmentSet(tmp_path, 1 << 30, fsync=False)
 
 
-def test_a_place_is_reserved_on_disk_before_it_is_returned_and_its_record_frame_replaces_the_reservation(tmp_path):
-    """Before any payload byte, the place's frame already spans it whole (a scan after a crash jumps over it
-    without reading inside); the record's own frame and header replace it last."""
+@pytest.mark.parametrize("aligned", [True, False])
+def test_a_place_is_reserved_with_its_first_payload_bytes_and_its_record_frame_replaces_the_reservation(tmp_path,
+                                                                                                       aligned):
+    """The first payload bytes go to disk behind the place's frame, which spans it whole (a scan after a crash
+    jumps over it without reading inside); the record's own frame and header replace it last."""
     segments = SegmentSet(tmp_path, 1 << 30, fsync=False, direct_min_bytes=DIRECT_MIN)
     header, payload = record(1, 2 * DIRECT_MIN)
     placement = segments.place(100, len(header), len(payload))
     segment = placement.segment
+    assert not any(os.pread(segment.fd, FRAME_BYTES, placement.frame_offset)), "nothing before the first bytes"
+    buffer = mmap.mmap(-1, len(payload) + 1)  # page-aligned, or one byte off: through the staging buffer
+    view = memoryview(buffer)[(0 if aligned else 1) :][: len(payload)]
+    view[:] = payload
+    segments.write_payload(placement, 0, view[:DIRECT_MIN], last=False)
     frame = os.pread(segment.fd, FRAME_BYTES, placement.frame_offset)
     assert segments.frames.check_reserved(segment.id, placement.frame_offset, frame) == \
         placement.end - placement.frame_offset
     assert segments.frames.check_reserved(segment.id, placement.frame_offset + ALIGN, frame) is None, \
         "a reservation is bound to its place"
-    aligned = mmap.mmap(-1, len(payload))
-    aligned[:] = payload
-    segments.write_payload(placement, 0, memoryview(aligned), last=True)
+    assert os.pread(segment.fd, DIRECT_MIN, placement.payload_offset) == payload[:DIRECT_MIN]
+    assert list(segments.scan(segment)) == [], "a reserved place holds no record"
+    segments.write_payload(placement, DIRECT_MIN, view[DIRECT_MIN:], last=True)
     segments.write_header(placement, header)
     frame = os.pread(segment.fd, FRAME_BYTES, placement.frame_offset)
     assert segments.frames.check_reserved(segment.id, placement.frame_offset, frame) is None
     assert segments.frames.check_record(segment.id, placement.frame_offset, frame, header, len(header) + len(payload))
     assert [(offset, h.key) for offset, h in segments.scan(segment)] == [(placement.offset, decode_header(header).key)]
+    assert os.pread(segment.fd, len(payload), placement.payload_offset) == payload
     segments.finish(placement)
     segments.close()
