@@ -149,6 +149,9 @@ class SegmentSet:
         records = list(self.scan(segment))
         end = records[-1][0] + records[-1][1].record_len if records else 0
         if end < segment.size:
+            # what a crash left past the last whole record: a torn one, or places whose record never came
+            log.info("cut segment %d back from %d to %d bytes after its %d whole records", segment.id, segment.size,
+                     end, len(records))
             os.ftruncate(segment.fd, end)
             segment.size = end
         os.fsync(segment.fd)
