@@ -143,21 +143,21 @@ def _check_index(index_dir: Path, segments: dict[int, Path], frames: Frames | No
 
 def _named_classes(env: lmdb.Environment) -> bool:
     """Whether a daemon has used the index: each names its traffic classes in it as it opens it."""
-    try:
-        meta = env.open_db(b"meta", create=False)
-    except lmdb.NotFoundError:
-        return False
-    with env.begin(db=meta) as txn:
-        return any(key.startswith(b"class:") for key, _ in txn.cursor())
+    return any(key.startswith(b"class:") for key in _meta(env))
 
 
 def _rebuild_unfinished(env: lmdb.Environment) -> bool:
+    return bool(_meta(env).get(REBUILDING))
+
+
+def _meta(env: lmdb.Environment) -> dict[bytes, bytes]:
+    """The index's meta entries (a few: traffic classes, tenants, marks); none where it has no meta table."""
     try:
         meta = env.open_db(b"meta", create=False)
     except lmdb.NotFoundError:
-        return False
+        return {}
     with env.begin(db=meta) as txn:
-        return bool(txn.get(REBUILDING))
+        return {bytes(key): bytes(value) for key, value in txn.cursor()}
 
 
 def _check_unindexed(txn: lmdb.Transaction | None, segments: dict[int, Path], frames: Frames | None,

@@ -88,6 +88,8 @@ class Metrics:
         self.scrub_passes = Counter("kvstore_scrub_passes", "Scrub passes over the whole index completed",
                                     registry=r)
         self.expiries = Counter("kvstore_expiries", "Blocks dropped at the end of their TTL", registry=r)
+        self.maintenance_passes = Counter("kvstore_maintenance_passes", "Background passes (expiry, eviction, "
+                                          "compaction) completed", registry=r)
         self.compactions = Counter("kvstore_compactions", "Segments compacted or expired", ["reason"], registry=r)
         self.copied_forward = Counter("kvstore_copied_forward_bytes", "Live bytes copied by compaction", registry=r)
         self.disk_full = Counter("kvstore_disk_full", "Puts refused because the disk was full", registry=r)

@@ -226,6 +226,7 @@ class Retention:
             await self._compact(self.limit() * self.config.low_watermark)
             await self.hold_reserve()
             self.store.refresh_gauges()
+            self.metrics.maintenance_passes.inc()
 
     async def enforce_budget(self) -> None:
         """Once live records pass the high watermark, evict down to the low one (puts call it too)."""

@@ -49,6 +49,7 @@ from kvstore.server.key_digest import KeyDigest
 from kvstore.server.process import DaemonProcess
 from tests.clean_stop import stop_clean
 from tests.faults.conftest import raw_get, read_frame, stats
+from tests.waiting import wait_for
 
 MiB = 2**20
 KiB = 2**10
@@ -92,7 +93,7 @@ DEFAULT_STEPS = 300
 ATTACKS = ("embedded", "bare")  # the review's finding 1 (records inside a payload) and 2 (bare headers)
 KEYS_PER_GET = 64
 RPC_TIMEOUT_S = 30.0  # a hang guard only
-CAPACITY_GUARD_S = 10.0  # twenty background passes without the segment files shrinking
+CAPACITY_GUARD_PASSES = 20  # the daemon's background passes without the segment files shrinking
 
 
 @dataclass(frozen=True)
@@ -200,23 +201,32 @@ class Oracle:
                                  "logged no removal")
 
     def check_capacity(self, address: str, when: str, stalled: int) -> None:
-        """The segment files within the capacity and one segment, once the daemon's background pass (every
-        half second: expiry, eviction, compaction) has caught up: dead bytes go only there. The wait is for
-        that state; it gives up only once the files have stopped shrinking for CAPACITY_GUARD_S (on a busy
-        machine compaction lags, but it makes progress). A segment with a record still being written into it
-        is never compacted (docs/design.md section 5), so each stalled put open may hold one more."""
+        """The segment files within the capacity and one segment, once the daemon's background passes
+        (expiry, eviction, compaction: dead bytes go only there) have caught up. It waits for that state, and
+        gives up only once the files have stopped shrinking over CAPACITY_GUARD_PASSES passes (counted by the
+        daemon, not timed: on a busy machine compaction lags, but makes progress). A segment with a record
+        still being written into it is never compacted (docs/design.md section 5), so each stalled put open may
+        hold one more."""
         bound = CAPACITY + (1 + stalled) * SEGMENT_BYTES
-        smallest, deadline = float("inf"), 0.0
-        while (disk := stats(address).value("kvstore_disk_bytes")) > bound:
+        smallest, since = float("inf"), 0.0
+
+        def settled() -> bool:
+            nonlocal smallest, since
+            now = stats(address)
+            disk, passes = now.value("kvstore_disk_bytes"), now.value("kvstore_maintenance_passes_total")
+            if disk <= bound:
+                return True
             if disk < smallest:
-                smallest, deadline = disk, time.monotonic() + CAPACITY_GUARD_S
-            elif time.monotonic() > deadline:
-                live = stats(address).value("kvstore_live_bytes")
-                self.over_capacity.append(f"{when}: {disk:.0f} bytes of segments ({live:.0f} live) with {stalled} "
-                                          f"stalled puts open, more than the capacity {CAPACITY} and "
-                                          f"{1 + stalled} segments, and not shrinking for {CAPACITY_GUARD_S:g} s")
-                return
-            time.sleep(0.05)
+                smallest, since = disk, passes
+                return False
+            if passes - since < CAPACITY_GUARD_PASSES:
+                return False
+            self.over_capacity.append(f"{when}: {disk:.0f} bytes of segments ({now.value('kvstore_live_bytes'):.0f} "
+                                      f"live) with {stalled} stalled puts open, more than the capacity {CAPACITY} "
+                                      f"and {1 + stalled} segments, and not shrinking over "
+                                      f"{CAPACITY_GUARD_PASSES} background passes")
+            return True
+        wait_for(settled, "the daemon's background passes catching up with the capacity", timeout_s=600)
 
 
 # -- talking to the daemon --------------------------------------------------------------------------
