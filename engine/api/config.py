@@ -54,6 +54,10 @@ class ApiConfig:
     # Speculative decoding (DecodeConfig.speculative): n-gram drafts verified on the DSpark schedule, lossless;
     # its SPS profile is measured at the first start on a machine and cached
     speculative: bool = True
+    # The SPS profile: a verifying forward's seconds at each B of engine.speculative.profile.GRID (1, 2, 4 ...
+    # 192 tokens), as an earlier measurement on this machine gave them (its cached file's "seconds"); none: the
+    # cached one, else measured at start-up (a few seconds alone, more on a loaded machine)
+    sps_profile: tuple[float, ...] | None = None
     # The prefill's chunk cost model, a,b,c of engine.prefill.cost.ChunkCost, from an earlier fit on this
     # machine as the start-up line prints it; none: fitted at start-up by timing forwards (about 20 s on 2
     # cores, more on a loaded machine)
@@ -132,6 +136,14 @@ class ApiConfig:
                                             or not self.chunk_cost[0] + self.chunk_cost[1] > 0):
             raise ValueError(f"ApiConfig: chunk_cost takes three numbers A,B,C, seconds-coefficients a, b, c >= 0 "
                              f"with a + b > 0, got {self.chunk_cost}")
+        if self.sps_profile is not None:
+            from engine.speculative.profile import GRID, SpsProfile
+
+            try:
+                object.__setattr__(self, "sps_profile", SpsProfile(GRID, tuple(self.sps_profile)).seconds)
+            except ValueError as exc:
+                raise ValueError(f"ApiConfig: sps_profile takes {len(GRID)} seconds, one per B of {GRID}, "
+                                 f"non-decreasing: {exc}") from None
         if self.fair_reserve is not None and not 0 <= self.fair_reserve < self.max_running:
             raise ValueError(f"ApiConfig: fair_reserve must lie in [0, max_running), got {self.fair_reserve}")
         if not 1 <= self.max_connections_per_client <= self.max_connections:
@@ -160,8 +172,8 @@ COMMAND = Command(ApiConfig, "kvstore-api", "The HTTP API server: OpenAI Chat Co
                   "Messages, over the engines.", "KVSTORE_API_",
                   aliases={"api_keys": "api_key", "metrics_keys": "metrics_key"},
                   metavars={"model": "DIR", "servers": "HOST:PORT,...", "api_keys": "KEY=TENANT",
-                            "metrics_keys": "KEY", "chunk_cost": "A,B,C", "idle_s": "CLASS=DURATION,...",
-                            "vision": "PRESET", "vision_encoder": "HOST:PORT"})
+                            "metrics_keys": "KEY", "chunk_cost": "A,B,C", "sps_profile": "SECONDS,...",
+                            "idle_s": "CLASS=DURATION,...", "vision": "PRESET", "vision_encoder": "HOST:PORT"})
 
 
 def parse_args(argv: Sequence[str] | None = None, prog: str = "kvstore-api",

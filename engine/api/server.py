@@ -343,6 +343,7 @@ def build(config: ApiConfig) -> Service:
     from engine.prefill.cost import ChunkCost
     from engine.prefill.engine import stored_block_bytes
     from engine.serving.loop import ServingLoop
+    from engine.speculative.profile import GRID, ObservedSps, SpsProfile
     from engine.text.real_text import stop_token_ids
 
     folder, tokenizer = load_real_model() if config.model is None else (config.model, load_tokenizer(config.model))
@@ -369,9 +370,13 @@ def build(config: ApiConfig) -> Service:
                 advising.submit(prefill.prefetch, blocks)
 
         advisor = Advisor(advise, config.idle_s)
+    # a given SPS profile is corrected by the engine's timed forwards as a measured one is; none: the decode
+    # engine loads or measures its own
+    sps = ObservedSps(SpsProfile(GRID, config.sps_profile)) if config.sps_profile else None
     runner = ServingLoop(prefill.model, prefill, DecodeConfig(max_running=config.max_running,
                                                               detokenize=tokenizer.decode,
-                                                              speculative=config.speculative))
+                                                              speculative=config.speculative,
+                                                              sps=sps))
     encoder = PromptEncoder(folder, config.tokenize_workers)
     return Service(runner, tokenizer, encoder, sorted(stop_token_ids(tokenizer)), advisor, config.max_in_flight,
                    config.max_in_flight_per_tenant, FairGate(config.max_running, config.reserve),

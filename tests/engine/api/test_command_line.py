@@ -39,7 +39,9 @@ def test_options_reach_the_config():
     assert (config.block_tokens, config.max_running, config.kv_pages, config.tokenize_workers) == (32, 4, 9, 1)
     assert config.chunk_cost == (1.0, 2.0, 0.0)
     assert config.metrics_keys == ("ops",) and config.reserve == 1
-    assert config.speculative  # on by default
+    assert config.speculative and config.sps_profile is None  # on by default, its profile measured or cached
+    profile = ",".join(str(0.01 * (i + 1)) for i in range(9))
+    assert parse_args(["--sps-profile", profile]).sps_profile == tuple(0.01 * (i + 1) for i in range(9))
     assert parse_args(["--speculative"]).speculative and not parse_args(["--no-speculative"]).speculative
 
 
@@ -47,6 +49,9 @@ def test_options_reach_the_config():
     (["--api-key", "no-tenant"], "--api-key takes KEY=TENANT"),
     (["--chunk-cost", "1,2"], "three numbers"),
     (["--max-running", "0"], "max_running must be >= 1"),
+    (["--sps-profile", "0.1,0.2"], "sps_profile takes 9 seconds"),  # one per B of the grid
+    (["--sps-profile", "0.2,0.1,0.3,0.4,0.5,0.6,0.7,0.8,0.9"], "non-decreasing"),
+    (["--sps-profile", "0,0.1,0.3,0.4,0.5,0.6,0.7,0.8,0.9"], "positive"),
     (["--port", "70000"], "port must lie in"),
     (["--max-running", "4", "--fair-reserve", "4"], "fair_reserve must lie in"),
 ])

@@ -20,7 +20,8 @@ def test_a_reply_is_the_engines_greedy_reply_with_usage(served):
     reply = served.openai().chat.completions.create(model="gemma-3-270m", messages=QUESTION, max_tokens=8,
                                                      temperature=0)
     ids = encode_chat(tokenizer, QUESTION)
-    engine = DecodeEngine(runner.prefill.model, None, DecodeConfig(kv_pages=16))
+    # without speculation: the served reply (speculative) must be the plain greedy one; nor is a profile measured
+    engine = DecodeEngine(runner.prefill.model, None, DecodeConfig(kv_pages=16, speculative=False))
     engine.submit(DecodeRequest(ids, SamplingParams(max_tokens=8)))
     (expected,) = engine.run()
     assert reply.choices[0].message.content == tokenizer.decode(expected.tokens)
