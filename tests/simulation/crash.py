@@ -519,6 +519,7 @@ class Simulation:
 
     def _records(self, tenant: Tenant, blocks: list[Block]) -> list[Record]:
         traffic_class = self.rng.choices(list(CLASSES), list(CLASSES.values()))[0]
+        self.doing += f" ({traffic_class})"
         for block in blocks:
             self.oracle.know(block.key, tenant.name)
         return [build_record(block, payload_of(block.key), LAYOUT.num_layers, traffic_class) for block in blocks]
@@ -630,10 +631,12 @@ class Simulation:
 def run_seed(seed: int, steps: int = DEFAULT_STEPS, progress: bool = False, keep: bool = False,
              attacks: tuple[str, ...] = ATTACKS, trace: bool = False) -> Result:
     workdir = Path(tempfile.mkdtemp(prefix=f"crash-sim-{seed}-"))
+    result: Result | None = None
     try:
-        return Simulation(seed, steps, workdir, progress, attacks, trace).run()
+        result = Simulation(seed, steps, workdir, progress, attacks, trace).run()
+        return result
     finally:
-        if keep:
+        if keep or result is None or result.failed:  # a failing seed's evidence is always kept
             print(f"kept {workdir}")
         else:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -658,7 +661,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1, help="the seed (with --seconds, the first of successive ones)")
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="operations per seed")
     parser.add_argument("--seconds", type=float, help="run successive seeds until this much time has passed")
-    parser.add_argument("--keep", action="store_true", help="keep each seed's data directory and logs")
+    parser.add_argument("--keep", action="store_true", help="keep each seed's data directory and logs (a failing seed's is always kept)")
     parser.add_argument("--trace", action="store_true", help="print every operation and daemon life event")
     parser.add_argument("--attacks", default=",".join(ATTACKS),
                         help=f"the attacker's hostile puts, of {','.join(ATTACKS)} (empty: none; a control run)")
