@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import faulthandler
 import logging
 import os
 import resource
@@ -128,6 +129,7 @@ async def serve(config: ServerConfig, stop: asyncio.Event | None = None) -> None
             pass
     if config.exit_on_stdin_eof:
         watch_stdin(lambda: loop.call_soon_threadsafe(stop.set))
+    report_stacks_on_signals(loop)
     maintenance = asyncio.create_task(store.retention.run())
     promotion = asyncio.create_task(store.promoter.run())
     scrub = asyncio.create_task(Scrubber(store, config, metrics).run())
@@ -158,6 +160,24 @@ async def serve(config: ServerConfig, stop: asyncio.Event | None = None) -> None
             raise ShutdownError(f"stopped, but {config.data_dir} was not closed cleanly ({exc}); "
                                 f"check it with `kvstore fsck {config.data_dir}` before the next start") from None
         log.info("stopped cleanly")
+
+
+def report_stacks_on_signals(loop: asyncio.AbstractEventLoop) -> None:
+    """Where a daemon that does not stop hangs: SIGUSR1 prints every thread's stack to stderr (from C, so even
+    while the event loop is blocked), SIGUSR2 logs every asyncio task's (a task waiting forever leaves the loop
+    thread idle in its poll, and only the tasks' stacks say on what)."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+    def log_tasks() -> None:
+        for task in asyncio.all_tasks(loop):
+            # by hand: Task.print_stack fails on a frame without a line number (one of uvloop's)
+            frames = "\n".join(f"  {frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
+                                for frame in task.get_stack())
+            log.warning("asyncio task %r:\n%s", task, frames)
+    try:
+        loop.add_signal_handler(signal.SIGUSR2, log_tasks)
+    except (NotImplementedError, RuntimeError):  # not the main thread (tests)
+        pass
 
 
 def announce_data_dir(config: ServerConfig) -> None:

@@ -91,11 +91,24 @@ class DaemonProcess:
                 try:
                     return self.proc.wait(timeout=timeout_s)
                 except subprocess.TimeoutExpired:
+                    self.report_stacks()
                     self.kill()
                     raise
             return self.proc.returncode if self.proc else 0
         finally:
             self._close_stdin()
+
+    def report_stacks(self) -> None:
+        """Have the daemon write where its threads and asyncio tasks are into its log (kvstore.server.main,
+        report_stacks_on_signals): for a daemon about to be killed because it did not stop."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        for sig in (signal.SIGUSR2, signal.SIGUSR1):
+            self.proc.send_signal(sig)
+        try:
+            self.proc.wait(timeout=2)  # time to write the stacks; it is killed next either way
+        except subprocess.TimeoutExpired:
+            pass
 
     def _close_stdin(self) -> None:
         if self.proc and self.proc.stdin and not self.proc.stdin.closed:

@@ -52,6 +52,7 @@ from tests.faults.conftest import raw_get, read_frame, stats
 from tests.waiting import wait_for
 
 MiB = 2**20
+STOP_HANG_S = 60.0  # a graceful stop takes ~5 s at most (the RPCs' grace); far past it, the daemon hangs
 KiB = 2**10
 
 # -- the world --------------------------------------------------------------------------------------
@@ -462,7 +463,13 @@ class Simulation:
         """End this life: SIGKILL, or SIGTERM and a graceful stop; a daemon a fault point killed is a crash."""
         if how == "stop" and self._alive():
             self._close_connections()  # first: a graceful stop would wait for the stalled puts
-            code = self.daemon.stop()
+            try:
+                code = self.daemon.stop(timeout_s=STOP_HANG_S)
+            except subprocess.TimeoutExpired:  # killed, after it wrote its stacks into its log
+                self.result.problems.append(f"{self._when()}: a graceful stop did not end in {STOP_HANG_S:.0f} s; "
+                                            f"the daemon's threads and tasks are in {self.daemon.log_path}")
+                self.result.crashes += 1
+                return
             if code == 0:
                 self._event(f"stopped at {self._when()}")
                 return

@@ -45,3 +45,12 @@ def test_the_end_of_stdin_is_a_graceful_shutdown(tmp_path):
         assert "stopped cleanly" in daemon.log()
     finally:
         daemon.kill()
+
+
+def test_a_daemon_tells_where_its_threads_and_tasks_are_and_serves_on(daemons):
+    # what DaemonProcess.stop asks of a daemon that does not stop, before it kills it
+    (daemon,) = daemons(1)
+    daemon.report_stacks()
+    wait_for(lambda: "asyncio task" in daemon.log() and "most recent call first" in daemon.log(),
+             "the daemon's thread and task stacks in its log")
+    assert daemon.proc.poll() is None  # neither signal stops it: it is stopped cleanly at the test's end
