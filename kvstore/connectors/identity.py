@@ -17,6 +17,8 @@ is the bytes stored under exactly this identity. A leading run of keys is looked
 
 from __future__ import annotations
 
+import os
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -63,6 +65,9 @@ class EngineIdentity:
 
 
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")  # the checkpoint formats engines load
+# what a checkpoint digest starts from: it names the encoding (each file's name and length, then its bytes),
+# apart from the one before it (the files' bytes run together)
+CHECKPOINT_DIGEST = b"kvstore checkpoint v2\0"
 
 
 def checkpoint_identity(folder: Path | str) -> str:
@@ -71,8 +76,10 @@ def checkpoint_identity(folder: Path | str) -> str:
     or path (a fine-tune replacing a directory, another revision) get different identities, so never each
     other's KV.
 
-    Reads every weight byte once (about 0.3 s a GB with xxh3); this project's engine and the connectors
-    name a model this way, so a vLLM and an engine/prefill serving the same folder agree."""
+    Each file enters the digest as its name and its length (length-prefixed) before its bytes, so the same
+    bytes cut into other files, or under other names (another format, a config run on into a weight file), are
+    another checkpoint. Reads every weight byte once (about 0.3 s a GB with xxh3); this project's engine and the
+    connectors name a model this way, so a vLLM and an engine/prefill serving the same folder agree."""
     folder = Path(folder)
     config = folder / "config.json"
     if not config.is_file():
@@ -82,11 +89,19 @@ def checkpoint_identity(folder: Path | str) -> str:
     if not weights:
         raise ValueError(f"{folder} holds no weight file ({', '.join(WEIGHT_FILES)}): its config alone would name "
                          "two checkpoints alike; name the model's identity explicitly (model_id) instead")
-    digest = xxhash.xxh3_128()
+    digest = xxhash.xxh3_128(CHECKPOINT_DIGEST)
     for file in [config, *weights]:
+        name = file.name.encode()
         with open(file, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            digest.update(struct.pack("<I", len(name)) + name + struct.pack("<Q", size))
+            read = 0
             while chunk := f.read(16 * 2**20):
                 digest.update(chunk)
+                read += len(chunk)
+        if read != size:  # the length hashed must be the bytes hashed, or two cuts could meet again
+            raise ValueError(f"{file} changed while its digest was taken ({size} bytes, then {read}); "
+                             "name the model once it is written")
     return f"{folder.resolve().name}@{digest.hexdigest()[:16]}"
 
 
@@ -96,6 +111,8 @@ def model_identity(model: str | None, model_id: object = None, where: str = "mod
     model folder; else ValueError naming the setting (`where`) to give. Never the engine's bare name: two
     checkpoints served under one name or path would share keys."""
     if model_id:
+        if "\0" in str(model_id):  # it would end where the namespace's qualifiers begin (vllm_groups)
+            raise ValueError(f"{where} may not hold a NUL character")
         return str(model_id)
     if model and Path(model).is_dir():
         return checkpoint_identity(model)

@@ -32,7 +32,7 @@ hybrid such as Gemma 3 under vLLM's hybrid KV-cache manager (this connector is `
 window layers of the last blocks of each prompt, exactly what a resume at its end reads. With the hybrid
 manager off (`--disable-hybrid-kv-cache-manager`) every layer is stored whole, for every block. A
 block's payload is layer-major, each layer's page as the attention backend keeps it; the page layout is
-part of the namespace. Tensor parallel rank r of n keeps its own blocks (`model_id#tp<r>/<n>`).
+part of the namespace. Tensor parallel rank r of n keeps its own blocks (qualifier `tp`: `vllm_groups.namespaces`).
 Pipeline parallelism, multimodal, LoRA and prompt-embedding requests are refused (the first at start-up,
 the others are never loaded or saved): their KV is not a function of the token ids in this layout.
 

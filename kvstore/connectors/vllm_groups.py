@@ -26,6 +26,7 @@ two never meet.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -160,18 +161,38 @@ def namespaces(groups: StoredGroups, model_id: str, tenant: str, cache_salt: str
                world: int, codec: str = RAW) -> Namespaces:
     """A request's namespaces. The operator's tenant is the namespace's salt (the block's owner, what a
     store token is scoped to); a request's `cache_salt` keys its blocks apart within that tenant, through
-    the model identity, so a caller's salt can never name another deployment's tenant."""
-    identity = model_id if groups.page == PAGE_NHD else f"{model_id}|page={groups.page}"
+    the model identity, so a caller's salt can never name another deployment's tenant.
+
+    The model identity (`qualified_identity`) is `model_id` alone where nothing qualifies it (the engine's own
+    page layout, one rank, no caller salt: the chain this project's prefill engine keys too), else `model_id`
+    and its qualifiers as structured data, never spliced into text: an operator's model_id is free text, and
+    one that spelled a qualifier would otherwise name another deployment's namespace."""
+    qualifiers: dict[str, object] = {}
+    if groups.page != PAGE_NHD:
+        qualifiers["page"] = groups.page
     if world > 1:  # a rank of TP=n holds 1/n of the heads: its own blocks
-        identity = f"{identity}#tp{rank}/{world}"
+        qualifiers["tp"] = [rank, world]
     if cache_salt:
-        identity = f"{identity}|cache_salt={xxhash.xxh3_128_hexdigest(cache_salt.encode())}"
-    full = Namespace(identity, groups.layout(len(groups.full_layers), codec), groups.block_tokens, tenant)
+        qualifiers["cache_salt"] = xxhash.xxh3_128_hexdigest(cache_salt.encode())
+    full = Namespace(qualified_identity(model_id, qualifiers), groups.layout(len(groups.full_layers), codec),
+                     groups.block_tokens, tenant)
     window = None
     if groups.hybrid:
-        window = Namespace(f"{identity}|window={groups.window_tokens}",
+        window = Namespace(qualified_identity(model_id, {**qualifiers, "window": groups.window_tokens}),
                            groups.layout(len(groups.window_layers), codec), groups.block_tokens, tenant)
     return Namespaces(full, window)
+
+
+def qualified_identity(model_id: str, qualifiers: dict[str, object]) -> str:
+    """`model_id` where `qualifiers` is empty; else `model_id`, a NUL and the compact JSON (sorted keys) of the
+    qualifiers. A model_id holds no NUL (ValueError), so the first NUL ends it and JSON keeps the qualifiers
+    apart: two different (model_id, qualifiers) never give one identity."""
+    if "\0" in model_id:
+        raise ValueError("a model identity may not hold a NUL character: it separates the model_id from what "
+                         "qualifies it")
+    if not qualifiers:
+        return model_id
+    return model_id + "\0" + json.dumps(qualifiers, sort_keys=True, separators=(",", ":"))
 
 
 def pages_of(block_ids: Sequence[Sequence[int]], groups: StoredGroups, layers: Sequence[str],

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import xxhash
 
 from kvstore.connectors.identity import checkpoint_identity
 from kvstore.connectors.vllm_groups import PAGE_CPU, PAGE_NHD, StoredGroups, namespaces
@@ -69,6 +70,48 @@ def test_page_layout_rank_and_window_are_in_the_namespace():
     window = {namespaces(_groups(window_tokens=w), "m", "", None, 0, 1).window.digest for w in (512, 1024)}
     assert len(window) == 2
     assert cpu.page_shape() == (1, 128, 512) and nhd.page_shape() == (2, 128, 1, 256)
+
+
+def test_a_model_id_that_spells_a_qualifier_names_no_other_deployments_namespace():
+    """An operator's model_id is free text: one that holds what a rank, a caller's salt or the window chain
+    would append must still name a namespace of its own, else one deployment reads another's KV."""
+    nhd = _groups(page=PAGE_NHD, window_tokens=0)
+    # a hybrid of as many window layers as full ones: its two chains' layouts are alike
+    hybrid = StoredGroups(("l0", "l2"), ("l1", "l3"), {"l0": 0, "l1": 1, "l2": 0, "l3": 1}, 1, 256, "bfloat16",
+                          128, 512, PAGE_NHD)
+    rank = namespaces(nhd, "m", "t", None, 0, 2).full
+    salted = namespaces(nhd, "m", "t", "caller", 0, 1).full
+    window = namespaces(hybrid, "m", "t", None, 0, 1).window
+    cpu = namespaces(_groups(page=PAGE_CPU, window_tokens=0), "m", "t", None, 0, 1).full
+    spelled = {rank: "m#tp0/2", window: "m|window=512", cpu: "m|page=cpu_attn",
+               salted: f"m|cache_salt={xxhash.xxh3_128_hexdigest(b'caller')}"}
+    for qualified, model_id in spelled.items():
+        plain = namespaces(hybrid if qualified is window else nhd, model_id, "t", None, 0, 1).full
+        assert plain.digest != qualified.digest, model_id
+    # a model_id that spells one qualifier, under another: not the model qualified by both
+    assert (namespaces(nhd, "m#tp0/2", "t", "caller", 0, 1).full.digest
+            != namespaces(nhd, "m", "t", "caller", 0, 2).full.digest)
+    with pytest.raises(ValueError, match="NUL"):
+        namespaces(nhd, "m\0x", "t", None, 0, 1)
+
+
+def test_the_checkpoint_identity_tells_files_apart_by_name_and_length(tmp_path):
+    """The same bytes cut into other files, or under other names, are another checkpoint (a config padded
+    into a weight file, a shard split elsewhere): each file enters the digest with its name and length."""
+    def checkpoint(where: str, files: dict[str, bytes]) -> str:
+        folder = tmp_path / where / "model"
+        folder.mkdir(parents=True)
+        for name, data in files.items():
+            (folder / name).write_bytes(data)
+        return checkpoint_identity(folder)
+
+    config = b'{"model_type": "gemma3_text"}'
+    base = checkpoint("base", {"config.json": config, "a.safetensors": b"xy", "b.safetensors": b"z"})
+    assert checkpoint("split", {"config.json": config, "a.safetensors": b"x", "b.safetensors": b"yz"}) != base
+    assert checkpoint("renamed", {"config.json": config, "a.safetensors": b"xy", "c.safetensors": b"z"}) != base
+    assert checkpoint("format", {"config.json": config, "a.bin": b"xy", "b.safetensors": b"z"}) != base
+    assert checkpoint("config", {"config.json": config + b"x", "a.safetensors": b"y", "b.safetensors": b"z"}) != base
+    assert checkpoint("again", {"config.json": config, "a.safetensors": b"xy", "b.safetensors": b"z"}) == base
 
 
 def test_the_checkpoint_identity_follows_every_weight_byte(tmp_path):
