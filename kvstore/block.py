@@ -166,16 +166,27 @@ class Namespace:
     __slots__ = ("model_id", "layout", "block_tokens", "digest", "tenant", "codec")
 
     def __init__(self, model_id: str, layout: KVLayout, block_tokens: int, salt: bytes | str = b"") -> None:
-        if not model_id:
-            raise ValueError("Namespace.model_id must be a non-empty model identity, e.g. 'Qwen/Qwen3-8B@rev'")
-        if block_tokens < 1:
-            raise ValueError(f"Namespace.block_tokens must be >= 1, got {block_tokens}")
         salt_bytes = salt.encode() if isinstance(salt, str) else bytes(salt)
         # The salt enters only through its own digest, so the namespace digest reveals nothing of it. That
         # digest is the tenant: daemons scope tokens to it and keep it with every block.
         self._set(model_id, layout, block_tokens, tenant_of(salt_bytes))
 
+    @classmethod
+    def of_tenant(cls, model_id: str, layout: KVLayout, block_tokens: int, tenant: bytes) -> Namespace:
+        """The namespace of the tenant whose salt's digest is `tenant` (`tenant_of`): the one made from the salt.
+        A process that is sent the tenant, never the salt (a decode instance, the vision encoder), keys with
+        this, so the salt never leaves the process that holds it."""
+        if not isinstance(tenant, bytes | bytearray) or len(tenant) != KEY_BYTES:
+            raise ValueError(f"a tenant is {KEY_BYTES} bytes (tenant_of(salt)), got {tenant!r:.40}")
+        space = object.__new__(cls)
+        space._set(model_id, layout, block_tokens, bytes(tenant))
+        return space
+
     def _set(self, model_id: str, layout: KVLayout, block_tokens: int, tenant: bytes) -> None:
+        if not model_id:
+            raise ValueError("Namespace.model_id must be a non-empty model identity, e.g. 'Qwen/Qwen3-8B@rev'")
+        if block_tokens < 1:
+            raise ValueError(f"Namespace.block_tokens must be >= 1, got {block_tokens}")
         self.model_id = model_id
         self.layout = layout
         self.block_tokens = block_tokens

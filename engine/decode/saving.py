@@ -94,7 +94,7 @@ class ReplySaver:
         request = chain.result.request
         return PrefillRequest(list(tokens), request.salt, request.traffic_class, request.session_id,
                               request.namespace, request.turn, exact=chain.exact, from_handoff=True,
-                              images=request.images)
+                              images=request.images, tenant=request.tenant)
 
     def resumed(self, chain: ReplyChain, result: PrefillResult) -> None:
         """The prefill that resumed a preempted sequence saved its blocks in the chain its KV came from."""

@@ -62,7 +62,7 @@ from engine.text.token_ids import checked_token_ids
 from engine.window.keeper import REPLAY, WindowKeeper, WindowPlan
 from engine.window.replay import REPLAYED_SUFFIX, replayed_namespace
 from engine.window.tier import WindowTier
-from kvstore.block import Block, KVLayout, Namespace, identity_tokens, image_safe_prefix
+from kvstore.block import Block, KVLayout, Namespace, identity_tokens, image_safe_prefix, tenant_of
 from kvstore.client import StoreClient
 from kvstore.client.assembly import Buffer
 from kvstore.client.loading import LoadCancelled, LoadHandle
@@ -163,7 +163,7 @@ class PrefillEngine:
                                     config.store_windows, config.replay_tokens, config.replay_min_prefix_factor,
                                     ) if mc.sliding_layers else None
         self._full_index = {layer: i for i, layer in enumerate(mc.full_layers)}
-        self._namespaces: OrderedDict[str, Namespace] = OrderedDict()
+        self._namespaces: OrderedDict[bytes, Namespace] = OrderedDict()
         self._queue: list[_Active] = []  # submitted, waiting for KV pages
         self._active: dict[int, _Active] = {}  # admitted, oldest first
         self._ids = itertools.count()
@@ -197,10 +197,13 @@ class PrefillEngine:
         """Payload bytes of one stored block (the client's host tier slot size)."""
         return stored_block_bytes(self.model, self.block_tokens, self.config.kv_codec)
 
-    def namespace(self, salt: str = "") -> Namespace:
-        space = self._namespaces.get(salt)
+    def namespace(self, salt: str = "", tenant: bytes | None = None) -> Namespace:
+        """This model's namespace in the tenant of `salt`, or in `tenant` (tenant_of(salt)) where given."""
+        tenant = tenant_of(salt) if tenant is None else tenant
+        space = self._namespaces.get(tenant)
         if space is None:
-            space = self._namespaces[salt] = Namespace(self.model_id, self.layout, self.block_tokens, salt)
+            space = self._namespaces[tenant] = Namespace.of_tenant(self.model_id, self.layout, self.block_tokens,
+                                                                   tenant)
             if len(self._namespaces) > 1024:
                 self._namespaces.popitem(last=False)
         return space
@@ -213,7 +216,8 @@ class PrefillEngine:
         `namespace`, else its salt's) for exact KV, or that namespace's replayed twin (model identity +
         REPLAYED_SUFFIX) for KV that descends from a bounded replay (`PrefillResult.exact` False)."""
         if namespace is None:
-            namespace = request.namespace if request.namespace is not None else self.namespace(request.salt)
+            namespace = (request.namespace if request.namespace is not None
+                         else self.namespace(tenant=request.tenant_digest()))
         return namespace if exact else replayed_namespace(namespace)
 
     def save_blocks(self, blocks: Sequence[Block], pages: Sequence[int], request: PrefillRequest,
@@ -263,7 +267,13 @@ class PrefillEngine:
         pages = -(-len(tokens) // self.block_tokens)
         if pages > self.pool.num_pages:
             raise PrefillError(f"prompt needs {pages} KV pages; the engine has {self.pool.num_pages}")
-        namespace = self.namespace(request.salt)
+        if request.tenant is not None:
+            if not isinstance(request.tenant, bytes) or len(request.tenant) != 16:
+                raise PrefillError("a request's tenant is 16 bytes (kvstore.block.tenant_of of its salt), got "
+                                   f"{request.tenant!r:.40}")
+            if request.salt:
+                raise PrefillError("a request names its tenant by its salt or by its tenant, not by both")
+        namespace = self.namespace(tenant=request.tenant_digest())
         if request.namespace is not None:
             given = request.namespace
             # the digest too: a namespace object whose fields were changed after it was built must not pass

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.model.kv import RequestKV
-from kvstore.block import Block, ImageSpan, Namespace, identity_tokens
+from kvstore.block import Block, ImageSpan, Namespace, identity_tokens, tenant_of
 
 # How a request's prefix was obtained.
 COLD = "cold"  # the store held nothing of it
@@ -62,6 +62,13 @@ class PrefillRequest:
     hand_off: bool = False
     from_handoff: bool = False
     images: tuple[PromptImage, ...] = ()  # in prompt order; their placeholders are ordinary token ids in `tokens`
+    # The tenant, tenant_of(salt) (16 bytes), in place of `salt`: what a request from another process carries,
+    # the salt never being sent (docs/design.md section 3). None: the tenant of `salt`.
+    tenant: bytes | None = None
+
+    def tenant_digest(self) -> bytes:
+        """The request's tenant: `tenant`, else the digest of its salt."""
+        return self.tenant if self.tenant is not None else tenant_of(self.salt)
 
     def identity(self) -> list[int]:
         """The ids the prompt's chain is keyed by: its tokens, each image's placeholders drawn from its digest."""

@@ -25,6 +25,7 @@ from engine.decode.router import InstanceLoad
 from engine.serving.loop import Load
 from engine.serving.messages import GenerateResult, load_of
 from engine.serving.proto import method, pb
+from kvstore.block import tenant_of
 from kvstore.client.config import ClientConfig
 from kvstore.client.shard import open_channel
 
@@ -70,10 +71,9 @@ class InstanceClient:
                  on_tokens: Callable[[list[int]], None] | None = None, **options: Any) -> Future[GenerateResult]:
         """Continue `prompt` for at most `max_tokens` (None: to a stop token or the model's context). `options`
         are GenerateRequest's fields: temperature, top_k, top_p, seed, stop_token_ids; with a store
-        from_handoff, salt, traffic_class, session_id (ValueError or TypeError here for one it has not)."""
-        length = {"to_context": True} if max_tokens is None else {"max_tokens": max_tokens}
-        request = pb.GenerateRequest(prompt=prompt, **length, **options)
-        return self._run(self._generate_call(request, on_tokens))
+        from_handoff, tenant, traffic_class, session_id (ValueError or TypeError here for one it has not), and
+        `salt`, which is sent as its tenant (`generate_request`)."""
+        return self._run(self._generate_call(generate_request(prompt, max_tokens, **options), on_tokens))
 
     async def _generate_call(self, request: pb.GenerateRequest, on_tokens) -> GenerateResult:
         call = self._generate(request, metadata=self._metadata)
@@ -122,6 +122,18 @@ class InstanceClient:
 
     def __exit__(self, *_: Any) -> None:
         self.close()
+
+
+def generate_request(prompt: Sequence[int], max_tokens: int | None, **options: Any) -> pb.GenerateRequest:
+    """The GenerateRequest `InstanceClient.generate` sends. A `salt` option becomes its tenant
+    (kvstore.block.tenant_of) here: the salt never leaves this process (docs/design.md section 3), and the
+    instance needs only the tenant."""
+    if "salt" in options:
+        if "tenant" in options:
+            raise ValueError("generate: give the salt or its tenant, not both")
+        options["tenant"] = tenant_of(options.pop("salt"))
+    length = {"to_context": True} if max_tokens is None else {"max_tokens": max_tokens}
+    return pb.GenerateRequest(prompt=prompt, **length, **options)
 
 
 def to_instance_load(load: Load) -> InstanceLoad:

@@ -17,8 +17,9 @@ from engine.decode.errors import few
 from engine.prefill import PrefillRequest
 from engine.serving.loop import Load
 from engine.serving.proto import pb
+from kvstore.block import tenant_of
 
-STORE_FIELDS = ("from_handoff", "salt", "traffic_class", "session_id")
+STORE_FIELDS = ("from_handoff", "tenant", "traffic_class", "session_id")
 
 
 class RequestRefused(ValueError):
@@ -74,9 +75,14 @@ def decode_request(message: pb.GenerateRequest, store: bool, context: int) -> De
         return DecodeRequest(prompt, sampling)
     if message.HasField("traffic_class") and not message.traffic_class:
         raise RequestRefused("GenerateRequest: traffic_class, when given, must name a class")
-    return DecodeRequest(PrefillRequest(prompt, salt=message.salt, traffic_class=message.traffic_class or "chat",
+    if message.HasField("tenant") and len(message.tenant) != 16:
+        raise RequestRefused(f"GenerateRequest: tenant is 16 bytes (kvstore.block.tenant_of of the salt), not "
+                             f"{len(message.tenant)}")
+    # the tenant, never the salt, comes over the wire (docs/design.md section 3); unset: the empty salt's
+    tenant = bytes(message.tenant) if message.HasField("tenant") else tenant_of("")
+    return DecodeRequest(PrefillRequest(prompt, traffic_class=message.traffic_class or "chat",
                                         session_id=message.session_id if message.HasField("session_id") else None,
-                                        from_handoff=message.from_handoff), sampling)
+                                        from_handoff=message.from_handoff, tenant=tenant), sampling)
 
 
 def result_message(result: DecodeResult) -> pb.Result:

@@ -20,7 +20,6 @@ from engine.prefill import PrefillRequest
 from engine.serving.loop import ServingBusy, ServingClosed, ServingLoop
 from engine.serving.messages import RequestRefused, decode_request, load_message, parse, result_message
 from engine.serving.proto import SERVICE, pb
-from kvstore.block import tenant_of
 from kvstore.server.grpc_auth import current_principal, method_verbs
 from kvstore.server.limits import grpc_caller
 
@@ -98,7 +97,7 @@ def _outside_tenants(request: DecodeRequest) -> str | None:
     principal = current_principal()
     if principal is None or principal.tenants is None or not isinstance(request.prompt, PrefillRequest):
         return None  # without a store a request reads and writes no tenant's blocks
-    if tenant_of(request.prompt.salt) in principal.tenants:
+    if request.prompt.tenant_digest() in principal.tenants:
         return None
-    return f"token {principal.name!r} may not reach the tenant of this salt"
+    return f"token {principal.name!r} may not reach this tenant"
 

@@ -33,10 +33,11 @@ class EncoderClient:
 
         self._encode = asyncio.run_coroutine_threadsafe(open_call(), self._loop).result()
 
-    def encode(self, digest: bytes, salt: str, pixels: torch.Tensor) -> torch.Tensor:
-        """(tokens_per_image, text_hidden) float32 of one image's (3, S, S) pixels; grpc.RpcError or
-        TimeoutError on failure (the caller encodes it itself)."""
-        request = pb.EncodeRequest(digest=digest, salt=salt, shape=list(pixels.shape),
+    def encode(self, digest: bytes, tenant: bytes, pixels: torch.Tensor) -> torch.Tensor:
+        """(tokens_per_image, text_hidden) float32 of one image's (3, S, S) pixels, its record the tenant's
+        (`tenant`: kvstore.block.tenant_of of the salt, which is never sent); grpc.RpcError or TimeoutError on
+        failure (the caller encodes it itself)."""
+        request = pb.EncodeRequest(digest=digest, tenant=tenant, shape=list(pixels.shape),
                                    pixels=pixels.contiguous().numpy().astype("<f4").tobytes())
         async def call() -> Any:  # a call belongs to its channel's loop: made there
             return await self._encode(request, timeout=self.timeout_s, metadata=self._metadata)

@@ -7,7 +7,8 @@ It makes the tower (`engine.vision.tower`, seeded random weights: `--vision-seed
 and once it serves prints exactly one line, `READY <port>`, on stdout. Each Encode runs the tower on the
 pixels a prefill engine sends, queues the outputs for the store as the image's encoder record
 (engine.vision.stage) in the caller's tenant, and returns them. Tokens and TLS are the decode instance's
-(engine/serving): Encode needs the "write" verb and, from a token scoped to tenants, a salt of theirs.
+(engine/serving): Encode needs the "write" verb and, from a token scoped to tenants, one of theirs. The
+request names the tenant (tenant_of(salt)), never the salt: the tenant is all the record's namespace needs.
 Shut down by SIGTERM, SIGINT or, with --exit-on-stdin-eof, the end of stdin; records queued are flushed.
 """
 
@@ -26,13 +27,13 @@ from pathlib import Path
 import grpc
 import numpy as np
 import torch
+from google.protobuf.unknown_fields import UnknownFieldSet
 
 from engine.serving.instance import add_port
 from engine.serving.proto import pb
 from engine.vision.presets import vision_config
 from engine.vision.stage import ENCODER_CLASS, encoder_namespace, encoder_record
 from engine.vision.tower import VisionTower
-from kvstore.block import tenant_of
 from kvstore.client.config import ClientConfig
 from kvstore.server.auth import AuthConfigError, Authenticator
 from kvstore.server.grpc_auth import TokenInterceptor, current_principal, method_verbs, server_credentials
@@ -85,14 +86,21 @@ class EncoderService:
             request = pb.EncodeRequest.FromString(raw)
         except Exception:
             raise EncodeRefused(grpc.StatusCode.INVALID_ARGUMENT, "not an EncodeRequest") from None
-        s = self.tower.config.image_size
-        if tuple(request.shape) != (3, s, s) or len(request.pixels) != 3 * s * s * 4 or len(request.digest) != 16:
+        # a field this protocol lacks is refused, not ignored: a client that still sends the raw salt (field 2)
+        # would otherwise encode for the tenant of no salt
+        if unknown := sorted({f.field_number for f in UnknownFieldSet(request)}):
             raise EncodeRefused(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"expected a 16-byte digest and (3, {s}, {s}) float32 pixels, got shape "
-                                f"{tuple(request.shape)}, {len(request.pixels)} bytes, a {len(request.digest)}-byte "
-                                "digest")
+                                f"EncodeRequest: fields {unknown} are not in this encoder's protocol")
+        s = self.tower.config.image_size
+        if (tuple(request.shape) != (3, s, s) or len(request.pixels) != 3 * s * s * 4 or len(request.digest) != 16
+                or len(request.tenant) != 16):
+            raise EncodeRefused(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"expected a 16-byte digest, a 16-byte tenant and (3, {s}, {s}) float32 pixels, got "
+                                f"shape {tuple(request.shape)}, {len(request.pixels)} bytes, a "
+                                f"{len(request.digest)}-byte digest, a {len(request.tenant)}-byte tenant")
+        tenant = bytes(request.tenant)
         principal = current_principal()
-        if principal is not None and principal.tenants is not None and tenant_of(request.salt) not in principal.tenants:
+        if principal is not None and principal.tenants is not None and tenant not in principal.tenants:
             raise EncodeRefused(grpc.StatusCode.PERMISSION_DENIED,
                                 f"token {principal.name!r} may not reach this tenant")
         pixels = torch.from_numpy(np.frombuffer(request.pixels, dtype="<f4").copy()).view(1, 3, s, s)
@@ -101,7 +109,7 @@ class EncoderService:
         data = rows.numpy().astype("<f4").tobytes()
         stored = False
         if self.client is not None:
-            record = encoder_record(encoder_namespace(self.tower, request.salt), bytes(request.digest))
+            record = encoder_record(encoder_namespace(self.tower, tenant), bytes(request.digest))
             stored = self.client.save([(record, data)], 1, ENCODER_CLASS)
         return pb.EncodeReply(encoder=self.tower.identity, shape=list(rows.shape), embeds=data,
                               stored=stored).SerializeToString()

@@ -3,7 +3,7 @@ process, else encoded here. Never an error: a missing record is an encode, and a
 
 An encoder output is a record of the store of its own kind (`encoder_record`): a one-layer block of
 `tokens_per_image` rows of the text model's width in float32, in a namespace named by the encoder's identity
-(`VisionTower.identity` + ENCODER_SUFFIX) and the tenant's salt, keyed by the image's placeholder identity ids
+(`VisionTower.identity` + ENCODER_SUFFIX) and the tenant, keyed by the image's placeholder identity ids
 (kvstore.block.image_identity_ids) and kept in the `encoder` traffic class (its own TTL, a day by default).
 So one image encoded once, by any prefill engine or by the encoder process, is read by every other engine of
 the tenant, and a new encoder (other weights) never reads an old one's outputs.
@@ -26,7 +26,7 @@ import torch
 
 from engine.vision.images import DecodedImage
 from engine.vision.tower import VisionTower
-from kvstore.block import Block, KVLayout, Namespace, image_identity_ids
+from kvstore.block import Block, KVLayout, Namespace, image_identity_ids, tenant_of
 from kvstore.client import StoreClient
 
 log = logging.getLogger("engine.vision.stage")
@@ -35,12 +35,12 @@ ENCODER_SUFFIX = "#encoder"
 ENCODER_CLASS = "encoder"  # the store's traffic class of encoder records (kvstore/server/config.py)
 
 
-def encoder_namespace(tower: VisionTower, salt: str) -> Namespace:
-    """The namespace of `tower`'s outputs in the tenant of `salt`: one layer of (tokens_per_image, text_hidden)
-    float32 a block."""
+def encoder_namespace(tower: VisionTower, tenant: bytes) -> Namespace:
+    """The namespace of `tower`'s outputs in `tenant` (kvstore.block.tenant_of of its salt: the encoder process
+    is sent the tenant, never the salt): one layer of (tokens_per_image, text_hidden) float32 a block."""
     c = tower.config
     layout = KVLayout(num_layers=1, kv_heads=1, head_dim=c.text_hidden, dtype="float32", kv_per_layer=1)
-    return Namespace(tower.identity + ENCODER_SUFFIX, layout, c.tokens_per_image, salt)
+    return Namespace.of_tenant(tower.identity + ENCODER_SUFFIX, layout, c.tokens_per_image, tenant)
 
 
 def encoder_record(space: Namespace, digest: bytes) -> Block:
@@ -52,8 +52,9 @@ def encoder_record(space: Namespace, digest: bytes) -> Block:
 class RemoteEncoder(Protocol):
     """An encoder process (engine.vision.client.EncoderClient): encodes and queues the record for the store."""
 
-    def encode(self, digest: bytes, salt: str, pixels: torch.Tensor) -> torch.Tensor:
-        """(tokens_per_image, text_hidden) float32 of (3, S, S) `pixels`; raises on any failure."""
+    def encode(self, digest: bytes, tenant: bytes, pixels: torch.Tensor) -> torch.Tensor:
+        """(tokens_per_image, text_hidden) float32 of (3, S, S) `pixels`, its record queued in `tenant`
+        (tenant_of(salt)); raises on any failure."""
         ...
 
 
@@ -82,7 +83,8 @@ class VisionStage:
         """Each image's encoder outputs, (tokens_per_image, text_hidden) float32: the store's record, else the
         encoder process's, else encoded here (and saved for the next time). After a failed call to the process,
         the rest of the images, and the calls of the next `remote_retry_s`, are encoded here."""
-        space = encoder_namespace(self.tower, salt)
+        tenant = tenant_of(salt)  # all that leaves this process of the salt (docs/design.md section 3)
+        space = encoder_namespace(self.tower, tenant)
         out: list[torch.Tensor | None] = [self._stored(space, image.digest) for image in images]
         missing = [i for i, rows in enumerate(out) if rows is None]
         self._count("store", len(images) - len(missing))
@@ -90,7 +92,7 @@ class VisionStage:
         if missing:
             pixels = self.tower.pixel_values([images[i] for i in missing])  # (m, 3, S, S)
             for i, image_pixels in zip(missing, pixels, strict=True):
-                rows = self._remote(remote, images[i].digest, salt, image_pixels) if remote is not None else None
+                rows = self._remote(remote, images[i].digest, tenant, image_pixels) if remote is not None else None
                 if rows is None:
                     remote = None
                     rows = self._inline(space, images[i].digest, image_pixels)
@@ -113,10 +115,11 @@ class VisionStage:
             return None
         return torch.from_numpy(rows.copy()).view(c.tokens_per_image, c.text_hidden)
 
-    def _remote(self, remote: RemoteEncoder, digest: bytes, salt: str, pixels: torch.Tensor) -> torch.Tensor | None:
+    def _remote(self, remote: RemoteEncoder, digest: bytes, tenant: bytes,
+                pixels: torch.Tensor) -> torch.Tensor | None:
         started = time.perf_counter()
         try:
-            rows = remote.encode(digest, salt, pixels)
+            rows = remote.encode(digest, tenant, pixels)
         except Exception as exc:
             self._remote_down_until = time.monotonic() + self.remote_retry_s
             self._count("encoder_failed")

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from kvstore.block import KVLayout, Namespace, NamespaceMismatch, chain_hash, same_namespace
+from kvstore.block import KVLayout, Namespace, NamespaceMismatch, chain_hash, same_namespace, tenant_of
 
 pytestmark = pytest.mark.unit
 
@@ -64,6 +64,16 @@ def test_raw_salt_is_not_recoverable_from_the_digest():
     ns = Namespace("m", LAYOUT, 4, salt=salt)
     assert salt not in ns.digest and salt not in repr(ns).encode()
     assert not hasattr(ns, "salt")
+
+
+def test_the_tenant_alone_makes_the_namespace_its_salt_makes():
+    """A process sent only the tenant (a decode instance, the encoder) keys exactly as the salt's holder."""
+    by_salt = Namespace("m", LAYOUT, 4, salt="tenant-a")
+    by_tenant = Namespace.of_tenant("m", LAYOUT, 4, tenant_of("tenant-a"))
+    assert by_tenant.digest == by_salt.digest and by_tenant.tenant == by_salt.tenant
+    assert by_tenant.blocks(range(8)) == by_salt.blocks(range(8))
+    with pytest.raises(ValueError, match="16 bytes"):
+        Namespace.of_tenant("m", LAYOUT, 4, b"tenant-a")  # a salt is not a tenant
 
 
 def test_bad_input_raises_with_a_message():

@@ -20,6 +20,7 @@ from engine.model.decoder import Decoder
 from engine.serving.client import InstanceClient, InstanceError, to_instance_load
 from engine.serving.processes import REPO_ROOT, InstanceStartError, start_instances
 from engine.serving.proto import method, pb
+from kvstore.block import tenant_of
 from tests.engine.serving.conftest import BLOCK, CONTEXT, PAGES, VOCAB, idle, tokens
 from tests.waiting import wait_for
 
@@ -78,7 +79,9 @@ def test_bad_requests_get_errors_and_the_next_request_is_served(pair):
         (request(prompt=[1], max_tokens=2, top_p=2), "top_p"),
         (request(prompt=[1], max_tokens=2, temperature=math.nan), "temperature"),
         (request(prompt=[1], max_tokens=2, from_handoff=True), "need a store"),
-        (request(prompt=[1], max_tokens=2, salt="t"), "need a store"),
+        (request(prompt=[1], max_tokens=2, tenant=tenant_of("t")), "need a store"),
+        # field 10 carried the raw salt: a client that still sends it is refused, not served as the empty salt
+        (request(prompt=[1], max_tokens=2) + b"R\x01t", "fields [10] are not in"),
         (request(prompt=[1], max_tokens=2) + bytes([0x98, 0x06, 0x01]), "fields [99] are not in"),  # field 99
         (request(prompt=[1] * CONTEXT, max_tokens=2), "leaves no room"),  # refused before it queues
         # refused by DecodeEngine.submit itself: outside the vocabulary, past the context
@@ -233,11 +236,16 @@ def test_an_instance_with_a_store_continues_a_handed_over_prompt(model_dir, daem
     (reference,) = expected.run()
     with start_instances(model_dir, 1, servers=[daemon.address], **OPTIONS) as instances:
         client = instances[0].client
+        # the instance is sent the tenant, not the salt: another salt's tenant finds nothing handed over to it
+        stranger = client.generate(handed, 20, from_handoff=True, salt="u").result(60)
+        assert stranger.prefill_path == "cold" and stranger.cached_tokens == 0
         done = client.generate(handed, 20, from_handoff=True, salt="t").result(60)
         assert done.prefill_path == "handed_over" and done.tokens == reference.tokens
         assert client.generate(other, 5, salt="t", traffic_class="agent").result(60).prefill_path == "cold"
         with pytest.raises(InstanceError, match="traffic_class"):
             client.generate(other, 5, traffic_class="").result(60)
+        with pytest.raises(InstanceError, match="tenant is 16 bytes"):
+            client.generate(other, 5, tenant=b"t").result(60)
         assert instances.stop() == [0]
 
 

@@ -7,8 +7,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engine.serving.client import InstanceClient, InstanceError
+from engine.serving.client import InstanceClient, InstanceError, generate_request
 from engine.serving.processes import start_instances
+from engine.serving.proto import pb
 from kvstore.block import tenant_of
 from kvstore.client import ClientConfig, KVClient
 from kvstore.server.auth import new_token, token_entry
@@ -34,6 +35,17 @@ def refused(future_or_call) -> grpc.StatusCode:
     with pytest.raises(InstanceError) as caught:
         future_or_call()
     return caught.value.code
+
+
+def test_what_a_client_sends_names_the_tenant_and_never_carries_the_salt():
+    """docs/design.md section 3: the raw salt is never sent. An instance needs only the tenant (its digest), to
+    key the prompt's namespace and to check a token's tenants, so that is what goes between processes."""
+    salt = "a salt only the API server knows"
+    request = generate_request(tokens(10), 4, salt=salt, session_id="s", from_handoff=True)
+    assert salt.encode() not in request.SerializeToString()
+    assert request.tenant == tenant_of(salt)
+    for message in (pb.GenerateRequest, pb.EncodeRequest):  # no field of the protocol carries a salt
+        assert not [name for name in message.DESCRIPTOR.fields_by_name if "salt" in name], message.DESCRIPTOR.name
 
 
 def test_calls_need_mutual_tls_and_a_token_with_their_verb(model_dir, token_file, tmp_path):

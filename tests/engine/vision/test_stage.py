@@ -108,14 +108,14 @@ def test_the_encoder_takes_the_daemons_tokens_and_tls(daemons, tmp_path):
         address = f"127.0.0.1:{port}"
         pixels = TOWER.pixel_values([photo])[0]
         with EncoderClient(address, token=writer, tls_ca=str(pki.ca)) as remote:
-            torch.testing.assert_close(remote.encode(photo.digest, "a", pixels), _expected(photo), rtol=1e-6,
-                                       atol=1e-6)
+            torch.testing.assert_close(remote.encode(photo.digest, tenant_of("a"), pixels), _expected(photo),
+                                       rtol=1e-6, atol=1e-6)
             with pytest.raises(Exception, match="PERMISSION_DENIED"):
-                remote.encode(photo.digest, "b", pixels)  # outside the token's tenants
+                remote.encode(photo.digest, tenant_of("b"), pixels)  # outside the token's tenants
         for settings in ({"token": reader, "tls_ca": str(pki.ca)}, {"tls_ca": str(pki.ca)}, {"token": writer}):
             with EncoderClient(address, **settings) as refused:
                 with pytest.raises(Exception, match="PERMISSION_DENIED|UNAUTHENTICATED|UNAVAILABLE"):
-                    refused.encode(photo.digest, "a", pixels)
+                    refused.encode(photo.digest, tenant_of("a"), pixels)
                 stage = VisionStage(TOWER, None, refused)  # a refusal is an encode here, never an error
                 (rows,) = stage.embeds([photo], salt="a")
                 assert stage.counts == {"encoder_failed": 1, "inline": 1}
