@@ -62,8 +62,18 @@ _REMOTE = "remote image URLs are not fetched by this server: send the image inli
 
 @dataclass(frozen=True, eq=False)  # eq=False: an array has no truth value; compare digests
 class DecodedImage:
-    digest: bytes  # (16,) the image's content hash (`content_digest`), or of the caller's id
+    digest: bytes  # (16,) the image's content hash (`content_digest`), or of the caller's id (`image_digest`)
     rgb: np.ndarray  # (height, width, 3) uint8, read-only
+    # the caller's name of the image, where it gave one (the digest is then of it): the encoder process, which
+    # computes the digest again from what it is sent, needs it
+    caller_id: str | None = None
+
+
+def image_digest(rgb: np.ndarray, caller_id: str | None = None) -> bytes:
+    """An image's digest as `decode_image` gives it: of the caller's id where it names the image (`id_digest`),
+    else of its pixels (`content_digest`). The encoder process keys its records by this, computed from what it
+    encodes."""
+    return id_digest(caller_id) if caller_id is not None else content_digest(rgb)
 
 
 def content_digest(rgb: np.ndarray) -> bytes:
@@ -131,7 +141,7 @@ def decode_image(data: bytes, media_type: str | None, limits: ImageLimits,
         except (OSError, SyntaxError, ValueError, EOFError, struct.error, MemoryError):
             raise ImageError("the image data is truncated or corrupt") from None
     rgb.flags.writeable = False
-    return DecodedImage(digest=digest if digest is not None else content_digest(rgb), rgb=rgb)
+    return DecodedImage(digest=digest if digest is not None else content_digest(rgb), rgb=rgb, caller_id=caller_id)
 
 
 def decode_data_url(url: str, limits: ImageLimits, caller_id: str | None = None) -> DecodedImage:

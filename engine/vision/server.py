@@ -4,11 +4,14 @@
                                    [--tls-cert PEM --tls-key PEM [--tls-client-ca PEM]] [--exit-on-stdin-eof]
 
 It makes the tower (`engine.vision.tower`, seeded random weights: `--vision-seed`, `--vision-preset`), listens,
-and once it serves prints exactly one line, `READY <port>`, on stdout. Each Encode runs the tower on the
-pixels a prefill engine sends, queues the outputs for the store as the image's encoder record
-(engine.vision.stage) in the caller's tenant, and returns them. Tokens and TLS are the decode instance's
-(engine/serving): Encode needs the "write" verb and, from a token scoped to tenants, one of theirs. The
-request names the tenant (tenant_of(salt)), never the salt: the tenant is all the record's namespace needs.
+and once it serves prints exactly one line, `READY <port>`, on stdout. Each Encode runs the tower on the decoded
+image a prefill engine sends, queues the outputs for the store as the image's encoder record (engine.vision.stage)
+in the caller's tenant, and returns them. The record is keyed by the image's digest as this process computes it
+from the pixels it encodes (engine.vision.images.image_digest, as the engine computes it), and a request whose
+digest differs is refused: keyed by the caller's word, a caller could store any image's outputs under another
+image's digest, for every engine of its tenant to read. Tokens and TLS are the decode instance's (engine/serving):
+Encode needs the "write" verb and, from a token scoped to tenants, one of theirs. The request names the tenant
+(tenant_of(salt)), never the salt: the tenant is all the record's namespace needs.
 Shut down by SIGTERM, SIGINT or, with --exit-on-stdin-eof, the end of stdin; records queued are flushed.
 """
 
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import signal
 import sys
@@ -31,6 +35,7 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 
 from engine.serving.instance import add_port
 from engine.serving.proto import pb
+from engine.vision.images import DecodedImage, ImageError, image_digest
 from engine.vision.presets import vision_config
 from engine.vision.stage import ENCODER_CLASS, encoder_namespace, encoder_record
 from engine.vision.tower import VisionTower
@@ -43,6 +48,7 @@ from kvstore.stdin_watch import watch_stdin
 log = logging.getLogger("engine.vision.server")
 
 SERVICE = "kvstore.decode.v1.VisionEncoder"
+MAX_MESSAGE_BYTES = 65 * 2**20  # an Encode request's largest: 3 x 16,777,216 pixels of RGB (48 MiB) and room
 verb_of = method_verbs(SERVICE, {"Encode": "write"})
 @dataclass(frozen=True)
 class EncoderConfig:
@@ -52,7 +58,9 @@ class EncoderConfig:
     host: str = "127.0.0.1"  # the address to listen on
     port: int = 0  # the port to listen on; 0: a free one, printed on the READY line
     threads: int = 1  # torch threads
-    max_message_bytes: int = 16 * 2**20  # largest request received (a 224 px image is 0.6 MB of float32)
+    # largest request received: an image's decoded RGB bytes and room (the API's max_image_pixels of 16,777,216
+    # are 48 MiB); a larger image is encoded by the engine itself
+    max_message_bytes: int = MAX_MESSAGE_BYTES
     exit_on_stdin_eof: bool = False  # shut down when stdin ends (a parent holding the pipe died)
     # The store's daemons (host:port,... or a target): outputs are saved as encoder records; none: not saved
     servers: tuple[str, ...] = ()
@@ -91,25 +99,36 @@ class EncoderService:
         if unknown := sorted({f.field_number for f in UnknownFieldSet(request)}):
             raise EncodeRefused(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"EncodeRequest: fields {unknown} are not in this encoder's protocol")
-        s = self.tower.config.image_size
-        if (tuple(request.shape) != (3, s, s) or len(request.pixels) != 3 * s * s * 4 or len(request.digest) != 16
-                or len(request.tenant) != 16):
+        shape = tuple(request.shape)
+        if (len(shape) != 3 or shape[2] != 3 or min(shape) < 1 or len(request.rgb) != math.prod(shape)
+                or len(request.digest) != 16 or len(request.tenant) != 16):
             raise EncodeRefused(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"expected a 16-byte digest, a 16-byte tenant and (3, {s}, {s}) float32 pixels, got "
-                                f"shape {tuple(request.shape)}, {len(request.pixels)} bytes, a "
-                                f"{len(request.digest)}-byte digest, a {len(request.tenant)}-byte tenant")
+                                "expected a 16-byte digest, a 16-byte tenant and (height, width, 3) uint8 pixels, "
+                                f"got shape {shape}, {len(request.rgb)} bytes, a {len(request.digest)}-byte digest, "
+                                f"a {len(request.tenant)}-byte tenant")
         tenant = bytes(request.tenant)
         principal = current_principal()
         if principal is not None and principal.tenants is not None and tenant not in principal.tenants:
             raise EncodeRefused(grpc.StatusCode.PERMISSION_DENIED,
                                 f"token {principal.name!r} may not reach this tenant")
-        pixels = torch.from_numpy(np.frombuffer(request.pixels, dtype="<f4").copy()).view(1, 3, s, s)
+        rgb = np.frombuffer(request.rgb, dtype=np.uint8).reshape(shape)  # read-only, over the request's bytes
+        # The record is keyed by the digest of what is encoded here, computed as the engine computes it: a
+        # digest taken on the caller's word would let a caller store any image's outputs under another's.
+        try:
+            digest = image_digest(rgb, request.image_id if request.HasField("image_id") else None)
+        except ImageError as exc:
+            raise EncodeRefused(grpc.StatusCode.INVALID_ARGUMENT, f"EncodeRequest: {exc}") from None
+        if digest != request.digest:
+            raise EncodeRefused(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"EncodeRequest: digest {bytes(request.digest).hex()} is not the image's: its "
+                                f"{'id' if request.HasField('image_id') else 'pixels'} give {digest.hex()}")
+        pixels = self.tower.pixel_values([DecodedImage(digest, rgb)])
         with self._lock:
             rows = self.tower.encode(pixels)[0].cpu()  # (tokens_per_image, text_hidden)
         data = rows.numpy().astype("<f4").tobytes()
         stored = False
         if self.client is not None:
-            record = encoder_record(encoder_namespace(self.tower, tenant), bytes(request.digest))
+            record = encoder_record(encoder_namespace(self.tower, tenant), digest)
             stored = self.client.save([(record, data)], 1, ENCODER_CLASS)
         return pb.EncodeReply(encoder=self.tower.identity, shape=list(rows.shape), embeds=data,
                               stored=stored).SerializeToString()

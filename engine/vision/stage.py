@@ -50,11 +50,12 @@ def encoder_record(space: Namespace, digest: bytes) -> Block:
 
 
 class RemoteEncoder(Protocol):
-    """An encoder process (engine.vision.client.EncoderClient): encodes and queues the record for the store."""
+    """An encoder process (engine.vision.client.EncoderClient): encodes and queues the record for the store, keyed
+    by the digest it computes from the image it is sent (a different `image.digest` is refused)."""
 
-    def encode(self, digest: bytes, tenant: bytes, pixels: torch.Tensor) -> torch.Tensor:
-        """(tokens_per_image, text_hidden) float32 of (3, S, S) `pixels`, its record queued in `tenant`
-        (tenant_of(salt)); raises on any failure."""
+    def encode(self, image: DecodedImage, tenant: bytes) -> torch.Tensor:
+        """(tokens_per_image, text_hidden) float32 of `image`, its record queued in `tenant` (tenant_of(salt));
+        raises on any failure."""
         ...
 
 
@@ -89,14 +90,12 @@ class VisionStage:
         missing = [i for i, rows in enumerate(out) if rows is None]
         self._count("store", len(images) - len(missing))
         remote = self.remote if time.monotonic() >= self._remote_down_until else None
-        if missing:
-            pixels = self.tower.pixel_values([images[i] for i in missing])  # (m, 3, S, S)
-            for i, image_pixels in zip(missing, pixels, strict=True):
-                rows = self._remote(remote, images[i].digest, tenant, image_pixels) if remote is not None else None
-                if rows is None:
-                    remote = None
-                    rows = self._inline(space, images[i].digest, image_pixels)
-                out[i] = rows
+        for i in missing:  # the process is sent the decoded image: it resizes it and computes its digest itself
+            rows = self._remote(remote, images[i], tenant) if remote is not None else None
+            if rows is None:
+                remote = None
+                rows = self._inline(space, images[i])
+            out[i] = rows
         return [rows for rows in out if rows is not None]
 
     def _stored(self, space: Namespace, digest: bytes) -> torch.Tensor | None:
@@ -115,11 +114,10 @@ class VisionStage:
             return None
         return torch.from_numpy(rows.copy()).view(c.tokens_per_image, c.text_hidden)
 
-    def _remote(self, remote: RemoteEncoder, digest: bytes, tenant: bytes,
-                pixels: torch.Tensor) -> torch.Tensor | None:
+    def _remote(self, remote: RemoteEncoder, image: DecodedImage, tenant: bytes) -> torch.Tensor | None:
         started = time.perf_counter()
         try:
-            rows = remote.encode(digest, tenant, pixels)
+            rows = remote.encode(image, tenant)
         except Exception as exc:
             self._remote_down_until = time.monotonic() + self.remote_retry_s
             self._count("encoder_failed")
@@ -130,15 +128,16 @@ class VisionStage:
         self._count("encoder")
         return rows
 
-    def _inline(self, space: Namespace, digest: bytes, pixels: torch.Tensor) -> torch.Tensor:
+    def _inline(self, space: Namespace, image: DecodedImage) -> torch.Tensor:
         started = time.perf_counter()
+        pixels = self.tower.pixel_values([image])  # (1, 3, S, S)
         with self._tower_lock:
-            rows = self.tower.encode(pixels[None])[0].cpu()  # (tokens_per_image, text_hidden)
+            rows = self.tower.encode(pixels)[0].cpu()  # (tokens_per_image, text_hidden)
         with self._lock:
             self.encode_seconds += time.perf_counter() - started
         self._count("inline")
         if self.client is not None:
-            self.client.save([(encoder_record(space, digest), rows.numpy().astype("<f4").tobytes())], 1,
+            self.client.save([(encoder_record(space, image.digest), rows.numpy().astype("<f4").tobytes())], 1,
                              ENCODER_CLASS)
         return rows
 

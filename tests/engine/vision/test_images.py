@@ -20,6 +20,7 @@ from engine.vision.images import (
     content_digest,
     decode_data_url,
     decode_image,
+    image_digest,
 )
 
 LIMITS = ImageLimits()
@@ -93,6 +94,10 @@ def test_a_caller_id_names_the_image_whatever_its_pixels() -> None:
     b = decode_data_url(_data_url(_encode(_pixels(seed=2), "PNG")), LIMITS, caller_id="photo-1")
     assert a.digest == b.digest == expected
     assert not np.array_equal(a.rgb, b.rgb)
+    # the image keeps its id, from which the encoder process computes the same digest (it keys records by it)
+    assert a.caller_id == "photo-1" and image_digest(a.rgb, a.caller_id) == expected
+    plain = decode_image(_encode(_pixels(seed=1), "PNG"), "image/png", LIMITS)
+    assert plain.caller_id is None and image_digest(plain.rgb) == plain.digest == content_digest(plain.rgb)
     png = _encode(_pixels(), "PNG")
     _refused("id must be a non-empty string", decode_image, png, "image/png", LIMITS, caller_id="")
     _refused("over the limit of 256", decode_image, png, "image/png", LIMITS, caller_id="x" * 257)

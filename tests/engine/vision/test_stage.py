@@ -8,13 +8,15 @@ import subprocess
 import sys
 from contextlib import contextmanager
 
+import grpc
 import numpy as np
 import pytest
 import torch
 
-from engine.vision.client import EncoderClient
-from engine.vision.images import DecodedImage, content_digest
+from engine.vision.client import EncoderClient, encode_request
+from engine.vision.images import DecodedImage, content_digest, id_digest
 from engine.vision.presets import vision_config
+from engine.vision.server import SERVICE
 from engine.vision.stage import VisionStage
 from engine.vision.tower import VisionTower
 from kvstore.block import tenant_of
@@ -96,6 +98,41 @@ def test_the_encoder_process_encodes_saves_and_a_dead_one_is_an_encode_here(daem
         remote.close()
 
 
+def test_the_encoder_keys_a_record_by_the_image_it_encoded_never_by_the_callers_digest(daemons, tmp_path):
+    """A caller with an Encode token for a tenant must not store one image's outputs under another image's digest:
+    every engine of the tenant would read them for that image, for as long as the record lives (a day)."""
+    (daemon,) = daemons(1)
+    victim, forged = _image(7), _image(8)
+    named = DecodedImage(id_digest("screen-1"), forged.rgb, "screen-1")  # the caller's own name for an image
+    with KVClient(ClientConfig(servers=(daemon.address,))) as client:
+        with encoder_process("--servers", daemon.address, stderr_path=tmp_path / "encoder.err") as (_, port):
+            with EncoderClient(f"127.0.0.1:{port}") as remote:
+                for lie, what in [(DecodedImage(victim.digest, forged.rgb), "pixels"),  # the victim's digest
+                                  (DecodedImage(named.digest, forged.rgb, "screen-2"), "id"),
+                                  (DecodedImage(victim.digest, forged.rgb, "screen-1"), "id")]:
+                    with pytest.raises(grpc.RpcError) as refused:
+                        remote.encode(lie, tenant_of("a"))
+                    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                    assert f"is not the image's: its {what} give" in refused.value.details()
+                stage = VisionStage(TOWER, client, remote)
+                (rows,) = stage.embeds([named], salt="a")  # a named image is keyed by its name, as in the API
+                assert stage.counts == {"encoder": 1}
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:  # field 2 carried the raw salt, once
+                raw = encode_request(victim, tenant_of("a")).SerializeToString() + b"\x12\x01a"
+                with pytest.raises(grpc.RpcError) as refused:
+                    channel.unary_unary(f"/{SERVICE}/Encode")(raw, timeout=30)
+                assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert "fields [2] are not in" in refused.value.details()
+        # the encoder has flushed its records and exited: nothing of the forgery is under the victim's digest
+        reader = VisionStage(TOWER, client)
+        (victim_rows,) = reader.embeds([victim], salt="a")
+        assert reader.counts == {"inline": 1}
+        torch.testing.assert_close(victim_rows, _expected(victim), rtol=0, atol=0)
+        (again,) = reader.embeds([named], salt="a")
+        assert reader.counts == {"inline": 1, "store": 1}
+        torch.testing.assert_close(again, rows, rtol=0, atol=0)
+
+
 def test_the_encoder_takes_the_daemons_tokens_and_tls(daemons, tmp_path):
     pki = make_pki(tmp_path / "pki")
     writer, reader = new_token(), new_token()
@@ -106,16 +143,14 @@ def test_the_encoder_takes_the_daemons_tokens_and_tls(daemons, tmp_path):
     with encoder_process("--auth-tokens", str(tokens), "--tls-cert", str(pki.server_cert), "--tls-key",
                          str(pki.server_key), stderr_path=tmp_path / "encoder.err") as (_, port):
         address = f"127.0.0.1:{port}"
-        pixels = TOWER.pixel_values([photo])[0]
         with EncoderClient(address, token=writer, tls_ca=str(pki.ca)) as remote:
-            torch.testing.assert_close(remote.encode(photo.digest, tenant_of("a"), pixels), _expected(photo),
-                                       rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(remote.encode(photo, tenant_of("a")), _expected(photo), rtol=1e-6, atol=1e-6)
             with pytest.raises(Exception, match="PERMISSION_DENIED"):
-                remote.encode(photo.digest, tenant_of("b"), pixels)  # outside the token's tenants
+                remote.encode(photo, tenant_of("b"))  # outside the token's tenants
         for settings in ({"token": reader, "tls_ca": str(pki.ca)}, {"tls_ca": str(pki.ca)}, {"token": writer}):
             with EncoderClient(address, **settings) as refused:
                 with pytest.raises(Exception, match="PERMISSION_DENIED|UNAUTHENTICATED|UNAVAILABLE"):
-                    refused.encode(photo.digest, tenant_of("a"), pixels)
+                    refused.encode(photo, tenant_of("a"))
                 stage = VisionStage(TOWER, None, refused)  # a refusal is an encode here, never an error
                 (rows,) = stage.embeds([photo], salt="a")
                 assert stage.counts == {"encoder_failed": 1, "inline": 1}
