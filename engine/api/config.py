@@ -102,6 +102,11 @@ class ApiConfig:
     max_images: int = 8  # image parts in one request; past it, 400
     max_image_bytes: int = 3 << 20  # one image's encoded bytes (max_body_bytes bounds the whole body too); past it, 400
     max_image_pixels: int = 16_777_216  # one image's width x height, read before its pixels are; past it, 400
+    # Bytes that images being decoded hold at once over all requests (engine.vision.images.DECODE_BYTES_PER_PIXEL
+    # a pixel, charged from the header before decoding); an image that does not fit now is refused with 429.
+    # Once decoded, an image keeps only what the vision tower takes (its input size)
+    image_decode_bytes: int = 2 << 30
+    image_decode_bytes_per_tenant: int = 1 << 30  # ... and by one tenant's requests
 
     @property
     def reserve(self) -> int:
@@ -160,6 +165,14 @@ class ApiConfig:
                                  f"got {self.vision!r}")
         if min(self.max_images, self.max_image_bytes, self.max_image_pixels) < 1:
             raise ValueError("ApiConfig: max_images, max_image_bytes and max_image_pixels must be >= 1")
+        from engine.vision.images import DECODE_BYTES_PER_PIXEL
+
+        largest = self.max_image_pixels * DECODE_BYTES_PER_PIXEL
+        if not largest <= self.image_decode_bytes_per_tenant <= self.image_decode_bytes:
+            raise ValueError(f"ApiConfig: need max_image_pixels x {DECODE_BYTES_PER_PIXEL} ({largest}) <= "
+                             f"image_decode_bytes_per_tenant ({self.image_decode_bytes_per_tenant}) <= "
+                             f"image_decode_bytes ({self.image_decode_bytes}): an image at the pixel limit must "
+                             "fit the budget its decode is charged to")
         object.__setattr__(self, "servers", tuple(self.servers))
         check_addresses(self.servers)
         if self.model is not None and not (Path(self.model) / "config.json").is_file():

@@ -42,7 +42,7 @@ from engine.api.fair import FairGate
 from engine.api.metrics import TENANT
 from engine.api.service import Service
 from engine.api.store_state import REACHABLE, StoreState
-from engine.vision.images import ImageLimits
+from engine.vision.images import DecodeBudget, ImageLimits
 from engine.vision.stage import VisionStage
 from kvstore.startup import exit_at_startup, port_in_use
 
@@ -381,7 +381,8 @@ def build(config: ApiConfig) -> Service:
     return Service(runner, tokenizer, encoder, sorted(stop_token_ids(tokenizer)), advisor, config.max_in_flight,
                    config.max_in_flight_per_tenant, FairGate(config.max_running, config.reserve),
                    StoreState(client, config.store_probe_s), _vision_stage(config, model.config.hidden_size, client),
-                   ImageLimits(config.max_images, config.max_image_bytes, config.max_image_pixels))
+                   ImageLimits(config.max_images, config.max_image_bytes, config.max_image_pixels),
+                   DecodeBudget(config.image_decode_bytes, config.image_decode_bytes_per_tenant))
 
 
 def _vision_stage(config: ApiConfig, text_hidden: int, client: StoreClient | None) -> VisionStage | None:

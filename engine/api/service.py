@@ -9,6 +9,7 @@ calls split from the reply, the metrics, the store's advice, and cancelling a re
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
@@ -39,7 +40,7 @@ from engine.prefill import PrefillRequest
 from engine.prefill.request import COLD, PromptImage
 from engine.serving.loop import ServingBusy, ServingClosed, ServingLoop
 from engine.text.chat_prompt import ChatPromptError, split_images
-from engine.vision.images import DecodedImage, ImageError, ImageLimits, decode_data_url
+from engine.vision.images import DecodeBudget, DecodedImage, ImageBusy, ImageError, ImageLimits, decode_data_url
 from engine.vision.stage import VisionStage
 from kvstore.block import Block, ImageSpan
 
@@ -48,11 +49,13 @@ class Service:
     def __init__(self, runner: ServingLoop, tokenizer: Any, encoder: PromptEncoder, stop_token_ids: Sequence[int],
                  advisor: Advisor | None = None, max_in_flight: int = 128, max_in_flight_per_tenant: int = 64,
                  gate: FairGate | None = None, store: StoreState | None = None, vision: VisionStage | None = None,
-                 image_limits: ImageLimits = ImageLimits()) -> None:
-        """`vision`: the stage image parts go through (None: a request with an image is refused, 400)."""
+                 image_limits: ImageLimits = ImageLimits(), decode_budget: DecodeBudget | None = None) -> None:
+        """`vision`: the stage image parts go through (None: a request with an image is refused, 400).
+        `decode_budget`: the bytes images being decoded may hold (None: 2 GiB, half of it per tenant)."""
         self.runner, self.tokenizer, self.encoder, self.advisor = runner, tokenizer, encoder, advisor
         self.store = store or StoreState(None)  # whether the store's daemons answer (engine/api/store_state.py)
         self.vision, self.image_limits = vision, image_limits
+        self.decode_budget = decode_budget or DecodeBudget(2 << 30, 1 << 30)
         # requests in the engines at once, shared fairly between tenants (engine/api/fair.py)
         self.gate = gate or FairGate(runner.engine.config.max_running, 0)
         self.stop_token_ids = tuple(stop_token_ids)
@@ -84,7 +87,7 @@ class Service:
                            kind="overloaded_error" if overloaded == 529 else "rate_limit_error")
         self.in_flight[tenant] += 1
         try:
-            ids, images = await self._encode(prompt, tenant)
+            ids, images = await self._encode(prompt, tenant, overloaded)
             yield ids
             async with self.gate.slot(tenant):  # waits while the tenant holds its share of the engines
                 async for item in self._generated(prompt, ids, images, tenant, traffic_class, overloaded):
@@ -161,8 +164,10 @@ class Service:
                 self.runner.cancel(ticket)
                 self.metrics.cancelled.inc()
 
-    async def _encode(self, prompt: Prompt, tenant: str) -> tuple[list[int], tuple[PromptImage, ...]]:
-        """The prompt's ids, and its images with their encoder outputs (`engine.vision.stage`)."""
+    async def _encode(self, prompt: Prompt, tenant: str, overloaded: int = 429
+                      ) -> tuple[list[int], tuple[PromptImage, ...]]:
+        """The prompt's ids, and its images with their encoder outputs (`engine.vision.stage`); ApiError with
+        status `overloaded` while images being decoded hold the decode budget."""
         started = time.monotonic()
         parts = [part for message in prompt.messages for part in message.images]
         if parts and self.vision is None:
@@ -171,7 +176,7 @@ class Service:
         if len(parts) > self.image_limits.max_images:
             raise ApiError(400, f"{len(parts)} images is more than the limit of {self.image_limits.max_images} a "
                                 "request", "messages")
-        decoded = await asyncio.to_thread(self._decode_images, parts) if parts else []
+        decoded = await asyncio.to_thread(self._decode_images, parts, tenant, overloaded) if parts else []
         image_tokens = self.vision.tokens_per_image if self.vision is not None and parts else 0
         try:
             marked = await self.encoder.encode(chat_messages(prompt), image_tokens=image_tokens)
@@ -186,13 +191,19 @@ class Service:
         return ids, tuple(PromptImage(ImageSpan(start, image_tokens, image.digest), embeds)
                           for start, image, embeds in zip(starts, decoded, rows, strict=True))
 
-    def _decode_images(self, parts: Sequence[ImagePart]) -> list[DecodedImage]:
-        """Off the event loop: each part's pixels, or ApiError(400) naming the first bad one."""
+    def _decode_images(self, parts: Sequence[ImagePart], tenant: str, overloaded: int) -> list[DecodedImage]:
+        """Off the event loop, one at a time: each part's pixels as the tower takes them, or ApiError naming the
+        first bad one (400), or the first that does not fit the decode budget now (`overloaded`)."""
+        assert self.vision is not None, "images are decoded only for a server with a vision stage"
+        hold = functools.partial(self.decode_budget.hold, tenant)
         out = []
         for i, part in enumerate(parts):
             url = part.data if part.media_type is None else f"data:{part.media_type};base64,{part.data}"
             try:
-                out.append(decode_data_url(url, self.image_limits, part.caller_id))
+                out.append(decode_data_url(url, self.image_limits, part.caller_id, hold, self.vision.resized))
+            except ImageBusy as exc:
+                raise ApiError(overloaded, f"image {i}: {exc}", "messages",
+                               kind="overloaded_error" if overloaded == 529 else "rate_limit_error") from None
             except ImageError as exc:
                 raise ApiError(400, f"image {i}: {exc}", "messages") from None
         return out

@@ -12,9 +12,16 @@ What the server does with the pixels (`decode_image`):
   or a tRNS chunk's transparency) is composited onto white.
 - EXIF orientation is NOT applied: the pixels are used as stored, as transformers' image processors do.
 - An animated GIF (or WebP) gives its first frame only.
+- Memory is bounded across requests, not only per image: an image's decode holds up to
+  `DECODE_BYTES_PER_PIXEL` bytes a pixel while it runs, charged from its header's size to a `DecodeBudget`
+  (over all requests and per tenant) before any pixel is decoded, and refused (`ImageBusy`) when it does not
+  fit; what is kept afterwards is only what the vision tower takes (`fit`: the pixels resized to its input),
+  so images waiting for the engines hold kilobytes, not their decoded size.
 
-The content hash (`content_digest`) is over the decoded pixels and their shape, so the same pixels hash the
-same whatever the container (PNG or lossless WebP), and a lossy re-encode (JPEG) is different pixels.
+The content hash (`content_digest`) is over the pixels kept and their shape, so the same pixels hash the
+same whatever the container (PNG or lossless WebP), and a lossy re-encode (JPEG) is different pixels. Where
+the pixels kept are the tower's input (`fit`), two images that resize to the same input are one image to the
+tower, and to the cache: its encoder outputs and the KV after it are the same.
 A caller may name an image instead (like vLLM's `multi_modal_uuids`): the digest is then of that id alone,
 whatever the pixels, and the caller answers for the id naming one image.
 """
@@ -23,9 +30,13 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import hashlib
 import io
 import struct
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,6 +57,52 @@ class ImageLimits:
 
 class ImageError(ValueError):
     """An image the server refuses; the API answers 400 with str(error)."""
+
+
+class ImageBusy(ImageError):
+    """Images being decoded hold the whole budget (`DecodeBudget`) now: the API answers 429, retry later."""
+
+
+# The most one image's decode holds at once, per pixel: 26 bytes measured at a 4096 x 4096 RGBA and a 16-bit
+# grey PNG (Pillow's decoded image, then the wider integers of the conversion to RGB, then the RGB array)
+DECODE_BYTES_PER_PIXEL = 32
+
+
+class DecodeBudget:
+    """Bytes that images being decoded may hold at once, over all requests (`total_bytes`) and by one tenant
+    (`per_tenant_bytes`). Thread-safe: decodes run on worker threads. A charge that does not fit is refused at
+    once, never queued: a request waiting here would hold its body meanwhile."""
+
+    def __init__(self, total_bytes: int, per_tenant_bytes: int) -> None:
+        if not 0 < per_tenant_bytes <= total_bytes:
+            raise ValueError(f"a decode budget needs 0 < per_tenant_bytes <= total_bytes, got {per_tenant_bytes} "
+                             f"and {total_bytes}")
+        self.total_bytes, self.per_tenant_bytes = total_bytes, per_tenant_bytes
+        self.held = 0
+        self.held_by: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def hold(self, tenant: str, nbytes: int) -> Iterator[None]:
+        """Hold `nbytes` for the tenant while the block runs; ImageBusy if they do not fit now."""
+        with self._lock:
+            if self.held + nbytes > self.total_bytes or self.held_by[tenant] + nbytes > self.per_tenant_bytes:
+                raise ImageBusy(f"images being decoded hold {self.held_by[tenant]} of this tenant's "
+                                f"{self.per_tenant_bytes} bytes and {self.held} of the server's {self.total_bytes}, "
+                                f"and this one needs {nbytes}: retry later")
+            self.held += nbytes
+            self.held_by[tenant] += nbytes
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.held -= nbytes
+                self.held_by[tenant] -= nbytes
+                if not self.held_by[tenant]:
+                    del self.held_by[tenant]
+
+
+Hold = Callable[[int], contextlib.AbstractContextManager[None]]  # bytes -> held while the decode runs
 
 
 MEDIA_TYPES: tuple[str, ...] = ("image/png", "image/jpeg", "image/webp", "image/gif")
@@ -95,11 +152,12 @@ def id_digest(caller_id: str) -> bytes:
     return hashlib.blake2b(b"id\0" + caller_id.encode(), digest_size=16).digest()
 
 
-def decode_image(data: bytes, media_type: str | None, limits: ImageLimits,
-                 caller_id: str | None = None) -> DecodedImage:
+def decode_image(data: bytes, media_type: str | None, limits: ImageLimits, caller_id: str | None = None,
+                 hold: Hold | None = None, fit: Callable[[np.ndarray], np.ndarray] | None = None) -> DecodedImage:
     """Check and decode one image (see the module's docstring); `media_type` None: whatever the bytes are,
-    among `MEDIA_TYPES`. Raises `ImageError`."""
-    digest = id_digest(caller_id) if caller_id is not None else None
+    among `MEDIA_TYPES`. The decode holds `hold(bytes)` while it runs (a `DecodeBudget`'s, for the tenant);
+    `fit` makes the pixels kept, and hashed, of the decoded ones. Raises `ImageError`."""
+    named = id_digest(caller_id) if caller_id is not None else None  # a bad id is refused before any decoding
     if len(data) == 0:
         raise ImageError("the image is empty")
     if len(data) > limits.max_bytes:
@@ -132,19 +190,24 @@ def decode_image(data: bytes, media_type: str | None, limits: ImageLimits,
                              "pixels (width x height)")
         if width < 1 or height < 1:
             raise ImageError(f"the image is {width}x{height} pixels: it has no pixels")
-        try:
-            image.load()  # the first frame of an animation; the whole image, or an error if truncated
-            rgb = _to_rgb(image)
-        except (Image.DecompressionBombError, Image.DecompressionBombWarning):
-            raise ImageError(f"the image is larger than the limit of {limits.max_pixels} pixels "
-                             "(width x height)") from None
-        except (OSError, SyntaxError, ValueError, EOFError, struct.error, MemoryError):
-            raise ImageError("the image data is truncated or corrupt") from None
+        with hold(width * height * DECODE_BYTES_PER_PIXEL) if hold is not None else contextlib.nullcontext():
+            try:
+                image.load()  # the first frame of an animation; the whole image, or an error if truncated
+                rgb = _to_rgb(image)
+            except (Image.DecompressionBombError, Image.DecompressionBombWarning):
+                raise ImageError(f"the image is larger than the limit of {limits.max_pixels} pixels "
+                                 "(width x height)") from None
+            except (OSError, SyntaxError, ValueError, EOFError, struct.error, MemoryError):
+                raise ImageError("the image data is truncated or corrupt") from None
+            image.close()  # Pillow's copy of the pixels goes now, before the pixels kept are made
+            if fit is not None:
+                rgb = np.ascontiguousarray(fit(rgb))
     rgb.flags.writeable = False
-    return DecodedImage(digest=digest if digest is not None else content_digest(rgb), rgb=rgb, caller_id=caller_id)
+    return DecodedImage(digest=named if named is not None else content_digest(rgb), rgb=rgb, caller_id=caller_id)
 
 
-def decode_data_url(url: str, limits: ImageLimits, caller_id: str | None = None) -> DecodedImage:
+def decode_data_url(url: str, limits: ImageLimits, caller_id: str | None = None, hold: Hold | None = None,
+                    fit: Callable[[np.ndarray], np.ndarray] | None = None) -> DecodedImage:
     """Decode `data:<media type>;base64,<data>` (`decode_image`); any other URL is refused, never fetched.
     The base64's length is checked against `limits.max_bytes` before it is decoded."""
     if not url[:5].lower() == "data:":
@@ -165,7 +228,7 @@ def decode_data_url(url: str, limits: ImageLimits, caller_id: str | None = None)
         data = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
         raise ImageError("the image's data: URL has invalid base64 data") from None
-    return decode_image(data, media_type, limits, caller_id)
+    return decode_image(data, media_type, limits, caller_id, hold, fit)
 
 
 def _names() -> str:

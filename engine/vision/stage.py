@@ -76,6 +76,11 @@ class VisionStage:
         self._lock = threading.Lock()  # the counters: the API encodes on several threads
         self._tower_lock = threading.Lock()  # one encode at a time here: torch runs its own threads
 
+    def resized(self, rgb: np.ndarray) -> np.ndarray:
+        """The pixels as the tower takes them (`VisionTower.resized`): all that an image waiting for the engines
+        needs to hold."""
+        return self.tower.resized(rgb)
+
     @property
     def tokens_per_image(self) -> int:
         return self.tower.config.tokens_per_image

@@ -183,16 +183,27 @@ class VisionTower:
         """(n, 3, S, S) float32, on the CPU: as transformers' SigLIP (and Gemma 3) image processors do, each
         image resized to S x S by PIL (`config.resample`) in uint8, rescaled by 1/255 (in float64, then to
         float32) and normalized with mean = std = 0.5. An image of no pixels raises ValueError."""
-        s, resample = self.config.image_size, _RESAMPLE[self.config.resample]
+        s = self.config.image_size
         out = np.empty((len(images), 3, s, s), dtype=np.float32)
         for i, image in enumerate(images):
-            rgb = image.rgb
-            if rgb.dtype != np.uint8 or rgb.ndim != 3 or rgb.shape[2] != 3 or rgb.shape[0] < 1 or rgb.shape[1] < 1:
-                raise ValueError(f"image {i}: expected (height, width, 3) uint8 pixels, got {rgb.shape} {rgb.dtype}")
-            resized = np.asarray(Image.fromarray(rgb, "RGB").resize((s, s), resample=resample))
+            try:
+                resized = self.resized(image.rgb)
+            except ValueError as exc:
+                raise ValueError(f"image {i}: {exc}") from None
             scaled = (resized.astype(np.float64) * (1 / 255)).astype(np.float32)
             out[i] = ((scaled - np.float32(0.5)) / np.float32(0.5)).transpose(2, 0, 1)
         return torch.from_numpy(out)
+
+    def resized(self, rgb: np.ndarray) -> np.ndarray:
+        """(S, S, 3) uint8: the pixels as the tower takes them, resized by PIL (`config.resample`). Pixels of that
+        size already are returned as they are (PIL's resize to the same size is a copy), so an image resized as
+        it is decoded, to hold less while it waits, encodes to exactly the same outputs."""
+        if rgb.dtype != np.uint8 or rgb.ndim != 3 or rgb.shape[2] != 3 or rgb.shape[0] < 1 or rgb.shape[1] < 1:
+            raise ValueError(f"expected (height, width, 3) uint8 pixels, got {rgb.shape} {rgb.dtype}")
+        s = self.config.image_size
+        if rgb.shape[:2] == (s, s):
+            return rgb
+        return np.asarray(Image.fromarray(rgb, "RGB").resize((s, s), resample=_RESAMPLE[self.config.resample]))
 
     @torch.inference_mode()
     def encode(self, pixels: torch.Tensor) -> torch.Tensor:

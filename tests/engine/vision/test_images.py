@@ -14,7 +14,10 @@ import pytest
 from PIL import Image
 
 from engine.vision.images import (
+    DECODE_BYTES_PER_PIXEL,
     MEDIA_TYPES,
+    DecodeBudget,
+    ImageBusy,
     ImageError,
     ImageLimits,
     content_digest,
@@ -227,3 +230,45 @@ def test_long_base64_is_refused_before_decoding(monkeypatch: pytest.MonkeyPatch)
 def test_limits_are_checked() -> None:
     with pytest.raises(ValueError, match="max_bytes"):
         ImageLimits(max_bytes=0)
+
+
+def test_a_decode_holds_its_budget_while_it_runs_and_keeps_only_what_fit_makes() -> None:
+    budget = DecodeBudget(total_bytes=10 * 2**20, per_tenant_bytes=6 * 2**20)
+    pixels = _pixels(height=200, width=300)
+    charged: list[int] = []
+
+    def hold(nbytes: int):
+        charged.append(nbytes)
+        assert budget.held == 0  # charged before any pixel is decoded: nothing held yet
+        return budget.hold("alice", nbytes)
+
+    def fit(rgb: np.ndarray) -> np.ndarray:
+        assert budget.held == 200 * 300 * DECODE_BYTES_PER_PIXEL  # the decode's pixels are still charged
+        return rgb[::10, ::10]
+
+    image = decode_image(_encode(pixels, "PNG"), "image/png", LIMITS, hold=hold, fit=fit)
+    assert charged == [200 * 300 * DECODE_BYTES_PER_PIXEL] and budget.held == 0 and not budget.held_by
+    assert image.rgb.shape == (20, 30, 3) and np.array_equal(image.rgb, pixels[::10, ::10])
+    # of the pixels kept: two images the tower takes as the same input are one image to it and to the cache
+    assert image.digest == content_digest(pixels[::10, ::10]) != content_digest(pixels)
+
+
+def test_a_decode_that_does_not_fit_the_budget_is_refused_and_charges_nothing() -> None:
+    budget = DecodeBudget(total_bytes=4 * 2**20, per_tenant_bytes=3 * 2**20)
+    data = _encode(_pixels(height=200, width=300), "PNG")  # 1.8 MiB charged
+    with budget.hold("alice", 2 * 2**20):
+        with pytest.raises(ImageBusy, match="retry later"):  # alice's share is full
+            decode_image(data, "image/png", LIMITS, hold=lambda n: budget.hold("alice", n))
+        decode_image(data, "image/png", LIMITS, hold=lambda n: budget.hold("bob", n))  # bob's is not
+        with budget.hold("carol", 2 * 2**20 - 1):
+            with pytest.raises(ImageBusy):  # the server's is full: 2 + 2 - 1/1M + 1.8 MiB > 4 MiB
+                decode_image(data, "image/png", LIMITS, hold=lambda n: budget.hold("bob", n))
+    assert budget.held == 0 and not budget.held_by
+    with pytest.raises(ImageError, match="truncated or corrupt"):  # a failed decode gives its charge back too
+        decode_image(data[: len(data) // 2], "image/png", LIMITS, hold=lambda n: budget.hold("alice", n))
+    assert budget.held == 0 and not budget.held_by
+
+
+def test_a_decode_budget_is_per_tenant_within_the_whole() -> None:
+    with pytest.raises(ValueError, match="per_tenant_bytes <= total_bytes"):
+        DecodeBudget(total_bytes=1, per_tenant_bytes=2)

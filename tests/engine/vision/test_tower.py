@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import re
 
@@ -199,3 +200,14 @@ def test_weights_and_pixels_are_checked() -> None:
     tower = VisionTower(SMALL, weights)
     with pytest.raises(ValueError, match="expected pixels of shape"):
         tower.encode(torch.zeros(1, 3, 24, 24))
+
+
+@pytest.mark.parametrize("resample", ["bicubic", "bilinear"])
+def test_pixels_resized_as_decoded_encode_exactly_as_the_decoded_ones(resample: str) -> None:
+    # the API keeps only the tower's input size of an image while it waits (DecodeBudget): no output may change
+    tower = VisionTower.random(dataclasses.replace(SMALL, resample=resample))
+    full = _image(90, 70, seed=5)
+    kept = DecodedImage(digest=full.digest, rgb=tower.resized(full.rgb))
+    assert kept.rgb.shape == (SMALL.image_size, SMALL.image_size, 3)
+    assert torch.equal(tower.pixel_values([kept]), tower.pixel_values([full]))
+    assert tower.resized(kept.rgb) is kept.rgb  # already the tower's size: as it is
