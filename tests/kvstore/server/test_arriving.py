@@ -191,6 +191,16 @@ def test_a_failed_write_appends_the_record_whole_instead(daemons):
     assert all(not any(gap) for gap in outside)
 
 
+def test_a_put_is_answered_only_once_its_header_write_has_ended(daemons):
+    """The header's write fails: a put answered before it ended would name a place that holds no record. With no
+    DRAM tier, the read goes to the segment."""
+    daemon, = daemons(1, *DIRECT, "--hot-tier-bytes", "0", env={"KVSTORE_FAULTS": "segment.payload_written=raise@1"})
+    stored = put_whole(daemon, range(95, 96))
+    with KVClient([daemon.address]) as client:
+        block = NS.blocks(range(95 * NS.block_tokens, 96 * NS.block_tokens))[0]
+        assert [bytes(g.payload) for g in client.get([block])] == [stored[block.key]]
+
+
 def test_two_puts_of_one_key_at_once_leave_one_record_and_zeros(daemons):
     """Both placed as their headers arrive, before either is stored: the one answered EXISTS is erased."""
     daemon, = daemons(1, *DIRECT)
