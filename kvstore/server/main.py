@@ -28,7 +28,7 @@ from kvstore.server.scrub import Scrubber
 from kvstore.server.security import Security
 from kvstore.server.service import KVStoreService
 from kvstore.server.store import BlockStore, DataDirInUse
-from kvstore.startup import StartupError, exit_at_startup, port_in_use
+from kvstore.startup import StartupError, exit_at_startup, port_in_use, probe_port
 from kvstore.stdin_watch import watch_stdin
 
 log = logging.getLogger("kvstore.server")
@@ -87,11 +87,12 @@ async def serve(config: ServerConfig, stop: asyncio.Event | None = None) -> None
             [SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server)
         address = f"{config.host}:{config.port}"
         try:
+            probe_port(config.host, config.port)  # OSError: gRPC's own bind would fail, and log a line of its own
             if security.grpc_credentials is not None:
                 port = server.add_secure_port(address, security.grpc_credentials)
             else:
                 port = server.add_insecure_port(address)
-        except RuntimeError as exc:  # gRPC says only that it failed to bind
+        except (OSError, RuntimeError) as exc:  # RuntimeError: gRPC says only that it failed to bind
             raise port_in_use("gRPC", "--port", config.host, config.port, exc) from None
         if port == 0:
             raise port_in_use("gRPC", "--port", config.host, config.port, OSError(0, "Address already in use"))

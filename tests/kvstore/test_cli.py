@@ -41,6 +41,21 @@ def test_put_lookup_get_stats_fsck(daemons, tmp_path):
     assert "warning" not in fsck.stderr
 
 
+
+def test_an_encoded_get_of_a_layer_range_writes_exactly_those_layers(daemons, tmp_path):
+    daemon, = daemons(1)
+    layout = ["--servers", daemon.address, "--text", PROMPT, "--codec", "zstd"]  # lossless: bytes compare
+    layer_bytes = 2 * 16 * 2 * 64 * 2  # the CLI's default layout: K and V, 16 tokens, 2 heads of 64, bfloat16
+    payloads = [os.urandom(4 * layer_bytes) for _ in range(11)]
+    (tmp_path / "payloads").write_bytes(b"".join(payloads))
+    put = kvstore("put", *layout, "--payload-file", str(tmp_path / "payloads"), "--verbose")
+    assert put.returncode == 0 and "stored 11" in put.stdout, put
+    keys = put.stdout.splitlines()[1:]
+    got = kvstore("get", *layout, "--layers", "1:3", "--out", str(tmp_path / "out"))
+    assert got.returncode == 0 and "11 of 11 leading blocks read and verified" in got.stdout, got
+    assert [(tmp_path / "out" / f"{key}.kv").read_bytes() for key in keys] == \
+        [payload[layer_bytes : 3 * layer_bytes] for payload in payloads]
+
 def test_bad_usage_and_unreachable_daemons(tmp_path):
     assert kvstore("lookup", "--servers", "127.0.0.1:1", "--text", "short").returncode == 2
     assert kvstore("lookup", "--servers", "nohost", "--tokens", "1,2").returncode == 2

@@ -88,6 +88,14 @@ def test_a_hit_never_ends_in_a_block_with_too_little_of_an_image():
     assert image_safe_prefix(3, [ImageSpan(32, 20, span.digest)], B) == 3  # block 2 holds 16 of its placeholders
 
 
+
+def test_with_two_images_a_hit_never_ends_in_a_block_with_too_little_of_the_second():
+    first = ImageSpan(0, 20, os.urandom(16))  # whole in blocks 0 and 1
+    second = ImageSpan(46, 20, os.urandom(16))  # placeholders 0-1 in block 2, the 5th in block 3
+    assert image_safe_prefix(3, [first, second], B) == 2, "block 2 holds 62 bits of the second image"
+    assert image_safe_prefix(4, [first, second], B) == 4
+    assert image_safe_prefix(1, [ImageSpan(14, 20, first.digest), second], B) == 0  # the first's rule still holds
+
 def test_bad_images_are_refused():
     with pytest.raises(ValueError, match="at least 5 placeholders"):
         ImageSpan(0, 4, bytes(16))

@@ -91,6 +91,24 @@ def test_an_image_prompt_is_exact_cold_and_resumed_and_keyed_by_its_image(tiny_g
         assert engine.pool.free_pages == 64
 
 
+def test_with_two_images_a_hit_never_ends_in_a_block_with_too_little_of_the_second(tiny_gemma3, daemons):
+    photos = [_image(0, seed=3), _image(46, seed=4)]  # the second: 2 placeholders in block 2, its 5th in block 3
+    tokens = _prompt(100, photos)
+    elsewhere, here = daemons(2)
+    with KVClient(ClientConfig(servers=(elsewhere.address,))) as client:
+        first = _prefill(_engine(tiny_gemma3, client), tokens, photos, "alice")
+        first.kv.release()
+        assert client.write_behind.flush()
+        leading = client.get(first.blocks[:3])
+    with KVClient(ClientConfig(servers=(here.address,))) as client:
+        # this store holds the chain's first 3 blocks: block 2 carries only 62 bits of the second image
+        assert client.put([(d.block, d.kv()) for d in leading], leading[0].header.n_layers).stored == 3
+        again = _prefill(_engine(tiny_gemma3, client), tokens, photos, "bob")
+        assert again.stored_tokens == 2 * BLOCK, "cut back to before the block with too little of the second image"
+        assert (again.logits - _reference(tiny_gemma3, tokens, photos)).abs().max() <= TOLERANCE
+        again.kv.release()
+
+
 def test_images_that_do_not_fit_the_prompt_are_refused(tiny_gemma3):
     engine = _engine(tiny_gemma3, None)
     tokens = _prompt(50, [])

@@ -140,3 +140,30 @@ def test_a_host_tier_block_that_does_not_decode_ends_the_hit_and_those_before_it
         for got, (_, want) in zip(buffers[:2], items[:2]):
             error = np.linalg.norm(as_float32(bytes(got), "bfloat16") - as_float32(want, "bfloat16"))
             assert error / np.linalg.norm(as_float32(want, "bfloat16")) < 0.01
+
+
+@pytest.mark.parametrize("codec", ["int8", "zstd"])
+def test_an_encoded_blocks_corrupt_dram_tier_copy_is_a_counted_miss_never_a_hit(daemons, codec):
+    # The daemon's DRAM tier takes the put's own copy with a byte flipped (memory gone bad after the daemon
+    # checked it): only the client's layer checksums stand between those bytes and the decoder.
+    daemon, = daemons(1, env={"KVSTORE_FAULTS": "hot_tier.put=flip@1"})
+    space = namespace(codec)
+    items = conversation(space, 1, seed=6)
+    with KVClient(config([daemon])) as client:
+        assert client.put(items, LAYERS).stored == 1
+        assert client.get([b for b, _ in items]) == []
+        assert client.stats.miss_causes["checksum"] == 1
+    with KVClient(config([daemon])) as client:  # the report (waited for at close) dropped the bad copy
+        (read,) = client.get([b for b, _ in items])
+        assert len(read.kv()) == space.block_bytes and client.stats.miss_causes["checksum"] == 0
+
+
+def test_an_encoded_get_of_a_layer_range_returns_exactly_those_layers(daemons):
+    cluster = daemons(1)
+    space = namespace("zstd")  # lossless: the layers read back are the bytes put
+    items = conversation(space, 2, seed=7)
+    with KVClient(config(cluster)) as client:
+        assert client.put(items, LAYERS).stored == 2
+        read = client.get([b for b, _ in items], 1, 3)
+        assert [bytes(d.kv()) for d in read] == [p[space.layer_bytes : 3 * space.layer_bytes] for _, p in items]
+        assert [bytes(d.layer(2)) for d in read] == [p[2 * space.layer_bytes : 3 * space.layer_bytes] for _, p in items]

@@ -18,6 +18,7 @@ from kvstore.server.frames import FRAME_BYTES
 from kvstore.server.fsck import check
 from kvstore.server.segments import ALIGN, SegmentSet
 from tests.faults.conftest import read_frame
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -135,6 +136,48 @@ def test_a_kill_between_the_payload_and_the_header_leaves_no_record(daemons, dur
         assert [bytes(g.payload) for g in client.get(blocks[:2])] == [kept[b.key] for b in blocks[:2]]
 
 
+
+# Layers of 200,000 bytes, not a whole number of pages: a record of 12 of them is received in steps of 1 MiB and
+# written as its whole verified pages reach 1 MiB, so in two writes: its first 1,998,848 bytes once two steps
+# are in, and the rest once the record is whole.
+UNEVEN = Namespace("arriving-uneven", KVLayout(num_layers=12, kv_heads=5, head_dim=100, dtype="float16"),
+                   block_tokens=100)
+SMALL = Namespace("arriving-small", KVLayout(num_layers=2, kv_heads=1, head_dim=8, dtype="float16"), block_tokens=16)
+
+
+def segment_bytes(data_dir) -> int:
+    return sum(path.stat().st_size for path in (data_dir / "segments").iterdir())
+
+
+def test_a_kill_between_two_payload_writes_leaves_no_record_and_harms_no_other(daemons):
+    daemon, = daemons(1, *DIRECT)
+    kept = put_whole(daemon, range(75, 77))
+    daemon.stop()
+    # The writes: the cut record's first, a small record's (appended after the cut one's place, so that its
+    # place lies inside the file), then the cut record's second, where the daemon dies
+    daemon.start(extra_env={"KVSTORE_FAULTS": "segment.before_write=kill@3"})
+    cut = UNEVEN.blocks(range(UNEVEN.block_tokens))[0]
+    header, payload = build_record(cut, os.urandom(UNEVEN.block_bytes), UNEVEN.num_layers, "chat")
+    before = segment_bytes(daemon.data_dir)
+    with send_raw(daemon, put_frame(header, len(payload)) + payload[: 2 * 2**20]) as sock:
+        wait_for(lambda: segment_bytes(daemon.data_dir) > before, "the first write of the cut record")
+        (small,) = SMALL.blocks(range(SMALL.block_tokens))
+        with KVClient(ClientConfig((daemon.address,), shared_memory="off")) as client:
+            assert client.put([(small, b"s" * SMALL.block_bytes)], SMALL.num_layers).stored == 1
+        sock.sendall(payload[2 * 2**20 :])
+        daemon.proc.wait(timeout=30)
+    assert daemon.proc.returncode == -9
+    found, _ = segment_contents(daemon.data_dir)
+    assert cut.key not in found, "a header was written before the whole payload"
+    assert set(kept) | {small.key} <= set(found) and check(daemon.data_dir).ok
+    daemon.start()
+    with KVClient([daemon.address]) as client:
+        blocks = [NS.blocks(range(s * NS.block_tokens, (s + 1) * NS.block_tokens))[0] for s in (75, 76)]
+        assert client.lookup([cut]) == 0
+        assert [bytes(g.payload) for g in client.get(blocks)] == [kept[b.key] for b in blocks]
+        assert [bytes(g.payload) for g in client.get([small])] == [b"s" * SMALL.block_bytes]
+
+
 def test_a_failed_write_appends_the_record_whole_instead(daemons):
     """An I/O error on the first write to its place: the record is appended the ordinary way, once in."""
     daemon, = daemons(1, *DIRECT, env={"KVSTORE_FAULTS": "segment.payload_written=raise@1"})
@@ -146,6 +189,16 @@ def test_a_failed_write_appends_the_record_whole_instead(daemons):
     found, outside = segment_contents(daemon.data_dir)
     assert set(found) == set(stored)
     assert all(not any(gap) for gap in outside)
+
+
+def test_a_put_is_answered_only_once_its_header_write_has_ended(daemons):
+    """The header's write fails: a put answered before it ended would name a place that holds no record. With no
+    DRAM tier, the read goes to the segment."""
+    daemon, = daemons(1, *DIRECT, "--hot-tier-bytes", "0", env={"KVSTORE_FAULTS": "segment.payload_written=raise@1"})
+    stored = put_whole(daemon, range(95, 96))
+    with KVClient([daemon.address]) as client:
+        block = NS.blocks(range(95 * NS.block_tokens, 96 * NS.block_tokens))[0]
+        assert [bytes(g.payload) for g in client.get([block])] == [stored[block.key]]
 
 
 def test_two_puts_of_one_key_at_once_leave_one_record_and_zeros(daemons):

@@ -121,6 +121,15 @@ def test_plain_traffic_passes_unread_prefetches_over_and_a_held_entry_is_kept_un
     assert b"held" not in tier and b"ahead" in tier
 
 
+
+def test_holding_entries_already_here_never_takes_more_than_the_prefetch_budget():
+    tier = HotTier(capacity_bytes=10_000, prefetch_bytes=100)
+    for key in (b"a", b"b", b"c"):
+        tier.put(key, b"h", bytearray(99))  # 100 bytes each
+    assert [tier.hold(key) for key in (b"a", b"b", b"c")] == [True, False, False]
+    assert tier.prefetched_bytes == 100 and [tier._entries[k].prefetched for k in (b"a", b"b", b"c")] == \
+        [True, False, False]
+
 def test_with_nothing_else_to_evict_plain_traffic_takes_the_oldest_unread_prefetch():
     tier = HotTier(2 * 100, prefetch_bytes=2 * 100)
     for key in (b"a", b"b"):

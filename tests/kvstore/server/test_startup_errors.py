@@ -36,7 +36,7 @@ def taken_port():
         yield held.getsockname()[1]
 
 
-@pytest.mark.parametrize("flag", ["--metrics-port", "--data-port"])
+@pytest.mark.parametrize("flag", ["--port", "--metrics-port", "--data-port"])
 def test_a_port_in_use_is_named_with_its_flag(flag, taken_port, tmp_path):
     (line,) = daemon("--data-dir", str(tmp_path / "d"), flag, str(taken_port), cwd=tmp_path)
     assert f"127.0.0.1:{taken_port}" in line and flag in line and "in use" in line
