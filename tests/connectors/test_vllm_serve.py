@@ -22,6 +22,7 @@ openai = pytest.importorskip("openai")
 
 from engine.text.real_text import chat_question, system_prompt  # noqa: E402
 from kvstore.server.process import DaemonProcess  # noqa: E402
+from tests.clean_stop import stop_clean  # noqa: E402
 from tests.peers import VLLM_MODEL_NAME, VllmServer, vllm_store_config  # noqa: E402
 
 pytestmark = [pytest.mark.vllm_serve, pytest.mark.timeout(1800)]
@@ -72,7 +73,8 @@ def reference(model, folder) -> dict[str, str]:
 def daemon(folder):
     process = DaemonProcess(folder / "daemon", folder).start()
     yield process
-    process.stop()
+    problems = stop_clean(process)
+    assert not problems, "\n".join(problems)
 
 
 @pytest.fixture(scope="module")

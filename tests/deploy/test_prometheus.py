@@ -27,6 +27,7 @@ from kvstore.client import KVClient
 from tests.deploy.conftest import free_port
 from tests.engine.api import test_processes
 from tests.engine.api.test_processes import ApiProcess, wait_none_marked
+from tests.waiting import wait_for
 
 api_processes = test_processes.api_processes  # the fixture: kvstore-api processes stopped after the test
 
@@ -151,6 +152,22 @@ def wait_up(prom, want: set[tuple[str, str]], timeout_s: float = 30.0) -> None:
         time.sleep(0.25)
 
 
+def wait_scraped(prom, targets: set[tuple[str, str]], scrapes: int = 1) -> None:
+    """Until each of these (job, instance) targets has had `scrapes` scrapes begun after this call, so that they
+    read the counts as they are now: Prometheus' lastScrape changes once more than that (the first change may
+    be a scrape already under way)."""
+    seen: dict[tuple[str, str], set[str]] = {target: set() for target in targets}
+
+    def scraped() -> bool:
+        for t in prom.api("/api/v1/targets")["activeTargets"]:
+            target = (t["labels"]["job"], t["labels"]["instance"])
+            if target in seen:
+                seen[target].add(t["lastScrape"])
+        return all(len(times) > scrapes + 1 for times in seen.values())  # the first one seen, then the changes
+
+    wait_for(scraped, f"{scrapes} more scrape(s) of {sorted(targets)}", interval_s=0.1)
+
+
 def refused_touch(stores) -> None:
     """A Touch naming no configured traffic class: refused (INVALID_ARGUMENT), an RPC error by method and
     code (from a client of its own, so the traffic's client counts no shard error)."""
@@ -180,7 +197,7 @@ def test_every_dashboard_query_has_data_from_real_daemons_and_api(daemons, prome
     with KVClient([d.address for d in stores]) as client:
         for round_ in range(ROUNDS):
             synthetic_traffic(client, round_)
-            time.sleep(0.5)  # rounds across scrapes, so every rate has a rise inside its window
+            wait_scraped(prom, daemon_targets)  # rounds across scrapes, so every rate has a rise inside its window
     refused_touch(stores)
 
     api.wait_ready()
@@ -212,7 +229,7 @@ def test_every_dashboard_query_has_data_from_real_daemons_and_api(daemons, prome
     while not prom.query("sum(kvstore_expiries_total) > 0") or not prom.query("sum(kvstore_evictions_total) > 0"):
         assert time.monotonic() < deadline, "no block expired or was evicted: the workload no longer exercises them"
         time.sleep(0.5)
-    time.sleep(3)  # a few more scrapes of the final counts
+    wait_scraped(prom, daemon_targets | {api_target}, scrapes=2)  # the final counts, in more than one sample
 
     # The dashboard's variables list what the test started.
     for name, instances in (("instance", {i for _, i in daemon_targets}), ("api_instance", {api_target[1]})):

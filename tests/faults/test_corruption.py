@@ -24,6 +24,7 @@ from kvstore.record import FIXED_HEADER_BYTES, RecordHeader, build_record, decod
 from kvstore.server.fsck import check
 from kvstore.server.process import DaemonProcess
 from kvstore.server.segments import SegmentSet
+from tests.clean_stop import stop_clean
 
 from .conftest import NS, client_for, items, misses_counted, raw_get
 
@@ -178,7 +179,8 @@ def pristine(tmp_path_factory):
         with client_for(daemon) as client:
             assert client.put(stored, NS.num_layers).stored == len(stored)
     finally:
-        daemon.stop()
+        problems = stop_clean(daemon)
+    assert not problems, "\n".join(problems)
     index = base / "data" / "index"
     env = lmdb.open(str(index), readonly=True, lock=False, max_dbs=4)
     env.copy(str(base), compact=True)  # writes base/data.mdb

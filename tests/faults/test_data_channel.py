@@ -12,6 +12,7 @@ from __future__ import annotations
 import select
 import socket
 import time
+from pathlib import Path
 
 import pytest
 
@@ -22,6 +23,7 @@ from kvstore.client.loading import BufferDestination
 from kvstore.proto import pb
 from kvstore.record import build_record
 from kvstore.server.config import ServerConfig, load_config
+from tests.waiting import wait_for
 
 from .conftest import NS, items, read_frame
 
@@ -133,15 +135,31 @@ def test_silent_sockets_do_not_turn_other_clients_hits_into_misses(daemons):
 RSS_BOUND = 32 * MiB
 
 
-def settled_rss(daemon) -> int:
+def unread(daemon, socks) -> int:
+    """Bytes sent on `socks` that the daemon has not read yet: what its ends of these connections hold in their
+    receive queues (/proc/net/tcp: rx_queue, in hex)."""
+    clients = {sock.getsockname() for sock in socks}
+    queued = 0
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, remote, _, queues = line.split()[1:5]
+        address, port = remote.split(":")
+        if int(local.split(":")[1], 16) == daemon.data_port and \
+                (socket.inet_ntoa(int(address, 16).to_bytes(4, "little")), int(port, 16)) in clients:
+            queued += int(queues.split(":")[1], 16)
+    return queued
+
+
+def settled_rss(daemon, sent=()) -> int:
+    """The daemon's RSS once it has read every byte sent on `sent`: whatever it allocates for what they declared
+    before the rest arrives, it has allocated by then."""
+    wait_for(lambda: unread(daemon, sent) == 0, "the daemon reading every byte sent")
     served_over_the_data_channel(daemon)
-    time.sleep(0.2)
     return daemon.rss_bytes()
 
 
-def rss_growth_until(daemon, baseline: int, reached, timeout_s: float = 10.0) -> int:
-    """The daemon's RSS growth over `baseline`, polled until `reached(growth)` or the timeout (the daemon
-    reads what was sent, or frees what was closed, in its own time)."""
+def rss_growth_until(daemon, baseline: int, reached, timeout_s: float = 60.0) -> int:
+    """The daemon's RSS growth over `baseline`, polled until `reached(growth)` (the daemon reads what was sent,
+    or frees what was closed, in its own time) or the timeout, which only ends a hang."""
     deadline = time.monotonic() + timeout_s
     while True:
         served_over_the_data_channel(daemon)
@@ -158,7 +176,7 @@ def test_a_declared_head_size_is_not_allocated_before_it_arrives(daemons):
     try:
         for sock in socks:  # 13 bytes each: a prefix declaring the largest head, and one byte of it
             sock.sendall(wire.PREFIX.pack(wire.MAGIC, wire.GET, wire.MAX_HEAD_BYTES) + b"\x0a")
-        grown = settled_rss(daemon) - baseline
+        grown = settled_rss(daemon, socks) - baseline
         assert grown < RSS_BOUND, f"64 declared 8 MiB heads took {grown / MiB:.0f} MiB"
     finally:
         for sock in socks:
@@ -185,7 +203,7 @@ def test_a_declared_record_size_is_not_allocated_before_it_arrives_and_is_given_
     try:
         for sock in socks:  # the record's own bytes (zeros): each layer is verified as soon as it is in
             sock.sendall(start + bytes(4096))
-        grown = settled_rss(daemon) - baseline
+        grown = settled_rss(daemon, socks) - baseline
         assert grown < RSS_BOUND, f"15 declared 32 MiB records took {grown / MiB:.0f} MiB"
         for sock in socks[:4]:  # bytes that did arrive are held while the record is unfinished ...
             sock.sendall(bytes(16 * MiB))

@@ -1,12 +1,12 @@
 """The client over three real daemons: placement, dead daemons, recovery, async API."""
 
 import os
-import time
 
 import pytest
 
 from kvstore.block import KVLayout, Namespace
 from kvstore.client import AsyncKVClient, ClientConfig, KVClient
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -69,11 +69,8 @@ def test_a_dead_daemon_means_misses_then_hits_again_when_it_returns(daemons):
         assert victim_owned > 0, "some prefixes must have lost blocks with the daemon"
         assert client.stats.shard_errors[cluster[1].address] >= 1
         cluster[1].start()
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline:
-            if all(client.lookup([b for b, _ in items]) == 12 for items in sessions):
-                break
-            time.sleep(0.1)
+        wait_for(lambda: all(client.lookup([b for b, _ in items]) == 12 for items in sessions),
+                 "the returned daemon's blocks found again (once the client's backoff lets it probe)")
         for items in sessions:
             assert [g.payload for g in client.get([b for b, _ in items])] == [p for _, p in items]
 

@@ -10,6 +10,7 @@ from kvstore.block import KVLayout, Namespace
 from kvstore.client import ClientConfig, KVClient
 from kvstore.client.loading import BufferDestination
 from kvstore.server.segments import SegmentSet
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -77,12 +78,11 @@ def test_a_daemon_killed_mid_load_shrinks_the_hit_without_a_hang(daemons):
         buffers = poisoned(8)
         handle = client.load([b for b, _ in items], BufferDestination(buffers, NS.num_layers, NS.layer_bytes),
                              hit_blocks=8)
-        started = time.monotonic()
-        assert handle.wait(timeout=20) == 3 * 16, "the hit ends where the dead daemon's blocks begin"
-        assert time.monotonic() - started < 15
+        # no hang: the load ends, its hit cut at the dead daemon (the timeout only guards against a hang)
+        assert handle.wait(timeout=60) == 3 * 16, "the hit ends where the dead daemon's blocks begin"
         assert [bytes(b) for b in buffers[:3]] == [p for _, p in items[:3]]
         for index in range(NS.num_layers):
-            handle.wait_layer(index, timeout=1)
+            handle.wait_layer(index, timeout=0)  # the load ended: every layer of its hit is in place already
         assert client.stats.shard_errors[cluster[0].address] >= 1
 
 
@@ -148,7 +148,8 @@ def test_cancel_at_any_point_leaves_no_stray_writes(daemons):
             assert destination.reached.wait(timeout=10)
             handle.cancel()
             writes, snapshot = destination.writes, [bytes(b) for b in buffers]
-            time.sleep(0.3)
+            # the load's last piece has ended (it finishes the load): no piece is left to write a stray byte
+            wait_for(lambda: handle.done, "the cancelled load's pieces ending")
             assert destination.writes == writes and [bytes(b) for b in buffers] == snapshot
         cancelled_before_start = client.load([b for b, _ in items], BufferDestination(poisoned(8), NS.num_layers,
                                                                                      NS.layer_bytes))

@@ -4,6 +4,7 @@ import time
 import pytest
 
 from kvstore.client.loading import BufferDestination, LoadCancelled, LoadHandle, LoadProgress
+from tests.waiting import parked_in, wait_for
 
 pytestmark = pytest.mark.unit
 
@@ -36,12 +37,12 @@ def test_a_shrunk_hit_releases_waiters_and_finish_drops_incomplete_blocks():
 def test_waiters_wake_when_the_layer_lands():
     progress = LoadProgress(num_layers=1, hit_blocks=1)
     woke = []
-    waiter = threading.Thread(target=lambda: woke.append(progress.wait_layer(0, timeout=5)))
+    waiter = threading.Thread(target=lambda: woke.append(progress.wait_layer(0, timeout=60)))
     waiter.start()
-    time.sleep(0.05)
+    wait_for(lambda: woke or parked_in(waiter, LoadProgress.wait_layer), "the waiter waiting for layer 0")
     assert not woke
     progress.mark(0, 0)
-    waiter.join(timeout=5)
+    waiter.join(timeout=60)
     assert woke == [1]
 
 

@@ -2,7 +2,6 @@
 any holder with the reads spread, verified as always; and none where the daemons ask for none."""
 
 import os
-import time
 
 import pytest
 
@@ -39,7 +38,7 @@ def test_a_hot_prefix_is_copied_to_the_next_members_and_its_reads_spread(daemons
         for _ in range(3):  # the third read makes them hot
             assert [d.payload for d in client.get(blocks)] == [p for _, p in items]
         wait_for(lambda: all(len(client._async.replicas.holders.get(b.key, ())) >= 2 for b in blocks),
-                 "the copies made", timeout_s=10)
+                 "the copies made")
         for block in blocks:  # on the owner's two successors, which every client computes alike
             members = ranked(block.key, list(client._async.shards), 3)
             assert client._async.replicas.holders[block.key] == frozenset(members[1:])
@@ -61,7 +60,7 @@ def test_a_copy_that_is_gone_is_read_elsewhere_after_one_miss(daemons):
     with KVClient(config(cluster)) as client, KVClient(config(cluster)) as other:
         client.put(items, NS.num_layers)
         client.get([block]), client.get([block])
-        wait_for(lambda: client._async.replicas.holders.get(block.key), "the copy made", timeout_s=10)
+        wait_for(lambda: client._async.replicas.holders.get(block.key), "the copy made")
         (holder,) = client._async.replicas.holders[block.key]
         with KVClient(ClientConfig((holder,))) as direct:
             assert direct.delete([block]) == 1  # the copy evicted under the client's feet
@@ -80,5 +79,6 @@ def test_no_copies_unless_the_daemons_ask(daemons):
         client.put(items, NS.num_layers)
         for _ in range(50):
             client.get([b for b, _ in items])
-        time.sleep(0.2)
+        # a get orders its copies before it returns: none queued or being made means none are coming
+        wait_for(lambda: not client._async.copier.orders._copying, "the copies ordered made")
         assert client.stats.copies_made == 0 and not client._async.replicas.holders

@@ -2,7 +2,6 @@
 
 import os
 import threading
-import time
 
 import pytest
 
@@ -11,6 +10,7 @@ from kvstore.client import ClientConfig, KVClient
 from kvstore.client.loader import LoadWork
 from kvstore.client.loading import BufferDestination, LoadProgress
 from kvstore.client.write_behind import WriteBehind
+from tests.waiting import parked_in, wait_for
 
 NS = Namespace("threads", KVLayout(num_layers=4, kv_heads=2, head_dim=32, dtype="float16"), block_tokens=16)
 
@@ -104,7 +104,8 @@ def test_the_smallest_pool_serves_loads_gets_and_saves_from_many_threads_at_once
 
 
 class HeldBackDestination(BufferDestination):
-    """Holds the last layer back until the caller has consumed layer 0."""
+    """Holds the last layer back until the caller has consumed layer 0: however long that takes, the load
+    cannot be done before."""
 
     def __init__(self, n: int) -> None:
         self.buffers = [bytearray(NS.block_bytes) for _ in range(n)]
@@ -113,7 +114,7 @@ class HeldBackDestination(BufferDestination):
 
     def layer_view(self, layer: int, block: int) -> memoryview:
         if layer == NS.num_layers - 1:
-            self.layer0_consumed.wait(10)
+            self.layer0_consumed.wait()
         return super().layer_view(layer, block)
 
 
@@ -126,10 +127,11 @@ def test_loads_stay_layer_pipelined_on_the_pool(daemons):
         client.put(items, NS.num_layers)
         held = HeldBackDestination(len(blocks))
         handle = client.load(blocks, held)
-        started = time.monotonic()
-        assert handle.wait_layer(0, timeout=5) == 16 * 16, "layer 0 of every piece lands before the last layer"
-        assert time.monotonic() - started < 5 and not handle.done
-        held.layer0_consumed.set()
+        try:  # unpipelined, layer 0 would wait for the last layer, which waits for layer 0: the hang guard ends it
+            assert handle.wait_layer(0, timeout=60) == 16 * 16, "layer 0 of every piece lands before the last layer"
+            assert not handle.done, "the last layer is still held back"
+        finally:
+            held.layer0_consumed.set()
         assert handle.wait(timeout=10) == 16 * 16
         assert [bytes(b) for b in held.buffers] == [p for _, p in items]
 
@@ -148,7 +150,7 @@ def test_load_work_finishes_once_after_its_last_piece_and_join_skips_the_calling
 
     first = threading.Thread(target=work.run, args=(0, piece, 0, threading.Event()))
     first.start()
-    time.sleep(0.05)
+    wait_for(lambda: joined.is_set() or parked_in(first, LoadWork.join), "the first piece waiting in join")
     assert not joined.is_set() and not progress.finished, "the other piece has not run yet"
     work.run(1, piece, 1, None)
     first.join(timeout=5)

@@ -13,6 +13,7 @@ from kvstore.client import KVClient
 from kvstore.proto import method, pb
 from kvstore.record import build_record
 from kvstore.server.process import DaemonProcess
+from tests.clean_stop import stop_clean
 
 pytestmark = pytest.mark.integration
 
@@ -66,4 +67,5 @@ def test_a_small_disk_is_the_budget_puts_fail_precisely_if_at_all_and_gets_go_on
             assert stats.value("kvstore_evictions_total") >= 1
         assert daemon.proc.poll() is None
     finally:
-        daemon.stop()
+        problems = stop_clean(daemon)
+    assert not problems, "\n".join(problems)

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from kvstore.server.process import DaemonProcess
+from tests.clean_stop import stop_clean
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.integration
@@ -43,6 +44,8 @@ def test_the_end_of_stdin_is_a_graceful_shutdown(tmp_path):
         daemon.proc.stdin.close()  # what the kernel does when the parent dies
         assert daemon.proc.wait(timeout=30) == 0
         assert "stopped cleanly" in daemon.log()
+        problems = stop_clean(daemon)
+        assert not problems, "\n".join(problems)
     finally:
         daemon.kill()
 
