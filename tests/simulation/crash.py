@@ -335,8 +335,10 @@ class Result:
 
 class Simulation:
     def __init__(self, seed: int, steps: int, workdir: Path, progress: bool = False,
-                 attacks: tuple[str, ...] = ATTACKS, trace: bool = False) -> None:
+                 attacks: tuple[str, ...] = ATTACKS, trace: bool = False, snapshots: bool = False) -> None:
         self.trace = trace  # print every operation and every event of the daemon's lives
+        # copy the data directory as each life left it, before its recovery: what a failure is examined on
+        self.snapshots = workdir / "snapshots" if snapshots else None
         # Two streams, so that neither depends on the other's draws: the workload draws the same operations
         # whatever the faults do, and the schedule the same epochs.
         self.rng = random.Random(f"{seed}/workload")
@@ -371,6 +373,9 @@ class Simulation:
                     self._step()
                     self.result.note_times(started, len(self.oracle.wrong), len(self.oracle.lost))
                 self._stop(epoch.end)
+                if self.snapshots is not None:
+                    shutil.copytree(self.daemon.data_dir, self.snapshots / f"op-{self.result.operations:05d}-"
+                                    f"restart-{self.result.restarts:03d}", ignore=shutil.ignore_patterns("*.sock"))
                 self._recover(epoch.recovery)
                 before = "; ".join(self.life)
                 fault = ""  # a fault point fired before the epoch's end: the rest of it without one
@@ -535,7 +540,7 @@ class Simulation:
         assert len(statuses) == len(blocks), "one status per record"
         for block, status in zip(blocks, statuses):
             assert status in (pb.STORED, pb.EXISTS)
-            self.oracle.acked[block.key] = f"{self._when()} ({self.doing})"
+            self.oracle.acked[block.key] = f"{self._when()} ({self.doing}: {pb.PutStatus.Name(status)})"
 
     def _put_grpc(self) -> None:
         tenant, blocks = self._some_blocks()
@@ -636,11 +641,11 @@ class Simulation:
 
 
 def run_seed(seed: int, steps: int = DEFAULT_STEPS, progress: bool = False, keep: bool = False,
-             attacks: tuple[str, ...] = ATTACKS, trace: bool = False) -> Result:
+             attacks: tuple[str, ...] = ATTACKS, trace: bool = False, snapshots: bool = False) -> Result:
     workdir = Path(tempfile.mkdtemp(prefix=f"crash-sim-{seed}-"))
     result: Result | None = None
     try:
-        result = Simulation(seed, steps, workdir, progress, attacks, trace).run()
+        result = Simulation(seed, steps, workdir, progress, attacks, trace, snapshots).run()
         return result
     finally:
         if keep or result is None or result.failed:  # a failing seed's evidence is always kept
@@ -670,6 +675,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, help="run successive seeds until this much time has passed")
     parser.add_argument("--keep", action="store_true", help="keep each seed's data directory and logs (a failing seed's is always kept)")
     parser.add_argument("--trace", action="store_true", help="print every operation and daemon life event")
+    parser.add_argument("--snapshots", action="store_true",
+                        help="copy the data directory as each life left it, before its recovery (kept with a failure)")
     parser.add_argument("--attacks", default=",".join(ATTACKS),
                         help=f"the attacker's hostile puts, of {','.join(ATTACKS)} (empty: none; a control run)")
     args = parser.parse_args(argv)
@@ -680,7 +687,7 @@ def main(argv: list[str] | None = None) -> int:
     while True:
         attacks = tuple(filter(None, args.attacks.split(",")))
         result = run_seed(seed, args.steps, progress=args.seconds is None, keep=args.keep, attacks=attacks,
-                          trace=args.trace)
+                          trace=args.trace, snapshots=args.snapshots)
         report(result)
         for name in ("operations", "crashes", "restarts", "rebuilds", "hostile_puts"):
             setattr(totals, name, getattr(totals, name) + getattr(result, name))
