@@ -531,7 +531,7 @@ class Simulation:
 
     def _records(self, tenant: Tenant, blocks: list[Block]) -> list[Record]:
         traffic_class = self.rng.choices(list(CLASSES), list(CLASSES.values()))[0]
-        self.doing += f" ({traffic_class})"
+        self.doing += f" ({traffic_class}: {' '.join(block.key.hex()[:8] for block in blocks)})"
         for block in blocks:
             self.oracle.know(block.key, tenant.name)
         return [build_record(block, payload_of(block.key), LAYOUT.num_layers, traffic_class) for block in blocks]
