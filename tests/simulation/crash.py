@@ -673,7 +673,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1, help="the seed (with --seconds, the first of successive ones)")
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="operations per seed")
     parser.add_argument("--seconds", type=float, help="run successive seeds until this much time has passed")
-    parser.add_argument("--keep", action="store_true", help="keep each seed's data directory and logs (a failing seed's is always kept)")
+    parser.add_argument("--keep", action="store_true",
+                        help="keep each seed's data directory and logs (a failing seed's is always kept)")
     parser.add_argument("--trace", action="store_true", help="print every operation and daemon life event")
     parser.add_argument("--snapshots", action="store_true",
                         help="copy the data directory as each life left it, before its recovery (kept with a failure)")
