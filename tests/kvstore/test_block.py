@@ -1,8 +1,24 @@
+import copy
+import dataclasses
+
 import numpy as np
 import pytest
 import xxhash
 
-from kvstore.block import KVLayout, Namespace, NamespaceMismatch, chain_hash, same_namespace, tenant_of
+from kvstore.block import (
+    KEY_BYTES,
+    MAX_TOKEN_ID,
+    NO_TENANT,
+    ImageSpan,
+    KVLayout,
+    Namespace,
+    NamespaceMismatch,
+    chain_hash,
+    encode_tokens,
+    same_namespace,
+    tenant_of,
+)
+from kvstore.codec import LayerGeometry
 
 pytestmark = pytest.mark.unit
 
@@ -100,3 +116,62 @@ def test_mixing_namespaces_in_one_call_is_an_error():
 def test_layer_bytes_follow_the_layout():
     assert LAYOUT.layer_bytes(4) == 2 * 4 * 1 * 4 * 2  # (K/V, tokens, heads, head_dim) * fp16
     assert KVLayout(2, 1, 4, "float16", kv_per_layer=1).layer_bytes(4) == 4 * 4 * 2
+
+
+# Each bound and product below was found unpinned by `make mutate`: moving it left every test above passing.
+
+def test_the_largest_token_id_and_one_token_blocks_are_accepted():
+    assert encode_tokens([0, MAX_TOKEN_ID]) == bytes(4) + b"\xff" * 4
+    assert len(Namespace("m", LAYOUT, 1).blocks(range(3))) == 3
+
+
+@pytest.mark.parametrize(("dtype", "size"), [("float32", 4), ("float16", 2), ("bfloat16", 2), ("float8_e4m3fn", 1),
+                                             ("int8", 1)])
+def test_layer_bytes_count_each_dtypes_width(dtype, size):
+    assert KVLayout(1, 1, 1, dtype, kv_per_layer=1).layer_bytes(1) == size
+
+
+@pytest.mark.parametrize("field", ["num_layers", "kv_heads", "head_dim", "kv_per_layer"])
+def test_every_layout_dimension_must_be_at_least_one(field):
+    with pytest.raises(ValueError, match=f"{field} must be >= 1"):
+        KVLayout(**{"num_layers": 2, "kv_heads": 1, "head_dim": 4, field: 0})
+
+
+def test_layer_and_block_bytes_multiply_every_dimension():
+    layout = KVLayout(num_layers=3, kv_heads=2, head_dim=8, dtype="float32", kv_per_layer=2)
+    assert layout.layer_bytes(4) == 2 * 4 * 2 * 8 * 4
+    assert Namespace("m", layout, 4).block_bytes == 3 * 2 * 4 * 2 * 8 * 4
+
+
+def test_a_codec_layout_binds_its_codec_and_a_raw_one_none():
+    layout = KVLayout(num_layers=2, kv_heads=2, head_dim=8, dtype="bfloat16", codec="zstd")
+    bound = layout.block_codec(4)
+    assert bound is not None and bound.code == 1
+    assert bound.geometry == LayerGeometry(kv_per_layer=2, tokens=4, channels=16, dtype="bfloat16")
+    assert Namespace("m", layout, 4).blocks(range(4))[0].codec == bound
+    assert LAYOUT.block_codec(4) is None and golden_namespace().blocks(range(4))[0].codec is None
+
+
+def test_another_model_id_keeps_the_tenant_and_needs_a_name():
+    ns = golden_namespace()
+    other = ns.with_model_id("other-model")
+    assert other.tenant == ns.tenant and other.digest == Namespace("other-model", LAYOUT, 4, b"tenant-a").digest
+    with pytest.raises(ValueError, match="model_id"):
+        ns.with_model_id("")
+
+
+def test_keys_are_key_bytes_long_and_a_zero_tenant_is_no_tenant():
+    """The daemon checks a key's length against KEY_BYTES; a tenant of 16 zero bytes is format 1's none."""
+    assert {len(block.key) for block in golden_namespace().blocks(range(12))} == {KEY_BYTES}
+    assert NO_TENANT == bytes(16)
+    assert chain_hash(bytes(16), [0, 1, 2, 3], bytes(16)) == chain_hash(bytes(16), [0, 1, 2, 3])
+
+
+def test_blocks_and_layouts_are_immutable_and_hashable():
+    """Blocks and layouts are dict keys and set members across the client; a field changed in place would
+    move a key under its owner."""
+    block = golden_namespace().blocks(range(4))[0]
+    for value, field in ((block, "key"), (LAYOUT, "num_layers"), (ImageSpan(0, 5, bytes(16)), "start")):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(value, field, 1)
+        assert hash(value) == hash(copy.copy(value))

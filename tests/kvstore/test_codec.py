@@ -10,7 +10,7 @@ import xxhash
 import zstandard
 
 from kvstore.block import KVLayout, Namespace
-from kvstore.codec import CODECS, BlockCodec, CorruptLayer, LayerGeometry, codec_named
+from kvstore.codec import CODECS, BlockCodec, CorruptLayer, LayerGeometry, check_codec, codec_named
 from kvstore.record import CorruptRecord, build_record, decode_header
 
 GEOMETRY = LayerGeometry(kv_per_layer=2, tokens=16, channels=64, dtype="bfloat16")
@@ -219,3 +219,150 @@ def test_a_record_naming_an_unknown_codec_is_a_bad_header():
     struct.pack_into("<I", body, tenant_end, 99)
     with pytest.raises(CorruptRecord, match="unknown codec"):
         decode_header(bytes(body) + struct.pack("<Q", xxhash.xxh3_64_intdigest(bytes(body))))
+
+
+# -- what `make mutate` found unpinned: the byte planes' bounds, the value runs, the bfloat16 rounding --------
+def test_every_cut_of_a_byte_plane_encoding_and_bytes_after_it_are_refused_as_corrupt():
+    """Cut anywhere, in a zstd'd plane or one stored raw, a layer is CorruptLayer, never another error; bytes
+    after its last plane are counted."""
+    geometry = LayerGeometry(2, 4, 16, "bfloat16")
+    rng = np.random.default_rng(3)
+    planes = np.stack([rng.integers(0, 256, geometry.raw_bytes // 2), np.full(geometry.raw_bytes // 2, 0x3F)], 1)
+    raw = planes.astype(np.uint8).tobytes()  # byte 0 of each value noise (stored raw), byte 1 constant (zstd'd)
+    zstd = codec_named("zstd")
+    encoded = zstd.encode(raw, geometry)
+    first = struct.unpack_from("<I", encoded)[0]
+    assert first == (1 << 31) | geometry.raw_bytes // 2 and len(encoded) < geometry.raw_bytes + 8  # raw, then zstd
+    out = memoryview(bytearray(geometry.raw_bytes))
+    zstd.decode(memoryview(encoded), geometry, out)
+    assert bytes(out) == raw
+    for cut in range(len(encoded)):
+        with pytest.raises(CorruptLayer):
+            zstd.decode(memoryview(encoded[:cut]), geometry, out)
+    with pytest.raises(CorruptLayer, match="^3 bytes after the last byte plane"):
+        zstd.decode(memoryview(encoded + bytes(3)), geometry, out)
+
+
+def test_an_unknown_codec_is_refused_naming_the_config_that_asked_for_it():
+    with pytest.raises(ValueError, match="^server.toml: KV codec must be one of raw, zstd, int8, int4, got 'lz4'"):
+        codec_named("lz4", "server.toml")
+    with pytest.raises(ValueError, match="^KV codec must be one of"):
+        codec_named("lz4")
+
+
+def test_int4_values_share_a_step_over_runs_of_32_channels_and_other_widths_whole():
+    """A value token's channels 0-31 1000x larger leave 32-63 as exact as without them (their own run); a
+    width that 32 does not divide is one run a token, at any number of tokens."""
+    geometry = LayerGeometry(2, 4, 64, "float32")
+    values = np.random.default_rng(4).normal(size=(2, 4, 64)).astype(np.float32)
+    values[1, :, :32] *= 1000
+    got = as_float32(round_trip(BlockCodec(codec_named("int4"), geometry), to_dtype(values, "float32")), "float32")
+    small = values[1, :, 32:]
+    assert np.abs(got.reshape(values.shape)[1, :, 32:] - small).max() < np.abs(small).max() / 4
+    odd = LayerGeometry(2, 3, 48, "bfloat16")
+    raw = kv_like(LayerGeometry(2, 4, 48, "bfloat16"))[: odd.raw_bytes]
+    back = as_float32(round_trip(BlockCodec(codec_named("int4"), odd), raw), "bfloat16")
+    assert np.abs(back - as_float32(raw, "bfloat16")).max() < np.abs(as_float32(raw, "bfloat16")).max() / 4
+
+
+def test_float32_to_bfloat16_rounds_to_nearest_and_ties_to_even():
+    """What the quantisers decode into a bfloat16 layer, and the int4 parameters: IEEE round to nearest even."""
+    from kvstore.codec import _bf16_round, _from_float32
+
+    bits = np.array([0x3F800000, 0x3F807FFF, 0x3F808000, 0x3F808001, 0x3F818000, 0xBF818000], dtype=np.uint32)
+    nearest = np.array([0x3F80, 0x3F80, 0x3F80, 0x3F81, 0x3F82, 0xBF82], dtype=np.uint16)  # ties: 0x3F80, 0x3F82
+    out = bytearray(2 * len(bits))
+    _from_float32(bits.view(np.float32), "bfloat16", memoryview(out))
+    assert np.array_equal(np.frombuffer(out, "<u2"), nearest)
+    assert np.array_equal(_bf16_round(bits.view(np.float32)).view(np.uint32), nearest.astype(np.uint32) << 16)
+
+
+def test_a_quantised_layer_exactly_as_long_as_raw_is_stored_raw():
+    """Nothing gained is nothing gained: an int4 encoding of exactly the raw length is not worth its loss. The
+    layer is one whose encoding happens to land there (searched for: zstd's output length is not chosen)."""
+    geometry = LayerGeometry(2, 1, 32, "bfloat16")
+    int4 = codec_named("int4")
+    for seed in range(1000):
+        values = np.random.default_rng(seed).normal(size=geometry.raw_bytes // 2).astype(np.float32)
+        raw = to_dtype(values, "bfloat16")
+        if len(int4.encode(raw, geometry)) == geometry.raw_bytes:
+            break
+    else:
+        pytest.fail("no layer of 1000 encodes to exactly its raw length")
+    codec = BlockCodec(int4, geometry)
+    stored, slot = codec.encode(raw, 1)
+    assert struct.unpack_from("<I", stored)[0] == (1 << 31) | geometry.raw_bytes and round_trip(codec, raw) == raw
+
+
+@pytest.mark.parametrize("name", ["zstd", "int8"])
+def test_a_slot_whose_length_says_more_than_it_holds_is_refused(name):
+    """Even by a byte, even where the bytes it does hold would decode."""
+    codec = BlockCodec(codec_named(name), GEOMETRY)
+    stored, _ = codec.encode(kv_like(GEOMETRY), 1)
+    (length,) = struct.unpack_from("<I", stored)
+    assert length == len(stored) - 4  # one layer: its slot has no padding
+    for more in (1, 4):
+        with pytest.raises(CorruptLayer, match="says it holds"):
+            codec.decode(struct.pack("<I", length + more) + stored[4:], memoryview(bytearray(GEOMETRY.raw_bytes)))
+
+
+def test_a_zstd_frame_with_bytes_after_it_is_refused():
+    codec = BlockCodec(codec_named("int8"), GEOMETRY)
+    stored, _ = codec.encode(kv_like(GEOMETRY), 1)
+    (length,) = struct.unpack_from("<I", stored)
+    with pytest.raises(CorruptLayer):
+        codec.decode(struct.pack("<I", length + 3) + stored[4:] + b"\x00\x01\x02", memoryview(bytearray(
+            GEOMETRY.raw_bytes)))
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "int8"])
+def test_one_byte_kv_is_one_byte_a_value_and_only_lossless_codecs_take_it(dtype):
+    geometry = LayerGeometry(2, 4, 8, dtype)
+    assert geometry.raw_bytes == 2 * 4 * 8
+    raw = bytes(range(geometry.raw_bytes))
+    for name in ("raw", "zstd"):
+        check_codec(name, dtype)
+        assert round_trip(BlockCodec(codec_named(name), geometry), raw) == raw
+    for name in ("int8", "int4"):
+        with pytest.raises(ValueError, match="quantises"):
+            check_codec(name, dtype)
+
+
+def test_codec_blocks_are_immutable_and_hashable():
+    """A block's codec is part of the frozen Block: blocks of a codec namespace are dict keys like any other."""
+    block = Namespace("m", layout("int8"), block_tokens=16).blocks(range(16))[0]
+    assert hash(block) == hash(dataclasses.replace(block))
+    for value, field in ((block.codec, "codec"), (block.codec.geometry, "tokens")):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(value, field, None)
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_keys_share_a_scale_over_runs_of_64_tokens_only(name):
+    """Keys 1000x larger from token 64 on leave tokens 0-63 as exact as without them: another run's scale."""
+    geometry = LayerGeometry(2, 128, 8, "float32")
+    values = np.random.default_rng(5).normal(size=(2, 128, 8)).astype(np.float32)
+    values[0, 64:] *= 1000
+    got = as_float32(round_trip(BlockCodec(codec_named(name), geometry), to_dtype(values, "float32")), "float32")
+    first = values[0, :64]
+    assert np.abs(got.reshape(values.shape)[0, :64] - first).max() < np.abs(first).max() / 4
+
+
+def test_values_on_a_quantisers_own_grid_decode_exactly():
+    """int8: a group of k/8 for k in -127..127 has scale 1/8 exactly; int4: a value run of k/2 for k in 0..15
+    has minimum 0 and step 1/2 exactly. Such groups lose nothing, so the scale's divisor and the codes' range
+    are pinned."""
+    ks = np.arange(-127, 128, dtype=np.float32)
+    geometry = LayerGeometry(1, 1, ks.size, "float32")  # one part: values, one group a token
+    raw = to_dtype(ks / 8, "float32")
+    assert round_trip(BlockCodec(codec_named("int8"), geometry), raw) == raw
+    values = np.tile(np.arange(16, dtype=np.float32) / 2, 2)  # one run of 32 channels
+    geometry = LayerGeometry(1, 1, 32, "float32")
+    raw = to_dtype(values, "float32")
+    assert round_trip(BlockCodec(codec_named("int4"), geometry), raw) == raw
+
+
+def test_each_codecs_code_in_the_record_is_fixed():
+    """The code is what a record's header names (format 4): renumbering one misreads every stored record."""
+    assert {name: codec.code for name, codec in CODECS.items()} == {"raw": 0, "zstd": 1, "int8": 2, "int4": 3}
+

@@ -66,6 +66,13 @@ def test_two_images_count_in_order():
     assert _shared(ab, other_second) == 50 // B
 
 
+def test_identity_ids_golden_vector():
+    """Fixed digest -> fixed ids: a change of their encoding (the index's width, the bits kept) changes the key
+    of every block after an image, so it must break this test first."""
+    assert image_identity_ids(bytes(range(16)), 6) == [3988192332, 4130470044, 3806668920, 3687329338, 3154305559,
+                                                       3655378245]
+
+
 def test_identity_ids_lie_above_every_vocabulary_and_carry_the_digest():
     digest = os.urandom(16)
     ids = image_identity_ids(digest, 64)
@@ -86,6 +93,9 @@ def test_a_hit_never_ends_in_a_block_with_too_little_of_an_image():
     assert image_safe_prefix(3, [span], B) == 2  # block 2 holds 2 placeholders (62 bits): cut back before it
     assert image_safe_prefix(4, [span], B) == 4  # block 3 holds the 5th: the key carries the whole image
     assert image_safe_prefix(3, [ImageSpan(32, 20, span.digest)], B) == 3  # block 2 holds 16 of its placeholders
+    # block 2 holds exactly IMAGE_SURE_PLACEHOLDERS of it (43-47): enough, the hit is not cut; one fewer is cut
+    assert image_safe_prefix(3, [ImageSpan(B * 3 - IMAGE_SURE_PLACEHOLDERS, 20, span.digest)], B) == 3
+    assert image_safe_prefix(3, [ImageSpan(B * 3 - IMAGE_SURE_PLACEHOLDERS + 1, 20, span.digest)], B) == 2
 
 
 
@@ -97,6 +107,7 @@ def test_with_two_images_a_hit_never_ends_in_a_block_with_too_little_of_the_seco
     assert image_safe_prefix(1, [ImageSpan(14, 20, first.digest), second], B) == 0  # the first's rule still holds
 
 def test_bad_images_are_refused():
+    ImageSpan(0, IMAGE_SURE_PLACEHOLDERS, bytes(16))  # the fewest placeholders an image may have
     with pytest.raises(ValueError, match="at least 5 placeholders"):
         ImageSpan(0, 4, bytes(16))
     with pytest.raises(ValueError, match="16 bytes"):

@@ -4,6 +4,7 @@ between its payload and its header, leaves no record, and its place holds only z
 
 from __future__ import annotations
 
+import mmap
 import os
 import socket
 
@@ -14,11 +15,14 @@ from kvstore.block import KVLayout, Namespace
 from kvstore.client import ClientConfig, KVClient
 from kvstore.proto import pb
 from kvstore.record import build_record
+from kvstore.server.arriving import WRITE_STEP, WRITES_IN_FLIGHT, ArrivingRecord
 from kvstore.server.frames import FRAME_BYTES
 from kvstore.server.fsck import check
 from kvstore.server.segments import ALIGN, SegmentSet
 from tests.faults.conftest import read_frame
 from tests.waiting import wait_for
+
+from .conftest import read_all, records
 
 pytestmark = pytest.mark.integration
 
@@ -222,3 +226,63 @@ def test_two_puts_of_one_key_at_once_leave_one_record_and_zeros(daemons):
     assert list(found) == [key]
     assert all(not any(gap) for gap in outside), "the second copy's place holds only zeros"
 
+
+
+# -- in-process: what ArrivingRecord hands to writes, step by step ----------------------------------------
+# arrived() is synchronous and a write is a task that does not start before the event loop runs: between two
+# calls with no await, no write has ended, so how many are in flight is the test's to say, not the clock's.
+IN_PROCESS = {"direct_io_min_bytes": 64 * 1024, "hot_tier_bytes": 0, "segment_bytes": 256 * 2**20}
+SMALL_LAYERS = Namespace("arriving-small", KVLayout(num_layers=56, kv_heads=8, head_dim=128, dtype="float16"),
+                         block_tokens=16)  # 56 layers of 64 KiB: 3.5 MiB
+ODD_LAYERS = Namespace("arriving-odd", KVLayout(num_layers=4, kv_heads=16, head_dim=129, dtype="float16"),
+                       block_tokens=127)  # layers of 1 MiB - 64 bytes: no layer ends on a page
+
+
+async def placed_record(store, namespace: Namespace):
+    (block, header_bytes, header, payload), = records(1, namespace=namespace)
+    placed = await store.place(header)
+    assert placed is not None
+    buffer = mmap.mmap(-1, len(payload))  # as the data channel receives it: page-aligned
+    buffer[:] = payload
+    return block, header_bytes, header, payload, placed, ArrivingRecord(store, placed, header, memoryview(buffer))
+
+
+async def test_writes_gather_a_write_step_two_at_most_and_finish_writes_the_rest(open_store):
+    store = await open_store(**IN_PROCESS)
+    block, header_bytes, header, payload, placed, arriving = await placed_record(store, SMALL_LAYERS)
+    layer = header.layer_bytes
+    assert layer == 64 * 1024 and WRITE_STEP == 2**20 and WRITES_IN_FLIGHT == 2
+    written = []
+    for layers in range(1, header.n_layers + 1):
+        arriving.arrived(layers * layer)
+        written.append(arriving.written)
+    assert written[14] == 0  # 15 layers: under a write step, nothing written yet
+    assert written[15:31] == [2**20] * 16  # one step gathered: one write, then nothing until the next step
+    assert written[31:] == [2 * 2**20] * 25  # two writes in flight: the third step waits, the last 1.5 MiB too
+    assert await arriving.finish(header_bytes) is placed  # waits for a write to end, then writes the rest
+    await store.put(header, header_bytes, [payload], placed=placed)
+    assert await read_all(store, block.key) == payload
+
+
+async def test_only_verified_bytes_are_written_and_on_a_page_until_the_last(open_store):
+    store = await open_store(**IN_PROCESS)
+    block, header_bytes, header, payload, placed, arriving = await placed_record(store, ODD_LAYERS)
+    arriving.arrived(2 * header.layer_bytes + 100)  # two layers verified, a part of the third in
+    assert arriving.verified == 2 * header.layer_bytes
+    assert arriving.written == arriving.verified - arriving.verified % ALIGN
+    arriving.arrived(len(payload))
+    assert await arriving.finish(header_bytes) is placed
+    await store.put(header, header_bytes, [payload], placed=placed)
+    assert await read_all(store, block.key) == payload
+
+
+async def test_a_record_given_up_twice_lets_its_place_go_once(open_store):
+    """A receive cancelled after its record was given up gives it up again: the place is let go once."""
+    store = await open_store(**IN_PROCESS)
+    *_, placed, arriving = await placed_record(store, SMALL_LAYERS)
+    segment = placed.placement.segment
+    writers = segment.writers
+    arriving.give_up()
+    arriving.give_up()
+    await store.close()  # waits for the give-ups, then for the I/O threads that let the place go
+    assert segment.writers == writers - 1
