@@ -91,6 +91,7 @@ class Retention:
         self.metrics = metrics
         self.clock = clock
         self.wake = asyncio.Event()  # set when a put leaves dead bytes to compact
+        self.passes = 0  # maintenance passes done (the metric kvstore_maintenance_passes_total counts them too)
         self._lock = asyncio.Lock()  # one maintenance pass at a time
         self._evicting = asyncio.Lock()  # one budget check at a time: concurrent puts must not each evict
         self._sharing = asyncio.Lock()  # one share check at a time: concurrent puts would pick the same victims
@@ -202,7 +203,10 @@ class Retention:
             log.exception("could not take the index's reserve; retrying at the next pass")
         while True:
             try:
-                await asyncio.wait_for(self.wake.wait(), timeout=config.sweep_interval_s)
+                # asyncio.timeout, not wait_for: Python 3.11's wait_for returns when the wait it guards ends as the
+                # task is cancelled, swallowing the cancellation, and this loop would outlive the daemon's stop
+                async with asyncio.timeout(config.sweep_interval_s):
+                    await self.wake.wait()
             except TimeoutError:
                 pass
             self.wake.clear()
@@ -226,6 +230,7 @@ class Retention:
             await self._compact(self.limit() * self.config.low_watermark)
             await self.hold_reserve()
             self.store.refresh_gauges()
+            self.passes += 1
             self.metrics.maintenance_passes.inc()
 
     async def enforce_budget(self) -> None:

@@ -1,5 +1,6 @@
 """The block store in-process: real LMDB, real segment files, an injected clock."""
 
+import asyncio
 import os
 
 import pytest
@@ -415,3 +416,18 @@ async def test_a_full_disk_never_empties_a_mostly_dead_segment_of_the_newest_blo
     assert store.lookup([recs[0][0].key]) == 0, "the least recently used blocks went"
     for block, _, _, payload in recs[4:8] + recs[11:]:
         assert await read_all(store, block.key) == payload
+
+
+async def test_the_background_loop_ends_when_cancelled_as_it_is_woken(open_store):
+    # Shutdown cancels the loop while a put may be waking it. Python 3.11's asyncio.wait_for returns the
+    # woken wait's result instead of raising when both happen at once (a cancellation swallowed): the loop
+    # went round again, and the daemon's graceful stop waited for it forever.
+    store = await open_store()
+    loop = asyncio.create_task(store.retention.run())
+    store.retention.wake.set()
+    while not store.retention.passes:  # a pass done: the loop is back in its wait, for nothing awaits in between
+        await asyncio.sleep(0)
+    store.retention.wake.set()
+    loop.cancel()  # before the woken wait has run: both land in the same turn of the event loop
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(loop, timeout=30)  # a hang guard: the loop ends at once, or never
