@@ -125,16 +125,20 @@ def _check_index(index_dir: Path, segments: dict[int, Path], frames: Frames | No
             _check_unindexed(None, segments, frames, report)
             return
         with env.begin(db=blocks) as txn:
+            scanned = _check_unindexed(txn, segments, frames, report)
             for key, raw in txn.cursor():
                 report.entries += 1
                 entry = Entry.unpack(raw)
                 problem = _check_entry(bytes(key), entry, segments, frames, fds, verify_payloads)
+                if not problem and (entry.segment, entry.offset) not in scanned:
+                    # whole and framed where the index says, yet a scan of its segment walks past it: the index
+                    # is all that knows it, and a rebuild (a lost index, `kvstore fsck --rebuild`) would lose it
+                    problem = f"a scan of segment {entry.segment} does not find its record at {entry.offset}"
                 if problem:
                     report.problems.append(f"{bytes(key).hex()}: {problem}")
                 else:
                     report.verified += 1
                     report.live_bytes += entry.record_len
-            _check_unindexed(txn, segments, frames, report)
     finally:
         env.close()
         for fd in fds.values():
@@ -161,18 +165,22 @@ def _meta(env: lmdb.Environment) -> dict[bytes, bytes]:
 
 
 def _check_unindexed(txn: lmdb.Transaction | None, segments: dict[int, Path], frames: Frames | None,
-                     report: FsckReport) -> None:
-    """Count the whole records behind a valid frame that no index entry points at."""
+                     report: FsckReport) -> set[tuple[int, int]]:
+    """Count the whole records behind a valid frame that no index entry points at; the (segment, offset) of
+    every record a scan finds."""
+    found = set()
     for seg_id, path in sorted(segments.items()):
         assert frames is not None, "segments are checked only with their frame key"
         fd = os.open(path, os.O_RDONLY)
         try:
             segment = Segment(seg_id, 0, path, fd, os.fstat(fd).st_size, sealed=True)
-            for _, header in scan(segment, frames):
+            for offset, header in scan(segment, frames):
+                found.add((seg_id, offset))
                 if txn is None or txn.get(header.key) is None:
                     report.unindexed += 1
         finally:
             os.close(fd)
+    return found
 
 
 def _check_entry(key: bytes, entry: Entry, segments: dict[int, Path], frames: Frames | None, fds: dict[int, int],
